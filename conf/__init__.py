@@ -1,0 +1,1 @@
+"""fedrun's Hydra configuration tree, shipped as package data."""

@@ -1,0 +1,137 @@
+"""The ``fedrun`` command: compose the config, validate and build every object, open tracking, run the engine.
+
+This is the only module that touches Hydra or OmegaConf; everything below it takes plain objects.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from fedrun import engine
+from fedrun.errors import ConfigError
+from fedrun.seeding import numpy_rng, torch_seed
+from fedrun.tracking import Tracker, resolve_uri
+
+GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "schedule", "device")
+
+
+def build(group: str, node: DictConfig, **runtime):
+    """``instantiate(node, **runtime)``, turning constructor errors into one-line ConfigErrors for ``group``."""
+    try:
+        return instantiate(node, **runtime)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause.within(group) from None
+        raise ConfigError(group, OmegaConf.to_container(node), f"valid arguments ({cause or exc})") from None
+
+
+def setup(cfg: DictConfig) -> dict:
+    """Build every object of the run and check them against each other, before any training."""
+    seed = cfg.seed
+    if not isinstance(seed, int) or seed < 0:
+        raise ConfigError("seed", seed, "an integer >= 0")
+    objects = {group: build(group, cfg[group]) for group in ("dataset", "partition", "aggregator", "schedule", "device")}
+    optimizer = build("optimizer", cfg.optimizer)
+    try:  # torch optimizers check their arguments when built: do it now, not in round 1
+        optimizer([torch.zeros(1, requires_grad=True)])
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("optimizer", OmegaConf.to_container(cfg.optimizer), f"valid arguments ({exc})") from None
+    for target in cfg.metrics.r_targets:
+        if not 0 < target <= 1:
+            raise ConfigError("metrics.r_targets", list(cfg.metrics.r_targets), "accuracies in (0, 1]")
+
+    data = objects["dataset"].load(seed)
+    try:
+        clients = objects["partition"](data.y_train.numpy(), numpy_rng(seed, "partition"), natural=data.natural_split)
+    except ConfigError as exc:
+        raise exc.within("partition") from None
+    torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
+    model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    return dict(objects, optimizer=optimizer, data=data, clients=clients, model=model)
+
+
+def flatten(config: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@hydra.main(config_path="pkg://fedrun.conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    """Run one job; returns the final test accuracy (Hydra sweepers can use it)."""
+    hydra_cfg = HydraConfig.get()
+    try:
+        parts = setup(cfg)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"fedrun: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+    choices = {group: hydra_cfg.runtime.choices.get(group) for group in GROUPS}
+    tags = {
+        **choices,
+        "seed": str(cfg.seed),
+        "output_dir": hydra_cfg.runtime.output_dir,
+        "git_commit": git_commit(),
+        "torch_version": torch.__version__,
+        "num_clients": str(len(parts["clients"])),
+    }
+    tracker = Tracker(
+        output_dir=Path(hydra_cfg.runtime.output_dir),
+        num_clients=len(parts["clients"]),
+        enabled=cfg.tracking.enabled,
+        uri=resolve_uri(cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)),
+        experiment=cfg.tracking.experiment,
+        max_alpha_series=cfg.tracking.max_alpha_series,
+        r_targets=tuple(cfg.metrics.r_targets),
+    )
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
+    title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset")) + f" seed={cfg.seed}"
+    run_name = hydra_cfg.job.override_dirname or "defaults"
+    tracker.start(flatten(resolved), tags, run_name)
+
+    status, reason, model = "FAILED", None, parts["model"]
+    try:
+        result = engine.run(
+            model=model,
+            data=parts["data"],
+            clients=parts["clients"],
+            aggregator=parts["aggregator"],
+            optimizer=parts["optimizer"],
+            schedule=parts["schedule"],
+            device=parts["device"],
+            seed=cfg.seed,
+            on_round=tracker.log_round,
+        )
+        torch.nn.utils.vector_to_parameters(result.params, model.parameters())
+        status = "FINISHED"
+        return result.rows[-1]["test_accuracy"]
+    except BaseException as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        tracker.finish(status, model=model.cpu(), reason=reason, title=title)

@@ -1,0 +1,307 @@
+"""Datasets: each option of the ``dataset`` group loads whole splits as in-memory tensors.
+
+A loaded dataset is plain data (``FederatedData``); clients are index arrays into its training tensors.
+"""
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedrun.errors import check
+from fedrun.seeding import numpy_rng
+
+
+@dataclass
+class FederatedData:
+    """Train, test and optional validation tensors of one dataset.
+
+    Attributes:
+        x_train, y_train: Training inputs (float32, normalised) and labels (int64).
+        x_test, y_test: Test split.
+        x_val, y_val: Validation split held out of train, or None.
+        num_classes: Number of classes.
+        natural_split: For datasets that come split per client, one index array into train per client.
+    """
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    x_val: torch.Tensor | None = None
+    y_val: torch.Tensor | None = None
+    natural_split: list[np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+class Dataset:
+    """Base of the ``dataset`` group: subclasses implement ``_splits``.
+
+    Args:
+        val_fraction: Fraction of the training split held out as a validation split, in [0, 1).
+    """
+
+    def __init__(self, val_fraction: float = 0.0):
+        check(0.0 <= val_fraction < 1.0, "val_fraction", val_fraction, "a fraction in [0, 1)")
+        self.val_fraction = val_fraction
+
+    def _splits(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[np.ndarray] | None]:
+        """Returns (x_train, y_train, x_test, y_test, natural_split or None)."""
+        raise NotImplementedError
+
+    @property
+    def num_classes(self) -> int:
+        raise NotImplementedError
+
+    def load(self, seed: int) -> FederatedData:
+        """Load the splits and hold out the validation split with the run seed's ``validation`` stream."""
+        x_train, y_train, x_test, y_test, natural = self._splits()
+        data = FederatedData(x_train, y_train, x_test, y_test, self.num_classes, natural_split=natural)
+        if self.val_fraction > 0:
+            _hold_out_validation(data, self.val_fraction, numpy_rng(seed, "validation"))
+        return data
+
+
+def _hold_out_validation(data: FederatedData, fraction: float, rng: np.random.Generator) -> None:
+    n = len(data.y_train)
+    is_val = np.zeros(n, dtype=bool)
+    is_val[rng.permutation(n)[: int(round(fraction * n))]] = True
+    keep = np.flatnonzero(~is_val)
+    data.x_val, data.y_val = data.x_train[is_val], data.y_train[is_val]
+    data.x_train, data.y_train = data.x_train[keep], data.y_train[keep]
+    if data.natural_split is not None:
+        # Re-index each client's samples into the reduced training split.
+        new_index = np.full(n, -1)
+        new_index[keep] = np.arange(len(keep))
+        data.natural_split = [new_index[idx[~is_val[idx]]] for idx in data.natural_split]
+
+
+def _standardise(x: torch.Tensor, mean, std) -> torch.Tensor:
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    return (x - torch.as_tensor(mean).view(shape)) / torch.as_tensor(std).view(shape)
+
+
+class Digits(Dataset):
+    """scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes): embedded, works offline.
+
+    Args:
+        test_fraction: Fraction held out as the test split (stratified, fixed by ``split_seed``).
+        split_seed: Seed of the train/test split, fixed so every run sees the same test set.
+        val_fraction: See ``Dataset``.
+    """
+
+    def __init__(self, test_fraction: float = 0.2, split_seed: int = 0, val_fraction: float = 0.0):
+        super().__init__(val_fraction)
+        check(0.0 < test_fraction < 1.0, "test_fraction", test_fraction, "a fraction in (0, 1)")
+        self.test_fraction, self.split_seed = test_fraction, split_seed
+
+    num_classes = 10
+
+    def _splits(self):
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        y = torch.tensor(digits.target, dtype=torch.int64)
+        train, test = train_test_split(
+            np.arange(len(y)), test_size=self.test_fraction, stratify=digits.target, random_state=self.split_seed
+        )
+        # Standardise with the training split's own statistics (there is no published constant for digits).
+        mean, std = x[train].mean().item(), x[train].std().item()
+        x = _standardise(x, [mean], [std])
+        return x[train], y[train], x[test], y[test], None
+
+
+def default_root() -> Path:
+    """``$FEDRUN_DATA`` when set, else ``data/`` under the working directory."""
+    return Path(os.environ.get("FEDRUN_DATA") or "data")
+
+
+class TorchvisionImages(Dataset):
+    """An image dataset from torchvision's on-disk layout.
+
+    Verified local files under ``root`` are used first; the network is tried only when they are missing
+    and ``download`` is true. When neither works, the error names the files to put where.
+
+    Args:
+        root: Folder holding ``<ClassName>/raw/`` (MNIST, FashionMNIST) or ``cifar-10-batches-py/``;
+            None means ``$FEDRUN_DATA`` or ``data/`` under the working directory.
+        download: Whether to try the network when local files are missing.
+        val_fraction: See ``Dataset``.
+    """
+
+    torchvision_class: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    num_classes = 10
+
+    def __init__(self, root: str | None = None, download: bool = True, val_fraction: float = 0.0):
+        super().__init__(val_fraction)
+        self.root = Path(root).expanduser() if root else default_root()
+        self.download = download
+
+    def _torchvision(self, train: bool, download: bool):
+        import torchvision.datasets
+
+        cls = getattr(torchvision.datasets, self.torchvision_class)
+        return cls(str(self.root), train=train, download=download)
+
+    def _local_files_verified(self) -> bool:
+        raise NotImplementedError
+
+    def _expected_files(self) -> str:
+        raise NotImplementedError
+
+    def _open(self, train: bool):
+        verified = self._local_files_verified()
+        try:
+            # torchvision skips the network for files whose MD5 already matches, so download=True with
+            # verified local archives only extracts them.
+            return self._torchvision(train, download=verified or self.download)
+        except Exception as exc:
+            tried = "the download failed too" if self.download else "dataset.download=false"
+            raise FileNotFoundError(
+                f"{self.torchvision_class} not found under {self.root.resolve()} ({tried}: {exc.__class__.__name__}). "
+                f"Put {self._expected_files()} there, or point dataset.root (or the FEDRUN_DATA variable) "
+                f"at a folder that holds them, or run once with internet and dataset.download=true."
+            ) from None
+
+    def _tensors(self, ds) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.as_tensor(np.asarray(ds.data), dtype=torch.float32) / 255.0
+        x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)  # to N x C x H x W
+        return _standardise(x, self.mean, self.std).contiguous(), torch.as_tensor(np.asarray(ds.targets))
+
+    def _splits(self):
+        x_train, y_train = self._tensors(self._open(train=True))
+        x_test, y_test = self._tensors(self._open(train=False))
+        return x_train, y_train.long(), x_test, y_test.long(), None
+
+
+class _IdxImages(TorchvisionImages):
+    """MNIST-format datasets: four gzipped IDX files under ``<root>/<ClassName>/raw/``."""
+
+    def _raw(self) -> Path:
+        return self.root / self.torchvision_class / "raw"
+
+    def _local_files_verified(self) -> bool:
+        import torchvision.datasets
+        from torchvision.datasets.utils import check_integrity
+
+        resources = getattr(torchvision.datasets, self.torchvision_class).resources
+        return all(check_integrity(str(self._raw() / name), md5) for name, md5 in resources)
+
+    def _expected_files(self) -> str:
+        import torchvision.datasets
+
+        names = [name for name, _ in getattr(torchvision.datasets, self.torchvision_class).resources]
+        return f"{', '.join(names)} in {self._raw()}/"
+
+
+class MNIST(_IdxImages):
+    torchvision_class = "MNIST"
+    mean, std = (0.1307,), (0.3081,)
+
+
+class FashionMNIST(_IdxImages):
+    torchvision_class = "FashionMNIST"
+    mean, std = (0.2860,), (0.3530,)
+
+
+class CIFAR10(TorchvisionImages):
+    torchvision_class = "CIFAR10"
+    mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+    def _local_files_verified(self) -> bool:
+        import torchvision.datasets
+        from torchvision.datasets.utils import check_integrity
+
+        cls = torchvision.datasets.CIFAR10
+        batches = self.root / cls.base_folder
+        extracted = all(check_integrity(str(batches / name), md5) for name, md5 in cls.train_list + cls.test_list)
+        return extracted or check_integrity(str(self.root / cls.filename), cls.tgz_md5)
+
+    def _expected_files(self) -> str:
+        return (
+            f"cifar-10-python.tar.gz (MD5 c58f30108f718f92721af3b95e74349a) in {self.root}/, or its extracted "
+            f"data_batch_1..5, test_batch and batches.meta in {self.root / 'cifar-10-batches-py'}/"
+        )
+
+
+class Synthetic(Dataset):
+    """Synthetic(alpha, beta) of the FedProx paper (Li et al. 2020), generated per client.
+
+    For client k: u_k ~ N(0, alpha), B_k ~ N(0, beta); W_k, b_k ~ N(u_k, 1); v_k ~ N(B_k, 1);
+    x ~ N(v_k, Sigma) with Sigma_jj = j^-1.2; y = argmax(W_k x + b_k). Client sizes follow the
+    paper's code: lognormal(4, 2) + 50. With ``iid`` every client shares one W, b and v = 0
+    (the paper's Synthetic-IID). Each client's samples are split into train and test.
+
+    Args:
+        alpha: How much the local models differ across clients.
+        beta: How much the local input distributions differ across clients.
+        num_clients: Number of clients generated (use ``partition=natural``).
+        dim: Feature dimension.
+        classes: Number of classes.
+        iid: Generate the Synthetic-IID variant instead.
+        test_fraction: Fraction of each client's samples held out for the test split.
+        data_seed: Seed of the generator, fixed so that run seeds vary training, not the data.
+        val_fraction: See ``Dataset``.
+    """
+
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        beta: float = 1.0,
+        num_clients: int = 30,
+        dim: int = 60,
+        classes: int = 10,
+        iid: bool = False,
+        test_fraction: float = 0.2,
+        data_seed: int = 0,
+        val_fraction: float = 0.0,
+    ):
+        super().__init__(val_fraction)
+        check(alpha >= 0, "alpha", alpha, "a number >= 0")
+        check(beta >= 0, "beta", beta, "a number >= 0")
+        check(num_clients >= 1, "num_clients", num_clients, "an integer >= 1")
+        check(dim >= 1, "dim", dim, "an integer >= 1")
+        check(classes >= 2, "classes", classes, "an integer >= 2")
+        check(0.0 < test_fraction < 1.0, "test_fraction", test_fraction, "a fraction in (0, 1)")
+        self.alpha, self.beta, self.num_clients, self.dim = alpha, beta, num_clients, dim
+        self.classes, self.iid, self.test_fraction, self.data_seed = classes, iid, test_fraction, data_seed
+
+    @property
+    def num_classes(self) -> int:
+        return self.classes
+
+    def _splits(self):
+        rng = np.random.default_rng(self.data_seed)
+        sizes = rng.lognormal(4, 2, self.num_clients).astype(int) + 50
+        sigma = np.arange(1, self.dim + 1) ** -1.2
+        shared_w = rng.normal(0, 1, (self.classes, self.dim))
+        shared_b = rng.normal(0, 1, self.classes)
+        train_x, train_y, test_x, test_y, natural, offset = [], [], [], [], [], 0
+        for size in sizes:
+            if self.iid:
+                w, b, v = shared_w, shared_b, np.zeros(self.dim)
+            else:
+                u, big_b = rng.normal(0, np.sqrt(self.alpha)), rng.normal(0, np.sqrt(self.beta))
+                w, b = rng.normal(u, 1, (self.classes, self.dim)), rng.normal(u, 1, self.classes)
+                v = rng.normal(big_b, 1, self.dim)
+            x = rng.normal(v, np.sqrt(sigma), (size, self.dim))
+            y = np.argmax(x @ w.T + b, axis=1)
+            n_test = max(1, int(round(self.test_fraction * size)))
+            train_x.append(x[n_test:]), train_y.append(y[n_test:])
+            test_x.append(x[:n_test]), test_y.append(y[:n_test])
+            natural.append(np.arange(offset, offset + size - n_test))
+            offset += size - n_test
+        as_x = lambda parts: torch.tensor(np.concatenate(parts), dtype=torch.float32)  # noqa: E731
+        as_y = lambda parts: torch.tensor(np.concatenate(parts), dtype=torch.int64)  # noqa: E731
+        return as_x(train_x), as_y(train_y), as_x(test_x), as_y(test_y), natural
+

@@ -1,0 +1,149 @@
+"""The synchronous round loop. No Hydra here: it takes plain objects and reports each round to a callback."""
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fedrun.aggregators import Aggregator, CohortReport
+from fedrun.clients import cohort_losses, evaluate, train_cohort
+from fedrun.datasets import FederatedData
+from fedrun.errors import DivergenceError, check
+from fedrun.models import flat_parameters
+from fedrun.seeding import numpy_rng
+
+
+@dataclass
+class Schedule:
+    """How long and how much each client trains.
+
+    Args:
+        rounds: Communication rounds, >= 1.
+        local_epochs: Local epochs per round (used when ``local_steps`` is null).
+        local_steps: Fixed number of local mini-batch steps per round, or null.
+        batch_size: Local mini-batch size.
+        clients_per_round: Fraction C in (0, 1] of the clients sampled each round (at least one).
+        lr_decay: Per-round multiplicative decay of the local learning rate (1 = none).
+        eval_every: Evaluate every this many rounds (and always at the last round).
+        stop_at_accuracy: Stop early once test accuracy reaches this, or null.
+    """
+
+    rounds: int = 50
+    local_epochs: int = 1
+    local_steps: int | None = None
+    batch_size: int = 10
+    clients_per_round: float = 1.0
+    lr_decay: float = 1.0
+    eval_every: int = 1
+    stop_at_accuracy: float | None = None
+
+    def __post_init__(self):
+        check(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
+        check(isinstance(self.local_epochs, int) and self.local_epochs >= 1, "local_epochs", self.local_epochs, "an integer >= 1")
+        check(self.local_steps is None or (isinstance(self.local_steps, int) and self.local_steps >= 1), "local_steps", self.local_steps, "null or an integer >= 1")
+        check(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
+        check(0 < self.clients_per_round <= 1, "clients_per_round", self.clients_per_round, "a fraction in (0, 1]")
+        check(0 < self.lr_decay <= 1, "lr_decay", self.lr_decay, "a factor in (0, 1]")
+        check(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
+        check(self.stop_at_accuracy is None or 0 < self.stop_at_accuracy <= 1, "stop_at_accuracy", self.stop_at_accuracy, "null or a fraction in (0, 1]")
+
+    def cohort_size(self, num_clients: int) -> int:
+        return max(1, int(round(self.clients_per_round * num_clients)))
+
+
+def select_device(kind: str = "auto") -> torch.device:
+    """``cpu``, ``cuda`` (fails clearly without CUDA) or ``auto`` (CUDA when available)."""
+    check(kind in ("cpu", "cuda", "auto"), "kind", kind, "cpu, cuda or auto")
+    if kind == "cuda":
+        check(torch.cuda.is_available(), "kind", kind, "cpu or auto: this machine has no CUDA device")
+    return torch.device("cuda" if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+@dataclass
+class RunResult:
+    """What a run produced: the final flat model and one metrics row per round."""
+
+    params: torch.Tensor
+    rows: list[dict] = field(default_factory=list)
+
+
+def run(
+    model: nn.Module,
+    data: FederatedData,
+    clients: list[np.ndarray],
+    aggregator: Aggregator,
+    optimizer: Callable[..., torch.optim.Optimizer],
+    schedule: Schedule,
+    device: torch.device,
+    seed: int,
+    on_round: Callable[[dict, np.ndarray], None] = lambda metrics, alpha: None,
+) -> RunResult:
+    """Run synchronous federated training.
+
+    Args:
+        model: The global model's architecture, already initialised from the ``init`` stream.
+        data: The dataset's tensors.
+        clients: One training-index array per client.
+        aggregator: Chooses alpha and applies the server step.
+        optimizer: ``optimizer(params, lr=...)`` builds a local optimizer; its own ``lr`` is the base rate.
+        schedule: Rounds, local work, sampling, evaluation.
+        device: Where to train.
+        seed: Run seed (client sampling and mini-batch streams).
+        on_round: Called after each round with the metrics row and alpha over all clients.
+
+    Returns:
+        The final model and the metrics rows.
+    """
+    model.to(device).eval()
+    x, y = data.x_train.to(device), data.y_train.to(device)
+    x_test, y_test = data.x_test.to(device), data.y_test.to(device)
+    has_val = data.x_val is not None and len(data.y_val) > 0
+    x_val, y_val = (data.x_val.to(device), data.y_val.to(device)) if has_val else (None, None)
+    sizes = np.array([len(part) for part in clients])
+    base_lr = optimizer.keywords["lr"]
+    params = flat_parameters(model)
+    sampler = numpy_rng(seed, "sampling")
+    m = schedule.cohort_size(len(clients))
+    result = RunResult(params)
+
+    bar = tqdm(range(1, schedule.rounds + 1), desc="rounds", unit="round", dynamic_ncols=True)
+    for t in bar:
+        start = time.perf_counter()
+        cohort = np.sort(sampler.choice(len(clients), size=m, replace=False))
+        parts = [clients[i] for i in cohort]
+        # F_i(w_t): what the loss-weighted aggregators weigh by, measured before local training.
+        losses = cohort_losses(model, params, x, y, parts)
+        if not np.all(np.isfinite(losses)):
+            raise DivergenceError(f"non-finite training loss of the global model at round {t}")
+        lr = base_lr * schedule.lr_decay ** (t - 1)
+        deltas = train_cohort(
+            model, params, x, y, parts, cohort, optimizer, lr, schedule.batch_size, schedule.local_epochs, schedule.local_steps, seed, t
+        )
+        report = CohortReport(clients=cohort, sizes=sizes[cohort], losses=losses, round=t)
+        params, alpha = aggregator.aggregate(params, deltas, report)
+        if not torch.isfinite(params).all():
+            raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
+
+        # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
+        row = {"round": t, "train_loss": float(np.average(losses, weights=sizes[cohort])), "lr": lr}
+        row.update(dict.fromkeys(["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan))
+        if t % schedule.eval_every == 0 or t == schedule.rounds:
+            row["test_accuracy"], row["test_loss"] = evaluate(model, params, x_test, y_test)
+            if has_val:
+                row["val_accuracy"], row["val_loss"] = evaluate(model, params, x_val, y_val)
+            bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", loss=f"{row['test_loss']:.4f}")
+        row["round_wall_s"] = time.perf_counter() - start
+        alpha_all = np.zeros(len(clients))
+        alpha_all[cohort] = alpha
+        result.params = params
+        result.rows.append(row)
+        on_round(row, alpha_all)
+        if schedule.stop_at_accuracy is not None and row["test_accuracy"] >= schedule.stop_at_accuracy:
+            break
+    bar.close()
+    return result

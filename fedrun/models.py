@@ -1,0 +1,89 @@
+"""Models: each option of the ``model`` group builds an ``nn.Module`` for a dataset's input shape and classes."""
+
+import math
+
+import torch
+from torch import nn
+
+from fedrun.errors import ConfigError, check
+
+
+class CNN(nn.Sequential):
+    """The papers' CNN: conv3x3(32)+ReLU+maxpool2, conv3x3(64)+ReLU+maxpool2, flatten, linear to classes.
+
+    Unpadded convolutions, as in the papers, give 64 x 5 x 5 = 1600 features on 28x28 inputs.
+
+    Args:
+        input_shape: (channels, height, width), from the dataset.
+        num_classes: From the dataset.
+        padding: Convolution padding; null means 0 (the papers) unless the input is too small for it,
+            then 1 (8x8 digits).
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, padding: int | None = None):
+        if len(input_shape) != 3:
+            raise ConfigError("model", "cnn", f"mlp or logistic for inputs of shape {tuple(input_shape)} (cnn needs images)")
+        channels, height, width = input_shape
+        side = min(height, width)
+        if padding is None:
+            padding = 0 if _cnn_side(side, 0) >= 1 else 1
+        check(isinstance(padding, int) and padding >= 0, "padding", padding, "null or an integer >= 0")
+        out = _cnn_side(side, padding)
+        check(out >= 1, "padding", padding, f"a padding that leaves features for {height}x{width} inputs (try 1)")
+        features = 64 * _cnn_side(height, padding) * _cnn_side(width, padding)
+        super().__init__(
+            nn.Conv2d(channels, 32, 3, padding=padding),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=padding),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(features, num_classes),
+        )
+        self.padding = padding
+
+
+def _cnn_side(side: int, padding: int) -> int:
+    for _ in range(2):
+        side = (side + 2 * padding - 2) // 2  # conv3x3 then maxpool2
+    return side
+
+
+class MLP(nn.Sequential):
+    """A multi-layer perceptron with ReLU hidden layers (two of 600 units by default).
+
+    Args:
+        input_shape: From the dataset; inputs are flattened.
+        num_classes: From the dataset.
+        hidden: Sizes of the hidden layers.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: tuple[int, ...] = (600, 600)):
+        check(all(int(h) >= 1 for h in hidden), "hidden", list(hidden), "a list of layer sizes >= 1")
+        sizes = [math.prod(input_shape), *map(int, hidden)]
+        layers: list[nn.Module] = [nn.Flatten()]
+        for fan_in, fan_out in zip(sizes, sizes[1:]):
+            layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+        super().__init__(*layers, nn.Linear(sizes[-1], num_classes))
+
+
+class Logistic(nn.Sequential):
+    """Multinomial logistic regression: the strongly convex case of the theory.
+
+    Args:
+        input_shape: From the dataset; inputs are flattened.
+        num_classes: From the dataset.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int):
+        super().__init__(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    """A detached copy of the model's parameters as one flat vector."""
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()

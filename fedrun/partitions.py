@@ -1,0 +1,267 @@
+"""Partitions: pure functions of (labels, config, rng) that split a pool of training samples over clients.
+
+Every partition first draws its pool (all training samples, or ``num_clients * samples_per_client`` of
+them when capped), then returns one index array per client: disjoint, and together covering the pool
+exactly once.
+"""
+
+import numpy as np
+
+from fedrun.errors import ConfigError, check
+
+
+class Partition:
+    """Base of the ``partition`` group.
+
+    Args:
+        num_clients: Number of clients.
+        samples_per_client: Optional cap: the pool is ``num_clients * samples_per_client`` samples
+            drawn at random first (the papers use 200).
+    """
+
+    def __init__(self, num_clients: int = 20, samples_per_client: int | None = None):
+        check(isinstance(num_clients, int) and num_clients >= 1, "num_clients", num_clients, "an integer >= 1")
+        check(
+            samples_per_client is None or (isinstance(samples_per_client, int) and samples_per_client >= 1),
+            "samples_per_client",
+            samples_per_client,
+            "null or an integer >= 1",
+        )
+        self.num_clients, self.samples_per_client = num_clients, samples_per_client
+
+    def __call__(
+        self, labels: np.ndarray, rng: np.random.Generator, natural: list[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
+        """Split the training samples with these ``labels`` over the clients.
+
+        Args:
+            labels: Label of every training sample.
+            rng: The run's partition stream.
+            natural: The dataset's own per-client split, when it comes split.
+
+        Returns:
+            One sorted index array per client.
+        """
+        if natural is not None:
+            raise ConfigError("partition", type(self).__name__.lower(), "natural: this dataset comes split per client")
+        eligible = self._eligible(labels)
+        size = self._pool_size(len(eligible))
+        check(
+            self.num_clients <= size,
+            "num_clients",
+            self.num_clients,
+            f"at most the {size} samples in the pool",
+        )
+        pool = rng.choice(eligible, size=size, replace=False) if size < len(eligible) else rng.permutation(eligible)
+        return [np.sort(part) for part in self._split(pool, labels, rng)]
+
+    def _eligible(self, labels: np.ndarray) -> np.ndarray:
+        return np.arange(len(labels))
+
+    def _pool_size(self, available: int) -> int:
+        if self.samples_per_client is None:
+            return available
+        wanted = self.num_clients * self.samples_per_client
+        check(
+            wanted <= available,
+            "samples_per_client",
+            self.samples_per_client,
+            f"at most {available // self.num_clients} ({available} samples over {self.num_clients} clients)",
+        )
+        return wanted
+
+    def _split(self, pool: np.ndarray, labels: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+        raise NotImplementedError
+
+
+class IID(Partition):
+    """Shuffle the pool and cut it into equal parts, or log-normal sizes when ``unbalanced`` > 0.
+
+    Args:
+        unbalanced: Sigma of the log-normal client sizes; 0 gives equal sizes.
+        num_clients, samples_per_client: See ``Partition``.
+    """
+
+    def __init__(self, num_clients: int = 20, samples_per_client: int | None = None, unbalanced: float = 0.0):
+        super().__init__(num_clients, samples_per_client)
+        check(unbalanced >= 0, "unbalanced", unbalanced, "a log-normal sigma >= 0 (0 = equal sizes)")
+        self.unbalanced = unbalanced
+
+    def _split(self, pool, labels, rng):
+        if self.unbalanced == 0:
+            return np.array_split(pool, self.num_clients)
+        # Every client keeps at least one sample; the rest is shared in log-normal proportions.
+        share = rng.lognormal(0.0, self.unbalanced, self.num_clients)
+        sizes = 1 + np.floor(share / share.sum() * (len(pool) - self.num_clients)).astype(int)
+        sizes[np.argsort(-share)[: len(pool) - sizes.sum()]] += 1
+        return np.split(pool, np.cumsum(sizes)[:-1])
+
+
+class Shards(Partition):
+    """McMahan et al. (2017): sort the pool by label, cut it into shards, deal shards to clients.
+
+    Args:
+        shard_size: Samples per shard; null derives it from the pool so every client gets its shards.
+            A larger shard gives each client fewer labels (the papers' "non-IID" vs "very non-IID").
+        shards_per_client: Shards dealt to each client.
+        num_clients, samples_per_client: See ``Partition``.
+    """
+
+    def __init__(
+        self,
+        num_clients: int = 20,
+        samples_per_client: int | None = None,
+        shard_size: int | None = None,
+        shards_per_client: int = 2,
+    ):
+        super().__init__(num_clients, samples_per_client)
+        check(isinstance(shards_per_client, int) and shards_per_client >= 1, "shards_per_client", shards_per_client, "an integer >= 1")
+        check(shard_size is None or (isinstance(shard_size, int) and shard_size >= 1), "shard_size", shard_size, "null or an integer >= 1")
+        if shard_size is not None and samples_per_client is not None:
+            check(
+                shard_size * shards_per_client == samples_per_client,
+                "shard_size",
+                shard_size,
+                f"{samples_per_client // shards_per_client} or null: shard_size x shards_per_client must equal "
+                f"samples_per_client={samples_per_client} (or choose shards_per_client to divide it)",
+            )
+        self.shard_size, self.shards_per_client = shard_size, shards_per_client
+
+    def _pool_size(self, available):
+        num_shards = self.num_clients * self.shards_per_client
+        if self.shard_size is None:
+            base = super()._pool_size(available)
+            check(
+                base >= num_shards,
+                "shards_per_client",
+                self.shards_per_client,
+                f"at most {base // self.num_clients}: {base} samples cannot give {num_shards} shards",
+            )
+            return num_shards * (base // num_shards)  # drop the remainder so shards are equal
+        wanted = num_shards * self.shard_size
+        check(
+            wanted <= available,
+            "shard_size",
+            self.shard_size,
+            f"at most {available // num_shards}: {self.num_clients} clients x {self.shards_per_client} shards "
+            f"must fit in {available} samples",
+        )
+        return wanted
+
+    def _split(self, pool, labels, rng):
+        num_shards = self.num_clients * self.shards_per_client
+        by_label = pool[np.argsort(labels[pool], kind="stable")]  # pool is already shuffled within labels
+        shards = np.split(by_label, num_shards)
+        dealt = rng.permutation(num_shards).reshape(self.num_clients, self.shards_per_client)
+        return [np.concatenate([shards[s] for s in row]) for row in dealt]
+
+
+class Dirichlet(Partition):
+    """Per-class proportions over clients drawn from Dirichlet(alpha); redrawn until every client has
+    at least ``min_size`` samples.
+
+    Args:
+        alpha: Concentration; small values give few classes per client (0.5 in the VR paper).
+        min_size: Smallest client size accepted.
+        max_tries: Draws attempted before giving up with an error.
+        num_clients, samples_per_client: See ``Partition``.
+    """
+
+    def __init__(
+        self,
+        num_clients: int = 20,
+        samples_per_client: int | None = None,
+        alpha: float = 0.5,
+        min_size: int = 10,
+        max_tries: int = 1000,
+    ):
+        super().__init__(num_clients, samples_per_client)
+        check(alpha > 0, "alpha", alpha, "a concentration > 0")
+        check(isinstance(min_size, int) and min_size >= 1, "min_size", min_size, "an integer >= 1")
+        self.alpha, self.min_size, self.max_tries = alpha, min_size, max_tries
+
+    def _split(self, pool, labels, rng):
+        check(
+            self.num_clients * self.min_size <= len(pool),
+            "min_size",
+            self.min_size,
+            f"at most {len(pool) // self.num_clients} for {len(pool)} samples over {self.num_clients} clients",
+        )
+        classes = [pool[labels[pool] == c] for c in np.unique(labels[pool])]
+        for _ in range(self.max_tries):
+            parts = [[] for _ in range(self.num_clients)]
+            for members in classes:
+                cuts = np.cumsum(rng.dirichlet(np.full(self.num_clients, self.alpha)))[:-1]
+                for client, chunk in enumerate(np.split(members, (cuts * len(members)).astype(int))):
+                    parts[client].append(chunk)
+            parts = [np.concatenate(p) for p in parts]
+            if min(len(p) for p in parts) >= self.min_size:
+                return parts
+        raise ConfigError(
+            "min_size", self.min_size, f"a size reached within {self.max_tries} Dirichlet({self.alpha}) draws; lower it or raise alpha"
+        )
+
+
+class LabelSplit(Partition):
+    """Explicit groups of clients owning explicit label sets (e.g. the FedStaleWeight paper's
+    10 clients on labels 4-9 and 5 clients on labels 0-3). Each label's samples are shuffled and dealt
+    round-robin over the clients that own it; labels no group owns are left out of the pool.
+
+    Args:
+        groups: A list of ``{clients: int, labels: [int, ...]}``; clients are numbered group by group.
+        num_clients: Null, or the total of the groups' clients.
+        samples_per_client: See ``Partition``.
+    """
+
+    def __init__(self, groups: list, num_clients: int | None = None, samples_per_client: int | None = None):
+        check(len(groups) >= 1, "groups", groups, "a non-empty list of {clients: n, labels: [...]}")
+        self.groups = [(int(g["clients"]), [int(label) for label in g["labels"]]) for g in groups]
+        for clients, owned in self.groups:
+            check(clients >= 1 and len(owned) >= 1, "groups", groups, "groups with clients >= 1 and at least one label")
+        total = sum(clients for clients, _ in self.groups)
+        check(num_clients in (None, total), "num_clients", num_clients, f"null or {total}, the groups' total")
+        super().__init__(total, samples_per_client)
+
+    def owners(self) -> dict[int, list[int]]:
+        """For each label, the clients that own it."""
+        owners, first = {}, 0
+        for clients, owned in self.groups:
+            for label in owned:
+                owners.setdefault(label, []).extend(range(first, first + clients))
+            first += clients
+        return owners
+
+    def _eligible(self, labels):
+        return np.flatnonzero(np.isin(labels, list(self.owners())))
+
+    def _split(self, pool, labels, rng):
+        parts = [[] for _ in range(self.num_clients)]
+        for label, clients in self.owners().items():
+            members = pool[labels[pool] == label]
+            start = rng.integers(len(clients))  # rotate so the first owner is not always favoured
+            for i, sample in enumerate(members):
+                parts[clients[(start + i) % len(clients)]].append(sample)
+        for client, part in enumerate(parts):
+            check(len(part) > 0, "groups", self.groups, f"label sets with samples for every client (client {client} got none)")
+        return [np.asarray(p, dtype=np.int64) for p in parts]
+
+
+class Natural(Partition):
+    """The dataset's own per-client split (datasets that come split, such as ``synthetic``).
+
+    Args:
+        num_clients: Null for all of the dataset's clients, or exactly their number.
+        samples_per_client: Optional cap on each client's samples (a random subset).
+    """
+
+    def __init__(self, num_clients: int | None = None, samples_per_client: int | None = None):
+        super().__init__(1 if num_clients is None else num_clients, samples_per_client)
+        self.requested = num_clients
+
+    def __call__(self, labels, rng, natural=None):
+        if natural is None:
+            raise ConfigError("partition", "natural", "iid, shards, dirichlet or label_split: this dataset does not come split per client")
+        check(self.requested in (None, len(natural)), "num_clients", self.requested, f"null or {len(natural)}, the dataset's clients")
+        if self.samples_per_client is None:
+            return [np.sort(part) for part in natural]
+        return [np.sort(rng.permutation(part)[: self.samples_per_client]) for part in natural]

@@ -1,0 +1,150 @@
+"""Tracking: one MLflow run per job, plus metrics.csv, alpha.csv and plots in the job's output dir.
+
+The CSV files are appended every round, so a run that dies keeps what it measured; MLflow gets one
+batched call per round. With ``enabled: false`` only the files are written.
+"""
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from fedrun.metrics import r_index, r_name
+from fedrun.plots import plot_alpha_heatmap, plot_curves
+
+
+def resolve_uri(uri: str, start_dir: Path) -> str:
+    """Make a relative ``sqlite:///`` URI absolute against the directory fedrun was started in."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not Path(uri[len(prefix):]).is_absolute():
+        db = (start_dir / uri[len(prefix):]).resolve()
+        db.parent.mkdir(parents=True, exist_ok=True)
+        return prefix + str(db)
+    return uri
+
+
+class Tracker:
+    """Records one run.
+
+    Args:
+        output_dir: The job's output directory (Hydra's run dir).
+        num_clients: Number of clients (columns of alpha.csv).
+        enabled: Whether to log to MLflow.
+        uri: MLflow tracking URI (absolute; see ``resolve_uri``).
+        experiment: MLflow experiment name.
+        max_alpha_series: Log ``alpha/client_<id>`` metric series only up to this many clients.
+        r_targets: Accuracy targets of the R-index.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path,
+        num_clients: int,
+        enabled: bool,
+        uri: str,
+        experiment: str,
+        max_alpha_series: int = 100,
+        r_targets: tuple[float, ...] = (0.6, 0.9),
+    ):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.num_clients, self.enabled, self.uri, self.experiment = num_clients, enabled, uri, experiment
+        self.alpha_series = num_clients <= max_alpha_series
+        self.r_targets = tuple(r_targets)
+        self.metrics_path, self.alpha_path = self.dir / "metrics.csv", self.dir / "alpha.csv"
+        self._writers: dict[Path, tuple] = {}  # path -> (open file, csv writer)
+        self.run_id: str | None = None
+
+    def start(self, params: dict, tags: dict, run_name: str) -> None:
+        """Open the MLflow run (when enabled) and log the flattened config and tags."""
+        if not self.enabled:
+            return
+        import mlflow
+
+        mlflow.set_tracking_uri(self.uri)
+        experiment = mlflow.get_experiment_by_name(self.experiment)
+        if experiment is None:
+            # A local store keeps artifacts beside the database, never in a stray ./mlruns.
+            location = None
+            if self.uri.startswith("sqlite:///"):
+                location = (Path(self.uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+            experiment_id = mlflow.create_experiment(self.experiment, artifact_location=location)
+        else:
+            experiment_id = experiment.experiment_id
+        self.run_id = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, log_system_metrics=False).info.run_id
+        mlflow.log_params(params)
+        mlflow.set_tags(tags)
+
+    def log_round(self, row: dict, alpha: np.ndarray) -> None:
+        """Append the round to the CSV files and send it to MLflow in one batch."""
+        self._append(self.metrics_path, row)
+        self._append(self.alpha_path, {"round": row["round"], **{f"client_{i}": a for i, a in enumerate(alpha)}})
+        if self.enabled:
+            import mlflow
+
+            values = {k: float(v) for k, v in row.items() if k != "round" and not math.isnan(float(v))}
+            if self.alpha_series:
+                values.update({f"alpha/client_{i}": float(a) for i, a in enumerate(alpha)})
+            mlflow.log_metrics(values, step=int(row["round"]))
+
+    def _append(self, path: Path, row: dict) -> None:
+        if path not in self._writers:
+            handle = path.open("w", newline="")
+            self._writers[path] = handle, csv.DictWriter(handle, fieldnames=list(row))
+            self._writers[path][1].writeheader()
+        handle, writer = self._writers[path]
+        writer.writerow(row)
+        handle.flush()
+
+    def summary(self) -> tuple[dict, dict]:
+        """Metrics and tags that summarise the run so far: R-indices, final and best accuracy."""
+        if not self.metrics_path.exists():
+            return {}, {}
+        metrics = pd.read_csv(self.metrics_path)
+        values, tags = {"rounds_run": len(metrics), "total_wall_s": float(metrics["round_wall_s"].sum())}, {}
+        accuracy = metrics["test_accuracy"].dropna()
+        if len(accuracy):
+            values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
+        for target in self.r_targets:
+            reached = r_index(metrics["round"], metrics["test_accuracy"], target)
+            if reached is None:
+                tags[r_name(target)] = "not_reached"
+            else:
+                values[r_name(target)] = reached
+        return values, tags
+
+    def finish(self, status: str, model: torch.nn.Module | None = None, reason: str | None = None, title: str = "") -> None:
+        """Write the summary, final model and plots; log them as artifacts; end the MLflow run.
+
+        Args:
+            status: ``FINISHED`` or ``FAILED``.
+            model: The final global model, saved as ``model.pt``.
+            reason: Why the run failed, kept as the ``failure_reason`` tag.
+            title: Plot title.
+        """
+        for handle, _ in self._writers.values():
+            handle.close()
+        values, tags = self.summary()
+        if reason:
+            tags["failure_reason"] = reason[:5000]
+        if model is not None:
+            torch.save(model.state_dict(), self.dir / "model.pt")
+        if self.metrics_path.exists():
+            plot_curves(pd.read_csv(self.metrics_path), self.dir / "curves.png", title)
+            plot_alpha_heatmap(pd.read_csv(self.alpha_path), self.dir / "alpha_heatmap.png", title)
+        pd.Series({**values, **tags}, dtype=object).to_csv(self.dir / "summary.csv", header=["value"])
+        if not self.enabled or self.run_id is None:
+            return
+        import mlflow
+
+        try:
+            if values:
+                mlflow.log_metrics({k: float(v) for k, v in values.items()})
+            if tags:
+                mlflow.set_tags(tags)
+            mlflow.log_artifacts(str(self.dir))
+        finally:
+            mlflow.end_run(status=status)
