@@ -5,6 +5,7 @@ This is the only module that touches Hydra or OmegaConf; everything below it tak
 
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import hydra
@@ -30,7 +31,22 @@ def build(group: str, node: DictConfig, **runtime):
         cause = exc.__cause__
         if isinstance(cause, ConfigError):
             raise cause.within(group) from None
-        raise ConfigError(group, OmegaConf.to_container(node), f"valid arguments ({cause or exc})") from None
+        raise _explain(group, node, cause or exc) from None
+
+
+def _explain(group: str, node: DictConfig, cause: BaseException) -> ConfigError:
+    """A ConfigError naming the key whose value has the wrong type for the constructor, when one does."""
+    target = node.get("_target_")
+    try:
+        hints = typing.get_type_hints(getattr(hydra.utils.get_object(target), "__init__"))
+    except Exception:  # a target without usable annotations: fall back to the constructor's own message
+        hints = {}
+    for key, value in node.items():
+        types = typing.get_args(hints.get(key)) or (hints.get(key),)
+        if (int in types or float in types) and isinstance(value, (str, bool)):
+            return ConfigError(f"{group}.{key}", value, "a number" if float in types else "an integer")
+    arguments = {k: v for k, v in OmegaConf.to_container(node).items() if not k.startswith("_")}
+    return ConfigError(group, arguments, f"valid arguments for {target} ({cause})")
 
 
 def setup(cfg: DictConfig) -> dict:
@@ -43,7 +59,7 @@ def setup(cfg: DictConfig) -> dict:
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])
     except (ValueError, TypeError) as exc:
-        raise ConfigError("optimizer", OmegaConf.to_container(cfg.optimizer), f"valid arguments ({exc})") from None
+        raise _explain("optimizer", cfg.optimizer, exc) from None
     for target in cfg.metrics.r_targets:
         if not 0 < target <= 1:
             raise ConfigError("metrics.r_targets", list(cfg.metrics.r_targets), "accuracies in (0, 1]")
@@ -114,7 +130,7 @@ def main(cfg: DictConfig) -> float | None:
     run_name = hydra_cfg.job.override_dirname or "defaults"
     tracker.start(flatten(resolved), tags, run_name)
 
-    status, reason, model = "FAILED", None, parts["model"]
+    status, reason, model, final = "FAILED", None, parts["model"], None
     try:
         result = engine.run(
             model=model,
@@ -128,10 +144,10 @@ def main(cfg: DictConfig) -> float | None:
             on_round=tracker.log_round,
         )
         torch.nn.utils.vector_to_parameters(result.params, model.parameters())
-        status = "FINISHED"
+        status, final = "FINISHED", model.cpu()
         return result.rows[-1]["test_accuracy"]
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise
     finally:
-        tracker.finish(status, model=model.cpu(), reason=reason, title=title)
+        tracker.finish(status, model=final, reason=reason, title=title)  # the global model only if the run finished

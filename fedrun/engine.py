@@ -126,13 +126,12 @@ def run(
         )
         report = CohortReport(clients=cohort, sizes=sizes[cohort], losses=losses, round=t)
         params, alpha = aggregator.aggregate(params, deltas, report)
-        if not torch.isfinite(params).all():
-            raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
+        diverged = not torch.isfinite(params).all()
 
         # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
         row = {"round": t, "train_loss": float(np.average(losses, weights=sizes[cohort])), "lr": lr}
         row.update(dict.fromkeys(["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan))
-        if t % schedule.eval_every == 0 or t == schedule.rounds:
+        if not diverged and (t % schedule.eval_every == 0 or t == schedule.rounds):
             row["test_accuracy"], row["test_loss"] = evaluate(model, params, x_test, y_test)
             if has_val:
                 row["val_accuracy"], row["val_loss"] = evaluate(model, params, x_val, y_val)
@@ -140,9 +139,11 @@ def run(
         row["round_wall_s"] = time.perf_counter() - start
         alpha_all = np.zeros(len(clients))
         alpha_all[cohort] = alpha
-        result.params = params
         result.rows.append(row)
-        on_round(row, alpha_all)
+        on_round(row, alpha_all)  # logged before failing, so the diverging round is on record
+        if diverged:
+            raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
+        result.params = params
         if schedule.stop_at_accuracy is not None and row["test_accuracy"] >= schedule.stop_at_accuracy:
             break
     bar.close()

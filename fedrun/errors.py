@@ -16,7 +16,7 @@ class ConfigError(ValueError):
 
     def within(self, group: str) -> "ConfigError":
         """The same error with its key prefixed by the config group it belongs to."""
-        if self.key.startswith(group + "."):
+        if self.key == group or self.key.startswith(group + "."):
             return self
         return ConfigError(f"{group}.{self.key}", self.value, self.allowed)
 

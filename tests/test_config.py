@@ -1,0 +1,91 @@
+"""Every option of every group composes and instantiates; groups are found by glob, so new files are tested."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+import fedrun.conf
+from fedrun.cli import setup
+from fedrun.errors import ConfigError
+
+CONF = Path(fedrun.conf.__file__).parent
+OPTIONS = sorted((d.name, f.stem) for d in CONF.iterdir() if d.is_dir() and not d.name.startswith("_") for f in d.glob("*.yaml"))
+# Small shapes that each model option accepts: images for the CNN, anything for the others.
+MODEL_INPUT = {"cnn": (1, 8, 8)}
+
+
+def test_groups_are_found():
+    groups = {g for g, _ in OPTIONS}
+    assert {"dataset", "partition", "model", "aggregator", "optimizer", "schedule", "device"} <= groups
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_instantiates(compose_config, group, option):
+    cfg = compose_config(f"{group}={option}")
+    node = cfg[group]
+    if group == "model":
+        model = instantiate(node, input_shape=MODEL_INPUT.get(option, (1, 8, 8)), num_classes=10)
+        assert model(torch.zeros(2, *MODEL_INPUT.get(option, (1, 8, 8)))).shape == (2, 10)
+    elif group == "optimizer":
+        optimizer = instantiate(node)([torch.zeros(1, requires_grad=True)])
+        assert isinstance(optimizer, torch.optim.Optimizer)
+    elif group == "device" and option == "cuda" and not torch.cuda.is_available():
+        with pytest.raises(Exception, match="no CUDA"):
+            instantiate(node)
+    else:
+        assert instantiate(node) is not None
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["partition=iid"],
+        ["partition=shards"],
+        ["partition=dirichlet", "partition.min_size=5"],
+        ["partition=label_split"],
+        ["dataset=synthetic", "partition=natural", "model=mlp"],
+        ["dataset=synthetic", "partition=natural", "model=logistic"],
+        ["dataset.val_fraction=0.1", "model=logistic"],
+    ],
+)
+def test_working_combinations_build(compose_config, overrides):
+    parts = setup(compose_config(*overrides))
+    clients = parts["clients"]
+    assert len(clients) >= 1 and all(len(c) > 0 for c in clients)
+    assert parts["model"](parts["data"].x_train[:2]).shape == (2, parts["data"].num_classes)
+
+
+@pytest.mark.parametrize(
+    "overrides,key,allowed",
+    [
+        (["aggregator=fedsoftmax", "aggregator.temperature=0"], "aggregator.temperature=0", "> 0"),
+        (["aggregator=fedsoftmax", "aggregator.temperature=-2"], "aggregator.temperature=-2", "> 0"),
+        (["schedule.clients_per_round=1.5"], "schedule.clients_per_round=1.5", "(0, 1]"),
+        (["schedule.clients_per_round=0"], "schedule.clients_per_round=0", "(0, 1]"),
+        (["schedule.rounds=0"], "schedule.rounds=0", ">= 1"),
+        (["partition=dirichlet", "partition.alpha=0"], "partition.alpha=0", "> 0"),
+        (["partition.num_clients=5000"], "partition.num_clients=5000", "at most"),
+        (["partition=shards", "partition.shard_size=500"], "partition.shard_size=500", "at most"),
+        (["device.kind=tpu"], "device.kind='tpu'", "cpu, cuda or auto"),
+        (["dataset=synthetic", "partition=natural", "model=cnn"], "model=", "mlp or logistic"),
+        (["dataset=synthetic", "partition=iid", "model=mlp"], "partition=", "natural"),
+        (["partition=natural"], "partition=", "does not come split"),
+        (["optimizer.lr=-1"], "optimizer=", "learning rate"),
+        (["seed=-1"], "seed=-1", ">= 0"),
+        (["metrics.r_targets=[0.6,1.5]"], "metrics.r_targets", "(0, 1]"),
+    ],
+)
+def test_bad_values_fail_before_training_with_one_line(compose_config, overrides, key, allowed):
+    with pytest.raises(ConfigError) as info:
+        setup(compose_config(*overrides))
+    message = str(info.value)
+    assert key in message and allowed in message and "\n" not in message
+
+
+def test_cuda_without_cuda_is_refused(compose_config):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="device.kind='cuda'.*no CUDA"):
+        setup(compose_config("device=cuda"))

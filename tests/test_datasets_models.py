@@ -1,0 +1,56 @@
+import numpy as np
+import pytest
+import torch
+
+from fedrun.datasets import MNIST, Digits, Synthetic
+from fedrun.errors import ConfigError
+from fedrun.models import CNN, MLP, Logistic, count_parameters
+
+
+def test_digits_splits_and_normalisation():
+    data = Digits().load(seed=0)
+    assert data.input_shape == (1, 8, 8) and data.num_classes == 10
+    assert len(data.y_train) + len(data.y_test) == 1797 and abs(len(data.y_test) - 360) <= 1
+    assert abs(data.x_train.mean().item()) < 1e-4 and abs(data.x_train.std().item() - 1) < 1e-3
+    assert data.x_val is None
+
+
+def test_validation_split_is_held_out_of_train_by_seed():
+    a, b = Digits(val_fraction=0.1).load(seed=0), Digits(val_fraction=0.1).load(seed=1)
+    assert len(a.y_val) == round(0.1 * 1437) and len(a.y_train) == 1437 - len(a.y_val)
+    assert not torch.equal(a.x_val, b.x_val)
+
+
+def test_synthetic_comes_split_and_val_keeps_the_split_consistent():
+    data = Synthetic(num_clients=5, val_fraction=0.2).load(seed=0)
+    assert data.input_shape == (60,)
+    sizes = [len(p) for p in data.natural_split]
+    assert sum(sizes) == len(data.y_train)
+    assert len(np.unique(np.concatenate(data.natural_split))) == len(data.y_train)
+    # data is fixed by data_seed, not the run seed
+    assert torch.equal(Synthetic(num_clients=5).load(0).x_train, Synthetic(num_clients=5).load(7).x_train)
+
+
+def test_missing_files_give_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError) as info:
+        MNIST(root=str(tmp_path), download=False).load(seed=0)
+    message = str(info.value)
+    assert "train-images-idx3-ubyte.gz" in message and str(tmp_path / "MNIST" / "raw") in message
+    assert "\n" not in message
+
+
+def test_cnn_matches_the_papers_and_adapts_to_8x8():
+    paper = CNN((1, 28, 28), 10)
+    assert paper.padding == 0 and paper[-1].in_features == 1600
+    assert paper(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    digits = CNN((1, 8, 8), 10)
+    assert digits.padding == 1 and digits(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    with pytest.raises(ConfigError, match="padding"):
+        CNN((1, 8, 8), 10, padding=0)
+    with pytest.raises(ConfigError, match="mlp or logistic"):
+        CNN((60,), 10)
+
+
+def test_mlp_and_logistic_sizes():
+    assert count_parameters(MLP((1, 28, 28), 10)) == 784 * 600 + 600 + 600 * 600 + 600 + 600 * 10 + 10
+    assert count_parameters(Logistic((60,), 10)) == 610

@@ -1,0 +1,96 @@
+"""End-to-end runs of the real ``fedrun`` command on tiny settings, checked through MLflow and the files."""
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import mlflow_runs
+
+pytestmark = pytest.mark.e2e
+TINY = ["schedule.rounds=3", "partition.num_clients=5"]
+
+
+def job_dirs(cwd: Path, kind: str) -> list[Path]:
+    return sorted(p.parent for p in (cwd / "outputs" / kind).rglob("metrics.csv"))
+
+
+def test_main_job_logs_metrics_alpha_and_artifacts(fedrun, store):
+    fedrun("aggregator=fedsoftmax", "partition=shards", *TINY, experiment="main")
+    client, runs = mlflow_runs(store, "main")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["aggregator"] == "fedsoftmax" and run.data.tags["partition"] == "shards"
+    assert run.data.tags["dataset"] == "digits" and run.data.tags["torch_version"]
+    assert run.data.params["aggregator.temperature"] == "1.0" and run.data.params["schedule.rounds"] == "3"
+    history = client.get_metric_history(run.info.run_id, "test_accuracy")
+    assert [m.step for m in history] == [1, 2, 3] and all(0 <= m.value <= 1 for m in history)
+    alphas = [client.get_metric_history(run.info.run_id, f"alpha/client_{i}") for i in range(5)]
+    for step in range(3):
+        assert sum(a[step].value for a in alphas) == pytest.approx(1.0)
+    for name in ("train_loss", "test_loss", "round_wall_s", "final_test_accuracy"):
+        assert name in run.data.metrics
+    assert "R60" in run.data.metrics or run.data.tags.get("R60") == "not_reached"
+    assert run.data.tags.get("R90") == "not_reached" or run.data.metrics["R90"] >= 1
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"metrics.csv", "alpha.csv", "model.pt", "curves.png", "alpha_heatmap.png", "config.yaml"} <= artifacts
+    [job] = job_dirs(fedrun.cwd, "runs")
+    metrics, alpha = pd.read_csv(job / "metrics.csv"), pd.read_csv(job / "alpha.csv")
+    assert list(metrics["round"]) == [1, 2, 3] and alpha.shape == (3, 6)
+    assert metrics["test_accuracy"].iloc[-1] == pytest.approx(history[-1].value)
+    assert not (fedrun.cwd / "mlruns").exists()
+
+
+def test_multirun_makes_one_run_per_seed_and_same_seed_repeats_exactly(fedrun, store):
+    fedrun("-m", "seed=0,1", *TINY, experiment="sweep")
+    _, runs = mlflow_runs(store, "sweep")
+    assert sorted(r.data.tags["seed"] for r in runs) == ["0", "1"]
+    assert len({r.info.experiment_id for r in runs}) == 1
+    fedrun("seed=0", *TINY, experiment="sweep")
+    sweep_jobs, [single] = job_dirs(fedrun.cwd, "multiruns"), job_dirs(fedrun.cwd, "runs")
+    by_seed = {pd.read_csv(j / ".hydra" / "overrides.yaml", header=None).iloc[0, 0]: j for j in sweep_jobs}
+
+    def numbers(job):
+        frame = pd.read_csv(job / "metrics.csv")
+        return frame.drop(columns=[c for c in frame if c.endswith("_wall_s")])
+
+    pd.testing.assert_frame_equal(numbers(by_seed["- seed=0"]), numbers(single))
+    assert not numbers(by_seed["- seed=1"]).equals(numbers(single))
+
+
+def test_bad_value_stops_before_training_with_one_line(fedrun, store):
+    done = fedrun("aggregator=fedsoftmax", "aggregator.temperature=-1", experiment="bad", check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "fedrun: error: aggregator.temperature=-1 is invalid: allowed is a number > 0"
+    )
+    _, runs = mlflow_runs(store, "bad")
+    assert runs == []
+
+
+def test_diverging_run_is_marked_failed_and_keeps_its_metrics(fedrun, store):
+    done = fedrun("optimizer.lr=1e6", "schedule.rounds=5", "partition.num_clients=5", experiment="diverge", check=False)
+    assert done.returncode != 0
+    _, [run] = mlflow_runs(store, "diverge")
+    assert run.info.status == "FAILED"
+    assert "DivergenceError" in run.data.tags["failure_reason"] and "non-finite" in run.data.tags["failure_reason"]
+    [job] = job_dirs(fedrun.cwd, "runs")
+    assert len(pd.read_csv(job / "metrics.csv")) >= 1  # the rounds before the failure are kept
+
+
+@pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="needs FEDRUN_DATA pointing at a copy of the MNIST files")
+def test_mnist_runs_offline_from_fedrun_data(fedrun, store):
+    fedrun("dataset=mnist", "partition=shards", "partition.num_clients=10", "partition.samples_per_client=200",
+           "schedule.rounds=3", "schedule.batch_size=20", "tracking.enabled=false")
+    [job] = job_dirs(fedrun.cwd, "runs")
+    accuracy = pd.read_csv(job / "metrics.csv")["test_accuracy"]
+    assert accuracy.iloc[-1] > 0.3  # 10 classes: chance is 0.1
+
+
+def test_missing_dataset_files_say_what_to_put_where(fedrun, tmp_path):
+    done = fedrun("dataset=fmnist", f"dataset.root={tmp_path}/nowhere", "dataset.download=false", check=False)
+    assert done.returncode == 2
+    line = done.stderr.strip().splitlines()[-1]
+    assert "train-images-idx3-ubyte.gz" in line and "nowhere/FashionMNIST/raw" in line and "FEDRUN_DATA" in line
