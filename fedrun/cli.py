@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedrun import engine
 from fedrun.errors import ConfigError
+from fedrun.models import load_flat
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.tracking import Tracker, resolve_uri
 
@@ -143,7 +144,7 @@ def main(cfg: DictConfig) -> float | None:
             seed=cfg.seed,
             on_round=tracker.log_round,
         )
-        torch.nn.utils.vector_to_parameters(result.params, model.parameters())
+        load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()
         return result.rows[-1]["test_accuracy"]
     except BaseException as exc:

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
+from fedrun.models import load_flat
 from fedrun.seeding import torch_generator
 
 EVAL_BATCH = 4096
@@ -20,7 +21,7 @@ EVAL_BATCH = 4096
 @torch.no_grad()
 def per_sample_loss(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy and correctness of every sample under the flat parameters ``params``."""
-    vector_to_parameters(params, model.parameters())
+    load_flat(model, params)
     losses, correct = [], []
     for start in range(0, len(y), EVAL_BATCH):
         logits = model(x[start : start + EVAL_BATCH])
@@ -96,7 +97,7 @@ def train_cohort(
     deltas = torch.empty(len(parts), global_params.numel(), dtype=global_params.dtype, device=global_params.device)
     model.train()
     for row, (part, client) in enumerate(zip(parts, client_ids)):
-        vector_to_parameters(global_params, model.parameters())
+        load_flat(model, global_params)
         optimizer = make_optimizer(model.parameters(), lr=lr)  # fresh state: clients keep nothing across rounds
         index = torch.as_tensor(part, device=x.device)
         generator = torch_generator(seed, "batches", round_, int(client))

@@ -34,7 +34,7 @@ class Schedule:
     """
 
     rounds: int = 50
-    local_epochs: int = 1
+    local_epochs: int = 2
     local_steps: int | None = None
     batch_size: int = 10
     clients_per_round: float = 1.0

@@ -84,6 +84,19 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@torch.no_grad()
+def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat parameter vector into the model.
+
+    Unlike ``torch.nn.utils.vector_to_parameters``, which makes the parameters views of ``flat``, this
+    copies: in-place optimizer steps must never write into the global model.
+    """
+    offset = 0
+    for p in model.parameters():
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     """A detached copy of the model's parameters as one flat vector."""
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
