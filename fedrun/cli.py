@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun import engine
 from fedrun.errors import ConfigError
 from fedrun.models import load_flat
+from fedrun.partitions import hold_out
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.tracking import Tracker, resolve_uri
 
@@ -70,9 +71,15 @@ def setup(cfg: DictConfig) -> dict:
         clients = objects["partition"](data.y_train.numpy(), numpy_rng(seed, "partition"), natural=data.natural_split)
     except ConfigError as exc:
         raise exc.within("partition") from None
+    client_tests = None
+    if objects["dataset"].client_test_fraction > 0:
+        try:
+            clients, client_tests = hold_out(clients, objects["dataset"].client_test_fraction, numpy_rng(seed, "client_test"))
+        except ConfigError as exc:
+            raise exc.within("dataset") from None
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    return dict(objects, optimizer=optimizer, data=data, clients=clients, model=model)
+    return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
@@ -143,6 +150,7 @@ def main(cfg: DictConfig) -> float | None:
             device=parts["device"],
             seed=cfg.seed,
             on_round=tracker.log_round,
+            client_tests=parts["client_tests"],
         )
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()
@@ -151,4 +159,5 @@ def main(cfg: DictConfig) -> float | None:
         reason = f"{type(exc).__name__}: {exc}"
         raise
     finally:
-        tracker.finish(status, model=final, reason=reason, title=title)  # the global model only if the run finished
+        # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
+        tracker.finish(status, model=final, reason=reason, title=title, tags=parts["aggregator"].tags)

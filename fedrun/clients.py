@@ -5,6 +5,7 @@ parallelised or vectorised later without touching the round loop.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,6 +17,15 @@ from fedrun.models import load_flat
 from fedrun.seeding import torch_generator
 
 EVAL_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class LocalWork:
+    """How much a client trains in one round: ``local_epochs`` passes, or exactly ``local_steps`` mini-batches."""
+
+    batch_size: int
+    local_epochs: int = 1
+    local_steps: int | None = None
 
 
 @torch.no_grad()
@@ -37,13 +47,48 @@ def evaluate(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.T
     return correct.float().mean().item(), loss.mean().item()
 
 
-def cohort_losses(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray]) -> np.ndarray:
-    """F_i(w): each cohort client's mean training loss under ``params``, in one pass over their data."""
+@dataclass
+class ClientLosses:
+    """Per-client losses in two scales.
+
+    Attributes:
+        mean: The mean loss over the client's samples.
+        authors: The scale of the loss-weighted papers' code: the sum of per-batch mean losses divided
+            by the client's sample count (about mean / 57 for 200 samples in batches of 64).
+    """
+
+    mean: np.ndarray
+    authors: np.ndarray
+
+
+def _authors_scale(losses: torch.Tensor, batch_size: int) -> float:
+    """Sum over consecutive batches of the batch mean loss, divided by the sample count."""
+    means = [chunk.mean() for chunk in losses.split(batch_size)]
+    return float(torch.stack(means).sum()) / len(losses)
+
+
+def cohort_losses(
+    model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], batch_size: int
+) -> ClientLosses:
+    """F_i(w): each cohort client's training loss under ``params``, in one pass over their data."""
     index = torch.as_tensor(np.concatenate(parts), device=x.device)
     loss, _ = per_sample_loss(model, params, x[index], y[index])
-    owner = torch.repeat_interleave(torch.arange(len(parts), device=x.device), torch.as_tensor([len(p) for p in parts], device=x.device))
-    sums = torch.zeros(len(parts), dtype=loss.dtype, device=x.device).index_add_(0, owner, loss)
-    return (sums.cpu().double() / torch.as_tensor([len(p) for p in parts], dtype=torch.float64)).numpy()
+    per_client = loss.double().cpu().split([len(p) for p in parts])
+    return ClientLosses(
+        mean=np.array([float(c.mean()) for c in per_client]),
+        authors=np.array([_authors_scale(c, batch_size) for c in per_client]),
+    )
+
+
+def client_accuracy(
+    model: nn.Module, global_params: torch.Tensor, deltas: torch.Tensor, x: torch.Tensor, y: torch.Tensor, tests: list[np.ndarray]
+) -> np.ndarray:
+    """Each local model's (w + Delta_i) accuracy on its client's own held-out samples."""
+    accuracy = []
+    for delta, test in zip(deltas, tests):
+        index = torch.as_tensor(test, device=x.device)
+        accuracy.append(evaluate(model, global_params + delta, x[index], y[index])[0])
+    return np.array(accuracy)
 
 
 def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator: torch.Generator):
@@ -69,12 +114,11 @@ def train_cohort(
     client_ids: np.ndarray,
     make_optimizer: Callable[..., torch.optim.Optimizer],
     lr: float,
-    batch_size: int,
-    epochs: int,
-    steps: int | None,
+    work: LocalWork,
     seed: int,
     round_: int,
-) -> torch.Tensor:
+    stream: str = "batches",
+) -> tuple[torch.Tensor, ClientLosses]:
     """Train each cohort client from the global model and return their updates.
 
     Args:
@@ -85,27 +129,75 @@ def train_cohort(
         client_ids: The cohort's client ids (they key each client's mini-batch stream).
         make_optimizer: ``make_optimizer(params, lr=...)`` gives a fresh local optimizer.
         lr: Local learning rate of this round.
-        batch_size: Mini-batch size.
-        epochs: Local epochs (used when ``steps`` is None).
-        steps: Local mini-batch steps, or None.
-        seed: Run seed; mini-batch order comes from its ``batches`` stream keyed by (round, client).
+        work: How much local work.
+        seed: Run seed; mini-batch order comes from its ``stream`` keyed by (round, client).
         round_: The round, 1-based.
+        stream: Name of the mini-batch random stream.
 
     Returns:
-        Delta_i = w_i - w, one row per cohort client.
+        Delta_i = w_i - w, one row per cohort client, and each client's running training loss over its
+        last local epoch (the last ceil(n / batch_size) mini-batches), in both scales.
     """
     deltas = torch.empty(len(parts), global_params.numel(), dtype=global_params.dtype, device=global_params.device)
+    local_mean, local_authors = np.empty(len(parts)), np.empty(len(parts))
     model.train()
     for row, (part, client) in enumerate(zip(parts, client_ids)):
         load_flat(model, global_params)
         optimizer = make_optimizer(model.parameters(), lr=lr)  # fresh state: clients keep nothing across rounds
         index = torch.as_tensor(part, device=x.device)
-        generator = torch_generator(seed, "batches", round_, int(client))
-        for batch in _batches(len(part), batch_size, epochs, steps, generator):
+        generator = torch_generator(seed, stream, round_, int(client))
+        batch_losses, batch_sizes = [], []
+        for batch in _batches(len(part), work.batch_size, work.local_epochs, work.local_steps, generator):
             chosen = index[batch.to(x.device)]
             optimizer.zero_grad(set_to_none=True)
-            cross_entropy(model(x[chosen]), y[chosen]).backward()
+            loss = cross_entropy(model(x[chosen]), y[chosen])
+            loss.backward()
             optimizer.step()
+            batch_losses.append(loss.detach())
+            batch_sizes.append(len(batch))
         deltas[row] = parameters_to_vector(model.parameters()).detach() - global_params
+        last = -(-len(part) // work.batch_size)  # batches in one epoch
+        epoch_losses = torch.stack(batch_losses[-last:]).double().cpu().numpy()
+        local_mean[row] = np.average(epoch_losses, weights=batch_sizes[-last:])
+        local_authors[row] = epoch_losses.sum() / len(part)
     model.eval()
-    return deltas
+    return deltas, ClientLosses(local_mean, local_authors)
+
+
+class FStarEstimate:
+    """F_i*: each client's smallest loss (over epoch ends) in ``epochs`` of local training from the
+    initial model, computed on first request and cached.
+
+    Args:
+        model: Workspace module.
+        initial_params: The initial global model w_0.
+        x, y: Training tensors.
+        clients: Every client's sample indices.
+        make_optimizer: Local optimizer factory (its base ``lr``).
+        batch_size: Mini-batch size.
+        seed: Run seed (the ``fstar`` mini-batch stream).
+    """
+
+    def __init__(self, model, initial_params, x, y, clients, make_optimizer, batch_size: int, seed: int):
+        self.model, self.w0, self.x, self.y, self.clients = model, initial_params.clone(), x, y, clients
+        self.make_optimizer, self.batch_size, self.seed = make_optimizer, batch_size, seed
+        self._cache: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def __call__(self, client_ids: np.ndarray, epochs: int) -> ClientLosses:
+        for client in client_ids:
+            if (int(client), epochs) not in self._cache:
+                self._cache[int(client), epochs] = self._estimate(int(client), epochs)
+        values = np.array([self._cache[int(c), epochs] for c in client_ids])
+        return ClientLosses(values[:, 0], values[:, 1])
+
+    def _estimate(self, client: int, epochs: int) -> tuple[float, float]:
+        part = self.clients[client]
+        w, best_mean, best_authors = self.w0, np.inf, np.inf
+        work = LocalWork(self.batch_size, local_epochs=1)
+        for epoch in range(1, epochs + 1):
+            lr = self.make_optimizer.keywords["lr"]
+            delta, _ = train_cohort(self.model, w, self.x, self.y, [part], np.array([client]), self.make_optimizer, lr, work, self.seed, epoch, "fstar")
+            w = w + delta[0]
+            losses = cohort_losses(self.model, w, self.x, self.y, [part], self.batch_size)
+            best_mean, best_authors = min(best_mean, losses.mean[0]), min(best_authors, losses.authors[0])
+        return best_mean, best_authors

@@ -45,11 +45,14 @@ class Dataset:
 
     Args:
         val_fraction: Fraction of the training split held out as a validation split, in [0, 1).
+        client_test_fraction: Fraction of each client's samples held out as its own test split, in
+            [0, 1); > 0 logs ``client_accuracy`` (the loss-weighted papers' accuracy).
     """
 
-    def __init__(self, val_fraction: float = 0.0):
+    def __init__(self, val_fraction: float = 0.0, client_test_fraction: float = 0.0):
         check(0.0 <= val_fraction < 1.0, "val_fraction", val_fraction, "a fraction in [0, 1)")
-        self.val_fraction = val_fraction
+        check(0.0 <= client_test_fraction < 1.0, "client_test_fraction", client_test_fraction, "a fraction in [0, 1)")
+        self.val_fraction, self.client_test_fraction = val_fraction, client_test_fraction
 
     def _splits(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[np.ndarray] | None]:
         """Returns (x_train, y_train, x_test, y_test, natural_split or None)."""
@@ -93,11 +96,11 @@ class Digits(Dataset):
     Args:
         test_fraction: Fraction held out as the test split (stratified, fixed by ``split_seed``).
         split_seed: Seed of the train/test split, fixed so every run sees the same test set.
-        val_fraction: See ``Dataset``.
+        val_fraction, client_test_fraction: See ``Dataset``.
     """
 
-    def __init__(self, test_fraction: float = 0.2, split_seed: int = 0, val_fraction: float = 0.0):
-        super().__init__(val_fraction)
+    def __init__(self, test_fraction: float = 0.2, split_seed: int = 0, val_fraction: float = 0.0, client_test_fraction: float = 0.0):
+        super().__init__(val_fraction, client_test_fraction)
         check(0.0 < test_fraction < 1.0, "test_fraction", test_fraction, "a fraction in (0, 1)")
         self.test_fraction, self.split_seed = test_fraction, split_seed
 
@@ -134,7 +137,7 @@ class TorchvisionImages(Dataset):
         root: Folder holding ``<ClassName>/raw/`` (MNIST, FashionMNIST) or ``cifar-10-batches-py/``;
             None means ``$FEDRUN_DATA`` or ``data/`` under the working directory.
         download: Whether to try the network when local files are missing.
-        val_fraction: See ``Dataset``.
+        val_fraction, client_test_fraction: See ``Dataset``.
     """
 
     torchvision_class: str
@@ -142,8 +145,8 @@ class TorchvisionImages(Dataset):
     std: tuple[float, ...]
     num_classes = 10
 
-    def __init__(self, root: str | None = None, download: bool = True, val_fraction: float = 0.0):
-        super().__init__(val_fraction)
+    def __init__(self, root: str | None = None, download: bool = True, val_fraction: float = 0.0, client_test_fraction: float = 0.0):
+        super().__init__(val_fraction, client_test_fraction)
         self.root = Path(root).expanduser() if root else default_root()
         self.download = download
 
@@ -251,7 +254,7 @@ class Synthetic(Dataset):
         iid: Generate the Synthetic-IID variant instead.
         test_fraction: Fraction of each client's samples held out for the test split.
         data_seed: Seed of the generator, fixed so that run seeds vary training, not the data.
-        val_fraction: See ``Dataset``.
+        val_fraction, client_test_fraction: See ``Dataset``.
     """
 
     def __init__(
@@ -265,8 +268,9 @@ class Synthetic(Dataset):
         test_fraction: float = 0.2,
         data_seed: int = 0,
         val_fraction: float = 0.0,
+        client_test_fraction: float = 0.0,
     ):
-        super().__init__(val_fraction)
+        super().__init__(val_fraction, client_test_fraction)
         check(alpha >= 0, "alpha", alpha, "a number >= 0")
         check(beta >= 0, "beta", beta, "a number >= 0")
         check(num_clients >= 1, "num_clients", num_clients, "an integer >= 1")

@@ -11,7 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedrun.aggregators import Aggregator, CohortReport
-from fedrun.clients import cohort_losses, evaluate, train_cohort
+from fedrun.clients import FStarEstimate, LocalWork, client_accuracy, cohort_losses, evaluate, train_cohort
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError, check
 from fedrun.models import flat_parameters
@@ -52,6 +52,10 @@ class Schedule:
         check(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
         check(self.stop_at_accuracy is None or 0 < self.stop_at_accuracy <= 1, "stop_at_accuracy", self.stop_at_accuracy, "null or a fraction in (0, 1]")
 
+    @property
+    def work(self) -> LocalWork:
+        return LocalWork(self.batch_size, self.local_epochs, self.local_steps)
+
     def cohort_size(self, num_clients: int) -> int:
         return max(1, int(round(self.clients_per_round * num_clients)))
 
@@ -82,6 +86,7 @@ def run(
     device: torch.device,
     seed: int,
     on_round: Callable[[dict, np.ndarray], None] = lambda metrics, alpha: None,
+    client_tests: list[np.ndarray] | None = None,
 ) -> RunResult:
     """Run synchronous federated training.
 
@@ -95,6 +100,8 @@ def run(
         device: Where to train.
         seed: Run seed (client sampling and mini-batch streams).
         on_round: Called after each round with the metrics row and alpha over all clients.
+        client_tests: Each client's own held-out samples (indices into train), or None. When given, the
+            mean accuracy of the cohort's local models on them is logged as ``client_accuracy``.
 
     Returns:
         The final model and the metrics rows.
@@ -107,8 +114,11 @@ def run(
     sizes = np.array([len(part) for part in clients])
     base_lr = optimizer.keywords["lr"]
     params = flat_parameters(model)
+    fstar = FStarEstimate(model, params, x, y, clients, optimizer, schedule.batch_size, seed)
     sampler = numpy_rng(seed, "sampling")
     m = schedule.cohort_size(len(clients))
+    accuracy_source = "val_accuracy" if has_val else "test_accuracy"
+    latest_accuracy = math.nan  # what accuracy-triggered aggregators (hybrid) see
     result = RunResult(params)
 
     bar = tqdm(range(1, schedule.rounds + 1), desc="rounds", unit="round", dynamic_ncols=True)
@@ -117,24 +127,28 @@ def run(
         cohort = np.sort(sampler.choice(len(clients), size=m, replace=False))
         parts = [clients[i] for i in cohort]
         # F_i(w_t): what the loss-weighted aggregators weigh by, measured before local training.
-        losses = cohort_losses(model, params, x, y, parts)
-        if not np.all(np.isfinite(losses)):
+        losses = cohort_losses(model, params, x, y, parts, schedule.batch_size)
+        if not np.all(np.isfinite(losses.mean)):
             raise DivergenceError(f"non-finite training loss of the global model at round {t}")
         lr = base_lr * schedule.lr_decay ** (t - 1)
-        deltas = train_cohort(
-            model, params, x, y, parts, cohort, optimizer, lr, schedule.batch_size, schedule.local_epochs, schedule.local_steps, seed, t
-        )
-        report = CohortReport(clients=cohort, sizes=sizes[cohort], losses=losses, round=t)
+        deltas, local_losses = train_cohort(model, params, x, y, parts, cohort, optimizer, lr, schedule.work, seed, t)
+        report = CohortReport(cohort, sizes[cohort], losses, t, local_losses, latest_accuracy, accuracy_source, fstar)
+        # The papers' client accuracy: each local model on its own held-out split, before aggregation.
+        local_accuracy = client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort]) if client_tests else None
         params, alpha = aggregator.aggregate(params, deltas, report)
         diverged = not torch.isfinite(params).all()
 
         # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
-        row = {"round": t, "train_loss": float(np.average(losses, weights=sizes[cohort])), "lr": lr}
+        row = {"round": t, "train_loss": float(np.average(losses.mean, weights=sizes[cohort])), "lr": lr}
         row.update(dict.fromkeys(["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan))
+        if local_accuracy is not None:
+            row["client_accuracy"] = float(local_accuracy.mean())
+        row.update(aggregator.diagnostics)
         if not diverged and (t % schedule.eval_every == 0 or t == schedule.rounds):
             row["test_accuracy"], row["test_loss"] = evaluate(model, params, x_test, y_test)
             if has_val:
                 row["val_accuracy"], row["val_loss"] = evaluate(model, params, x_val, y_val)
+            latest_accuracy = row[accuracy_source]
             bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", loss=f"{row['test_loss']:.4f}")
         row["round_wall_s"] = time.perf_counter() - start
         alpha_all = np.zeros(len(clients))

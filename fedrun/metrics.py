@@ -3,6 +3,8 @@
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def r_name(target: float) -> str:
     """The metric name of an R-index target: 0.6 -> ``R60``, 0.925 -> ``R92.5``."""
@@ -18,3 +20,52 @@ def r_index(rounds: Sequence[int], accuracy: Sequence[float], target: float) -> 
         if not math.isnan(a) and a >= target:
             return int(t)
     return None
+
+
+def _changes(accuracy: Sequence[float]) -> np.ndarray:
+    a = np.asarray([v for v in accuracy if not math.isnan(v)], dtype=np.float64)
+    return np.diff(a)
+
+
+def smoothness(accuracy: Sequence[float]) -> float:
+    """std(d) / mean(|d|) of the round-to-round changes d_t = a_{t+1} - a_t of an accuracy curve.
+
+    The papers' "normalised standard deviation of the variations over one round": 0 when every round
+    changes accuracy by the same amount, 1 for changes of equal size and alternating sign, larger when a
+    few big jumps or drops dominate (an unstable curve). NaN with fewer than two changes or when the
+    curve never moves. Unevaluated (NaN) points are skipped.
+    """
+    d = _changes(accuracy)
+    if len(d) < 2 or not np.any(d):
+        return math.nan
+    return float(np.std(d) / np.mean(np.abs(d)))
+
+
+def lag1_autocorr(accuracy: Sequence[float]) -> float:
+    """Lag-one autocorrelation of the changes d_t = a_{t+1} - a_t: sum (d_t - m)(d_{t+1} - m) / sum (d_t - m)^2.
+
+    In [-1, 1]: negative when rises and drops alternate (oscillation), positive when changes persist.
+    NaN with fewer than three changes or constant changes.
+    """
+    d = _changes(accuracy)
+    if len(d) < 3:
+        return math.nan
+    centred = d - d.mean()
+    denominator = float(np.sum(centred**2))
+    return float(np.sum(centred[:-1] * centred[1:]) / denominator) if denominator > 0 else math.nan
+
+
+def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Mean and half-width of its Student-t confidence interval (n - 1 degrees of freedom).
+
+    The half-width is NaN for a single value.
+    """
+    from scipy.stats import t
+
+    x = np.asarray(values, dtype=np.float64)
+    if len(x) == 0:
+        return math.nan, math.nan
+    if len(x) == 1:
+        return float(x[0]), math.nan
+    half = t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    return float(x.mean()), float(half)

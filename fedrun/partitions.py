@@ -265,3 +265,19 @@ class Natural(Partition):
         if self.samples_per_client is None:
             return [np.sort(part) for part in natural]
         return [np.sort(rng.permutation(part)[: self.samples_per_client]) for part in natural]
+
+
+def hold_out(parts: list[np.ndarray], fraction: float, rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Split each client's samples into (train, own test): ``fraction`` of them, at least one, held out.
+
+    Returns:
+        The clients' training parts and their held-out parts, both sorted.
+    """
+    train, test = [], []
+    for part in parts:
+        check(len(part) >= 2, "client_test_fraction", fraction, "0 when clients have a single sample")
+        shuffled = rng.permutation(part)
+        n_test = min(len(part) - 1, max(1, int(round(fraction * len(part)))))
+        test.append(np.sort(shuffled[:n_test]))
+        train.append(np.sort(shuffled[n_test:]))
+    return train, test

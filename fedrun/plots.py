@@ -15,7 +15,7 @@ import pandas as pd  # noqa: E402
 def plot_curves(metrics: pd.DataFrame, path: Path, title: str = "") -> Path:
     """Accuracy and loss per round, evaluated rounds only."""
     fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for column, label in (("test_accuracy", "test"), ("val_accuracy", "validation")):
+    for column, label in (("test_accuracy", "test"), ("val_accuracy", "validation"), ("client_accuracy", "clients' local models, own held-out data")):
         if column in metrics and metrics[column].notna().any():
             evaluated = metrics[metrics[column].notna()]
             acc_ax.plot(evaluated["round"], evaluated[column], marker=".", label=label)

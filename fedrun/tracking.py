@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedrun.metrics import r_index, r_name
+from fedrun.metrics import lag1_autocorr, r_index, r_name, smoothness
 from fedrun.plots import plot_alpha_heatmap, plot_curves
 
 
@@ -55,7 +55,8 @@ class Tracker:
         self.alpha_series = num_clients <= max_alpha_series
         self.r_targets = tuple(r_targets)
         self.metrics_path, self.alpha_path = self.dir / "metrics.csv", self.dir / "alpha.csv"
-        self._writers: dict[Path, tuple] = {}  # path -> (open file, csv writer)
+        self._rows: dict[Path, list[dict]] = {}  # rows written so far, to rewrite a file when a column appears
+        self._columns: dict[Path, list[str]] = {}
         self.run_id: str | None = None
 
     def start(self, params: dict, tags: dict, run_name: str) -> None:
@@ -91,16 +92,22 @@ class Tracker:
             mlflow.log_metrics(values, step=int(row["round"]))
 
     def _append(self, path: Path, row: dict) -> None:
-        if path not in self._writers:
-            handle = path.open("w", newline="")
-            self._writers[path] = handle, csv.DictWriter(handle, fieldnames=list(row))
-            self._writers[path][1].writeheader()
-        handle, writer = self._writers[path]
-        writer.writerow(row)
-        handle.flush()
+        rows = self._rows.setdefault(path, [])
+        rows.append(row)
+        columns = list(dict.fromkeys(key for r in rows for key in r))
+        if len(rows) > 1 and len(columns) == len(self._columns[path]):
+            with path.open("a", newline="") as handle:
+                csv.DictWriter(handle, fieldnames=columns).writerow(row)
+            return
+        # The first row, or a column that appeared mid-run (a hybrid's next phase): write the whole file.
+        self._columns[path] = columns
+        with path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
 
     def summary(self) -> tuple[dict, dict]:
-        """Metrics and tags that summarise the run so far: R-indices, final and best accuracy."""
+        """Metrics and tags that summarise the run so far: R-indices, accuracy, stability of the curve."""
         if not self.metrics_path.exists():
             return {}, {}
         metrics = pd.read_csv(self.metrics_path)
@@ -108,15 +115,22 @@ class Tracker:
         accuracy = metrics["test_accuracy"].dropna()
         if len(accuracy):
             values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
-        for target in self.r_targets:
-            reached = r_index(metrics["round"], metrics["test_accuracy"], target)
-            if reached is None:
-                tags[r_name(target)] = "not_reached"
-            else:
-                values[r_name(target)] = reached
-        return values, tags
+        values["smoothness"] = smoothness(metrics["test_accuracy"])
+        values["lag1_autocorr"] = lag1_autocorr(metrics["test_accuracy"])
+        for column, prefix in (("test_accuracy", ""), ("client_accuracy", "client_")):
+            if column not in metrics:
+                continue
+            for target in self.r_targets:
+                reached = r_index(metrics["round"], metrics[column], target)
+                if reached is None:
+                    tags[prefix + r_name(target)] = "not_reached"
+                else:
+                    values[prefix + r_name(target)] = reached
+        return {k: v for k, v in values.items() if not math.isnan(v)}, tags
 
-    def finish(self, status: str, model: torch.nn.Module | None = None, reason: str | None = None, title: str = "") -> None:
+    def finish(
+        self, status: str, model: torch.nn.Module | None = None, reason: str | None = None, title: str = "", tags: dict | None = None
+    ) -> None:
         """Write the summary, final model and plots; log them as artifacts; end the MLflow run.
 
         Args:
@@ -124,17 +138,17 @@ class Tracker:
             model: The final global model, saved as ``model.pt``.
             reason: Why the run failed, kept as the ``failure_reason`` tag.
             title: Plot title.
+            tags: Further run-level tags (e.g. from the aggregator).
         """
-        for handle, _ in self._writers.values():
-            handle.close()
-        values, tags = self.summary()
+        values, summary_tags = self.summary()
+        tags = {**summary_tags, **(tags or {})}
         if reason:
             tags["failure_reason"] = reason[:5000]
         if model is not None:
             torch.save(model.state_dict(), self.dir / "model.pt")
         if self.metrics_path.exists():
             plot_curves(pd.read_csv(self.metrics_path), self.dir / "curves.png", title)
-            plot_alpha_heatmap(pd.read_csv(self.alpha_path), self.dir / "alpha_heatmap.png", title)
+            plot_alpha_heatmap(pd.read_csv(self.alpha_path), self.dir / "alpha_heatmap.png", title, top=10)
         pd.Series({**values, **tags}, dtype=object).to_csv(self.dir / "summary.csv", header=["value"])
         if not self.enabled or self.run_id is None:
             return

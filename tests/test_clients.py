@@ -8,7 +8,7 @@ from numpy.testing import assert_allclose
 from torch.nn.functional import cross_entropy
 
 from fedrun.aggregators import CohortReport, FedAvg
-from fedrun.clients import _batches, cohort_losses, train_cohort
+from fedrun.clients import LocalWork, _batches, cohort_losses, train_cohort
 from fedrun.models import MLP, flat_parameters, load_flat
 from fedrun.seeding import torch_generator
 
@@ -35,7 +35,7 @@ def test_cohort_updates_leave_global_untouched_and_match_reference():
     model = MLP((1, 2, 3), 3, hidden=(4,))
     w = flat_parameters(model)
     w_before = w.clone()
-    deltas = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, 5, 2, None, seed=0, round_=1)
+    deltas, _ = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, LocalWork(5, 2), seed=0, round_=1)
     assert torch.equal(w, w_before), "local training wrote into the global model"
     assert deltas.abs().sum(1).min() > 0
     for row, (part, client) in enumerate(zip(PARTS, [0, 1])):
@@ -45,8 +45,8 @@ def test_cohort_updates_leave_global_untouched_and_match_reference():
 def test_one_fedavg_round_is_the_sample_weighted_mean_of_client_models():
     model = MLP((1, 2, 3), 3, hidden=(4,))
     w = flat_parameters(model)
-    deltas = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, 5, 2, None, seed=0, round_=1)
-    report = CohortReport(np.array([0, 1]), np.array([12, 28]), np.zeros(2), 1)
+    deltas, _ = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, LocalWork(5, 2), seed=0, round_=1)
+    report = CohortReport(np.array([0, 1]), np.array([12, 28]), None, 1)
     new, _ = FedAvg().aggregate(w, deltas, report)
     client_models = [w + reference_update(model, w, p, c, 1) for p, c in zip(PARTS, [0, 1])]
     torch.testing.assert_close(new, 0.3 * client_models[0] + 0.7 * client_models[1])
@@ -61,7 +61,19 @@ def test_local_steps_and_epochs_count_batches():
 def test_cohort_losses_are_each_clients_mean_loss():
     model = MLP((1, 2, 3), 3, hidden=(4,))
     w = flat_parameters(model)
-    losses = cohort_losses(model, w, X, Y, PARTS)
+    losses = cohort_losses(model, w, X, Y, PARTS, batch_size=5)
     with torch.no_grad():
         expected = [cross_entropy(model(X[p]), Y[p]).item() for p in PARTS]
-    assert_allclose(losses, expected, rtol=1e-5)
+        # authors' scale: batch means of consecutive batches of 5, summed, over n
+        authors = [sum(cross_entropy(model(X[p[i : i + 5]]), Y[p[i : i + 5]]).item() for i in range(0, len(p), 5)) / len(p) for p in PARTS]
+    assert_allclose(losses.mean, expected, rtol=1e-5)
+    assert_allclose(losses.authors, authors, rtol=1e-5)
+
+
+def test_local_losses_are_the_last_epochs_running_loss():
+    model = MLP((1, 2, 3), 3, hidden=(4,))
+    w = flat_parameters(model)
+    _, local = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.0, LocalWork(5, 3), seed=0, round_=1)
+    # lr = 0: the model never moves, so every batch loss is the global model's loss on that batch
+    full = cohort_losses(model, w, X, Y, PARTS, batch_size=5)
+    assert_allclose(local.mean, full.mean, rtol=1e-5)

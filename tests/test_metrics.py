@@ -1,5 +1,7 @@
 import math
 
+import pytest
+
 from fedrun.metrics import r_index, r_name
 
 
@@ -13,3 +15,30 @@ def test_r_index_is_first_round_reaching_target_skipping_unevaluated():
 
 def test_r_names():
     assert [r_name(t) for t in (0.6, 0.9, 0.925, 0.95)] == ["R60", "R90", "R92.5", "R95"]
+
+
+def test_smoothness_and_lag1_autocorr_on_hand_made_curves():
+    from fedrun.metrics import lag1_autocorr, smoothness
+
+    # steady climb: every change equal
+    assert smoothness([0.1, 0.2, 0.3, 0.4]) == pytest.approx(0.0)
+    # zig-zag: d = [.1, -.1, .1, -.1]; std .1 / mean|d| .1 = 1; autocorrelation 3 * (-.01) / .04
+    zigzag = [0.5, 0.6, 0.5, 0.6, 0.5]
+    assert smoothness(zigzag) == pytest.approx(1.0)
+    assert lag1_autocorr(zigzag) == pytest.approx(-0.75)
+    # d = [.1, .2, .05, .2]: mean .1375, population std sqrt(.016875 / 4), autocorr -.01328125 / .016875
+    curve = [0.0, 0.1, 0.3, 0.35, 0.55]
+    assert smoothness(curve) == pytest.approx(math.sqrt(0.016875 / 4) / 0.1375)
+    assert lag1_autocorr(curve) == pytest.approx(-0.01328125 / 0.016875)
+    # unevaluated rounds are skipped; too short a curve is NaN
+    assert smoothness([0.5, math.nan, 0.6, math.nan, 0.5, 0.6, 0.5]) == pytest.approx(1.0)
+    assert math.isnan(smoothness([0.5, 0.6])) and math.isnan(lag1_autocorr([0.5, 0.6, 0.7]))
+
+
+def test_mean_ci_matches_student_t():
+    from fedrun.metrics import mean_ci
+
+    # n = 3, mean 2, sample std 1: t(0.975, 2) = 4.302653 -> half-width 4.302653 / sqrt(3)
+    mean, half = mean_ci([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.302653 / math.sqrt(3), rel=1e-6)
+    assert mean_ci([5.0])[0] == 5.0 and math.isnan(mean_ci([5.0])[1])

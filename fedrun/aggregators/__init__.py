@@ -1,6 +1,19 @@
 """Aggregators: how the server combines a cohort's updates (weights alpha plus a server step)."""
 
 from fedrun.aggregators.base import Aggregator, CohortReport
-from fedrun.aggregators.loss_weighted import FedAvg, FedSoftMax
+from fedrun.aggregators.loss_weighted import (
+    FedAvg,
+    FedBetter,
+    FedBetterK,
+    FedMax,
+    FedMaxK,
+    FedSoftBetter,
+    FedSoftMax,
+    Hybrid,
+    LossWeighted,
+)
 
-__all__ = ["Aggregator", "CohortReport", "FedAvg", "FedSoftMax"]
+__all__ = [
+    "Aggregator", "CohortReport", "FedAvg", "FedBetter", "FedBetterK", "FedMax", "FedMaxK",
+    "FedSoftBetter", "FedSoftMax", "Hybrid", "LossWeighted",
+]

@@ -5,11 +5,14 @@ With Delta_i = w_i - w (local model minus the global model it started from), the
 Aggregators differ in how they choose alpha; ``weights`` is the only method most of them write.
 """
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from fedrun.clients import ClientLosses
 from fedrun.errors import check
 
 
@@ -20,18 +23,30 @@ class CohortReport:
     Attributes:
         clients: Client ids of the cohort.
         sizes: Number of training samples of each cohort client.
-        losses: F_i(w_t): each client's mean training loss of the current global model.
+        losses: F_i(w_t): each client's training loss of the current global model.
         round: The round, 1-based.
+        local_losses: Each client's running training loss over its last local epoch.
+        accuracy: The latest evaluated accuracy before this round (validation when the run has a
+            validation split, else test); NaN before the first evaluation.
+        accuracy_source: ``val_accuracy`` or ``test_accuracy``: which one ``accuracy`` is.
+        fstar: ``fstar(client_ids, epochs)`` estimates F_i* (cached), or None.
     """
 
     clients: np.ndarray
     sizes: np.ndarray
-    losses: np.ndarray
+    losses: ClientLosses
     round: int
+    local_losses: ClientLosses | None = None
+    accuracy: float = math.nan
+    accuracy_source: str = "test_accuracy"
+    fstar: Callable[[np.ndarray, int], ClientLosses] | None = None
 
 
 class Aggregator:
     """Base of the ``aggregator`` group.
+
+    After each ``aggregate`` call, ``diagnostics`` holds numbers to log for the round (at least
+    ``alpha_distance``, the L1 distance between alpha and p); ``tags`` holds run-level facts.
 
     Args:
         weighting: How p_i, the FedAvg weight, is set: ``samples`` (proportional to the client's sample
@@ -43,6 +58,8 @@ class Aggregator:
         check(weighting in ("samples", "uniform"), "weighting", weighting, "samples or uniform")
         check(server_lr > 0, "server_lr", server_lr, "a number > 0")
         self.weighting, self.server_lr = weighting, server_lr
+        self.diagnostics: dict[str, float] = {}
+        self.tags: dict[str, str] = {}
 
     def base_weights(self, report: CohortReport) -> np.ndarray:
         """p_i over the cohort, summing to 1."""
@@ -50,7 +67,7 @@ class Aggregator:
         return p / p.sum()
 
     def weights(self, report: CohortReport) -> np.ndarray:
-        """alpha_i over the cohort, summing to 1."""
+        """alpha_i over the cohort, summing to 1. May add entries to ``self.diagnostics``."""
         raise NotImplementedError
 
     def aggregate(
@@ -61,11 +78,13 @@ class Aggregator:
         Args:
             global_params: Flat global model w.
             deltas: Cohort updates Delta_i, one row per client, in cohort order.
-            report: The cohort's sizes and losses.
+            report: What the server knows about the cohort.
 
         Returns:
             The new flat global model and alpha over the cohort (a diagnostic for tracking).
         """
+        self.diagnostics = {}
         alpha = self.weights(report)
+        self.diagnostics["alpha_distance"] = float(np.abs(alpha - self.base_weights(report)).sum())
         step = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas
         return global_params + self.server_lr * step, alpha

@@ -1,4 +1,10 @@
-"""The loss-weighted family (papers 000 and 001): weights from each client's loss of the global model."""
+"""The loss-weighted family (papers 000 and 001): weights from how badly the global model fits each client.
+
+L_i = F_i(w_t) - F_i* for each cohort client. The "worse" aggregators (FedMax, FedMax(k), FedSoftMax)
+favour large L_i; their "better" mirrors (FedBetter, FedBetter(k), FedSoftBetter) favour small L_i.
+"""
+
+import math
 
 import numpy as np
 
@@ -13,23 +19,197 @@ class FedAvg(Aggregator):
         return self.base_weights(report)
 
 
-class FedSoftMax(Aggregator):
-    """FedSoftMax (FedSoftWorse): alpha_i proportional to p_i * exp(L_i / T), L_i = F_i(w_t) - F_i*.
-
-    F_i* = 0 here. T -> infinity gives FedAvg; T -> 0 puts all weight on the worst-fitted client (FedMax).
+class LossWeighted(Aggregator):
+    """Base of the loss-weighted family: computes L_i; subclasses turn it into alpha in ``weigh``.
 
     Args:
-        temperature: T > 0.
+        fstar: ``zero`` (F_i* = 0) or ``estimate`` (each client's smallest loss within ``fstar_epochs``
+            of local training from the initial model, computed once per client and cached).
+        fstar_epochs: Local epochs of the F_i* estimate.
+        loss_on: ``global``: F_i of the global model before local training (the theory's F_i(w_t));
+            ``local``: the client's running training loss over its last local epoch (the authors' code).
+        loss_scale: ``mean`` (mean loss per sample) or ``authors`` (sum of per-batch mean losses divided
+            by the sample count, as in the authors' code; see the README for the temperature mapping).
         weighting, server_lr: See ``Aggregator``.
     """
 
-    def __init__(self, temperature: float = 1.0, weighting: str = "samples", server_lr: float = 1.0):
+    sign = 1.0  # +1 favours the worst-fitted clients, -1 the best-fitted
+
+    def __init__(
+        self,
+        fstar: str = "zero",
+        fstar_epochs: int = 5,
+        loss_on: str = "global",
+        loss_scale: str = "mean",
+        weighting: str = "samples",
+        server_lr: float = 1.0,
+    ):
         super().__init__(weighting, server_lr)
-        check(temperature > 0, "temperature", temperature, "a number > 0")
-        self.temperature = temperature
+        check(fstar in ("zero", "estimate"), "fstar", fstar, "zero or estimate")
+        check(isinstance(fstar_epochs, int) and fstar_epochs >= 1, "fstar_epochs", fstar_epochs, "an integer >= 1")
+        check(loss_on in ("global", "local"), "loss_on", loss_on, "global or local")
+        check(loss_scale in ("mean", "authors"), "loss_scale", loss_scale, "mean or authors")
+        self.fstar, self.fstar_epochs, self.loss_on, self.loss_scale = fstar, fstar_epochs, loss_on, loss_scale
+
+    def gaps(self, report: CohortReport) -> np.ndarray:
+        """L_i = F_i - F_i* over the cohort, in the configured loss and scale."""
+        losses = report.losses if self.loss_on == "global" else report.local_losses
+        loss = np.asarray(getattr(losses, self.loss_scale), dtype=np.float64)
+        if self.fstar == "estimate":
+            loss = loss - getattr(report.fstar(report.clients, self.fstar_epochs), self.loss_scale)
+        return loss
 
     def weights(self, report: CohortReport) -> np.ndarray:
+        return self.weigh(self.sign * self.gaps(report), self.base_weights(report), report.round)
+
+    def weigh(self, score: np.ndarray, p: np.ndarray, round_: int) -> np.ndarray:
+        """alpha from signed scores (larger = more weight) and the FedAvg weights p."""
+        raise NotImplementedError
+
+
+class FedMax(LossWeighted):
+    """FedMax (FedWorse): all weight on the client with the largest L_i; exact ties split it evenly."""
+
+    def weigh(self, score, p, round_):
+        top = (score == score.max()).astype(np.float64)
+        return top / top.sum()
+
+
+class FedBetter(FedMax):
+    """FedBetter: all weight on the client with the smallest L_i (ties split evenly)."""
+
+    sign = -1.0
+
+
+class FedMaxK(LossWeighted):
+    """FedMax(k): uniform weight over the k clients with the largest L_i (Power-of-Choice applied at
+    aggregation, Cho et al. 2022). Ties at the k-th place go to the lower cohort position.
+
+    Args:
+        k: A count (integer >= 1, capped at the cohort size) or a fraction of the cohort (0 < k < 1,
+            rounded, at least one client).
+        fstar, fstar_epochs, loss_on, loss_scale, weighting, server_lr: See ``LossWeighted``.
+    """
+
+    def __init__(self, k: float = 0.5, **kwargs):
+        super().__init__(**kwargs)
+        valid = (isinstance(k, int) and k >= 1) or (isinstance(k, float) and 0 < k < 1)
+        check(valid, "k", k, "an integer count >= 1 or a fraction 0 < k < 1")
+        self.k = k
+
+    def count(self, cohort: int) -> int:
+        """How many clients get weight in a cohort of this size."""
+        return min(cohort, self.k) if isinstance(self.k, int) else max(1, round(self.k * cohort))
+
+    def weigh(self, score, p, round_):
+        chosen = np.argsort(-score, kind="stable")[: self.count(len(score))]
+        alpha = np.zeros(len(score))
+        alpha[chosen] = 1.0 / len(chosen)
+        return alpha
+
+
+class FedBetterK(FedMaxK):
+    """FedBetter(k): uniform weight over the k clients with the smallest L_i."""
+
+    sign = -1.0
+
+
+class FedSoftMax(LossWeighted):
+    """FedSoftMax (FedSoftWorse): alpha_i proportional to p_i * exp(L_i / T).
+
+    T -> infinity gives FedAvg; T -> 0 gives FedMax. The temperature can be annealed from
+    ``temperature`` (T0) to ``temperature_final`` (T1) over ``anneal_rounds`` rounds, linearly or
+    exponentially, and stays at T1 afterwards: the papers' "simulated annealing" mix.
+
+    Args:
+        temperature: T (T0 when annealing), > 0.
+        temperature_final: T1, or null for a constant temperature.
+        anneal: ``constant``, ``linear`` or ``exponential``.
+        anneal_rounds: Rounds from T0 to T1 (>= 2 when annealing).
+        fstar, fstar_epochs, loss_on, loss_scale, weighting, server_lr: See ``LossWeighted``.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        temperature_final: float | None = None,
+        anneal: str = "constant",
+        anneal_rounds: int | None = None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check(temperature > 0, "temperature", temperature, "a number > 0")
+        check(anneal in ("constant", "linear", "exponential"), "anneal", anneal, "constant, linear or exponential")
+        if anneal != "constant":
+            check(temperature_final is not None and temperature_final > 0, "temperature_final", temperature_final, f"a number > 0 with anneal={anneal}")
+            check(isinstance(anneal_rounds, int) and anneal_rounds >= 2, "anneal_rounds", anneal_rounds, f"an integer >= 2 with anneal={anneal}")
+        self.temperature, self.temperature_final = temperature, temperature_final
+        self.anneal, self.anneal_rounds = anneal, anneal_rounds
+
+    def temperature_at(self, round_: int) -> float:
+        """T at a round (1-based)."""
+        if self.anneal == "constant":
+            return self.temperature
+        progress = min(1.0, (round_ - 1) / (self.anneal_rounds - 1))
+        t0, t1 = self.temperature, self.temperature_final
+        return t0 + (t1 - t0) * progress if self.anneal == "linear" else t0 * (t1 / t0) ** progress
+
+    def weigh(self, score, p, round_):
+        temperature = self.temperature_at(round_)
+        self.diagnostics["temperature"] = temperature
         # log-sum-exp form: subtracting the max keeps exp() finite for any loss and temperature.
-        logits = np.log(self.base_weights(report)) + np.asarray(report.losses, dtype=np.float64) / self.temperature
+        logits = np.log(p) + score / temperature
         w = np.exp(logits - logits.max())
         return w / w.sum()
+
+
+class FedSoftBetter(FedSoftMax):
+    """FedSoftBetter: alpha_i proportional to p_i * exp(-L_i / T)."""
+
+    sign = -1.0
+
+
+class Hybrid(Aggregator):
+    """A sequence of aggregators, each used until its phase ends (e.g. FedSoftBetterAvg: ``fedsoftbetter``
+    until round 20, then ``fedavg``). Phases never switch back.
+
+    A phase ends after ``until_round`` (the last round it aggregates) or once ``until_accuracy`` has been
+    reached by the latest evaluated accuracy: validation accuracy when the run has a validation split,
+    else test accuracy, which the run then records in the tag ``hybrid_switch_on``.
+
+    Args:
+        phases: A list of ``{aggregator: <aggregator>, until_round: int | null, until_accuracy: float | null}``;
+            the last phase needs no end.
+        weighting, server_lr: Of the hybrid's own server step (each phase's alpha is used as is).
+    """
+
+    def __init__(self, phases: list, weighting: str = "samples", server_lr: float = 1.0):
+        super().__init__(weighting, server_lr)
+        check(len(phases) >= 1, "phases", phases, "a non-empty list of {aggregator, until_round | until_accuracy}")
+        self.phases = []
+        for i, phase in enumerate(phases):
+            rounds, accuracy = phase.get("until_round"), phase.get("until_accuracy")
+            check(isinstance(phase.get("aggregator"), Aggregator), f"phases[{i}].aggregator", phase.get("aggregator"), "an aggregator config")
+            check(rounds is None or (isinstance(rounds, int) and rounds >= 1), f"phases[{i}].until_round", rounds, "null or an integer >= 1")
+            check(accuracy is None or 0 < accuracy <= 1, f"phases[{i}].until_accuracy", accuracy, "null or a fraction in (0, 1]")
+            check(i == len(phases) - 1 or rounds is not None or accuracy is not None, f"phases[{i}]", dict(phase), "an until_round or until_accuracy (all but the last phase)")
+            self.phases.append((phase["aggregator"], rounds, accuracy))
+        self.current = 0
+
+    def _ended(self, report: CohortReport) -> bool:
+        _, rounds, accuracy = self.phases[self.current]
+        if rounds is not None and report.round > rounds:
+            return True
+        return accuracy is not None and not math.isnan(report.accuracy) and report.accuracy >= accuracy
+
+    def weights(self, report: CohortReport) -> np.ndarray:
+        while self.current < len(self.phases) - 1 and self._ended(report):
+            self.current += 1
+            self.tags[f"hybrid_phase_{self.current}_from_round"] = str(report.round)
+            if self.phases[self.current - 1][2] is not None:
+                self.tags["hybrid_switch_on"] = report.accuracy_source
+        aggregator = self.phases[self.current][0]
+        aggregator.diagnostics = {}
+        alpha = aggregator.weights(report)
+        self.diagnostics.update(aggregator.diagnostics, hybrid_phase=float(self.current))
+        return alpha
