@@ -113,6 +113,7 @@ def test_fedmaxk_counts_and_fractions():
     r = report([5, 1, 1, 3], [0.7, 0.2, 1.9, 1.1])
     assert_allclose(FedMaxK(k=4).weights(r), [0.25] * 4)
     assert_allclose(FedMaxK(k=10).weights(r), [0.25] * 4)
+    assert_allclose(FedMaxK(k=1.0).weights(r), [0.25] * 4)  # the float 1.0 is the whole cohort
     # k = 0.1 of 4 rounds to 0: at least one client
     assert_allclose(FedMaxK(k=0.1).weights(r), [0, 0, 1, 0])
 

@@ -12,6 +12,8 @@ from fedrun.errors import ConfigError
 
 CONF = Path(fedrun.conf.__file__).parent
 OPTIONS = sorted((d.name, f.stem) for d in CONF.iterdir() if d.is_dir() and not d.name.startswith("_") for f in d.glob("*.yaml"))
+OBJECT_GROUPS = ("dataset", "partition", "aggregator", "optimizer", "schedule", "device")
+GLOBAL_GROUPS = ("experiment", "sweep")  # presets that set keys across groups
 # Small shapes that each model option accepts: images for the CNN, anything for the others.
 MODEL_INPUT = {"cnn": (1, 8, 8)}
 
@@ -24,6 +26,10 @@ def test_groups_are_found():
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_composes_and_instantiates(compose_config, group, option):
     cfg = compose_config(f"{group}={option}")
+    if group in GLOBAL_GROUPS:
+        for name in OBJECT_GROUPS:
+            assert instantiate(cfg[name]) is not None or name == "device"
+        return
     node = cfg[group]
     if group == "model":
         model = instantiate(node, input_shape=MODEL_INPUT.get(option, (1, 8, 8)), num_classes=10)
@@ -89,3 +95,20 @@ def test_cuda_without_cuda_is_refused(compose_config):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ConfigError, match="device.kind='cuda'.*no CUDA"):
         setup(compose_config("device=cuda"))
+
+
+@pytest.mark.parametrize("experiment", sorted(f.stem for f in (CONF / "experiment").glob("*.yaml")))
+@pytest.mark.parametrize("aggregator", sorted(f.stem for f in (CONF / "aggregator").glob("*.yaml")))
+def test_presets_combine_with_every_aggregator(compose_config, experiment, aggregator):
+    cfg = compose_config(f"experiment={experiment}", f"aggregator={aggregator}")
+    assert cfg.tracking.experiment == experiment
+    assert instantiate(cfg.aggregator) is not None and instantiate(cfg.partition) is not None
+    for partition in ("iid", "shards", "dirichlet"):
+        instantiate(compose_config(f"experiment={experiment}", f"partition={partition}").partition)
+
+
+def test_softmax_mnist_is_the_papers_protocol(compose_config):
+    cfg = compose_config("experiment=softmax_mnist")
+    assert (cfg.partition.num_clients, cfg.partition.samples_per_client, cfg.partition.shards_per_client) == (50, 200, 2)
+    assert (cfg.schedule.local_epochs, cfg.schedule.batch_size, cfg.schedule.clients_per_round) == (2, 64, 1.0)
+    assert cfg.model._target_.endswith("CNN") and cfg.dataset._target_.endswith("MNIST")

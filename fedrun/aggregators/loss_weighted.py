@@ -86,15 +86,15 @@ class FedMaxK(LossWeighted):
     aggregation, Cho et al. 2022). Ties at the k-th place go to the lower cohort position.
 
     Args:
-        k: A count (integer >= 1, capped at the cohort size) or a fraction of the cohort (0 < k < 1,
-            rounded, at least one client).
+        k: A count (integer >= 1, capped at the cohort size) or a fraction of the cohort (a float,
+            0 < k <= 1, rounded, at least one client): ``1`` is one client, ``1.0`` the whole cohort.
         fstar, fstar_epochs, loss_on, loss_scale, weighting, server_lr: See ``LossWeighted``.
     """
 
     def __init__(self, k: float = 0.5, **kwargs):
         super().__init__(**kwargs)
-        valid = (isinstance(k, int) and k >= 1) or (isinstance(k, float) and 0 < k < 1)
-        check(valid, "k", k, "an integer count >= 1 or a fraction 0 < k < 1")
+        valid = (isinstance(k, int) and k >= 1) or (isinstance(k, float) and 0 < k <= 1)
+        check(valid, "k", k, "an integer count >= 1 or a fraction 0 < k <= 1")
         self.k = k
 
     def count(self, cohort: int) -> int:

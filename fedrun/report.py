@@ -1,0 +1,170 @@
+"""``fedrun-report``: compare the runs of an MLflow experiment in a table with confidence intervals.
+
+Runs are grouped by every config key that varies across them except ``seed`` (or by ``--group-by``).
+For each group: the number of runs, mean +/- 95% Student-t interval of each R-index over the runs that
+reached it ("reached k/n"), final and best test accuracy, smoothness. Writes ``report.md``,
+``report.csv`` and ``accuracy.png`` (mean test accuracy per round with its interval band per group).
+"""
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from fedrun.metrics import mean_ci
+
+GROUP_TAGS = ("dataset", "partition", "model", "aggregator", "optimizer", "schedule", "device")
+IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
+SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_autocorr")
+
+
+def group_keys(runs: pd.DataFrame) -> list[str]:
+    """The columns that vary across runs: group choices (tags) first, then params that vary within them.
+
+    A param that only changes with a group choice (``aggregator.temperature`` exists for fedsoftmax
+    runs, not for fedavg runs) is left out; it says nothing the choice does not.
+    """
+    def varies(column: str, by: list[str]) -> bool:
+        values = runs[column].fillna("-").astype(str)
+        if not by:
+            return values.nunique() > 1
+        return values.groupby([runs[k].fillna("-").astype(str) for k in by]).nunique().max() > 1
+
+    keys = [f"tags.{t}" for t in GROUP_TAGS if f"tags.{t}" in runs and varies(f"tags.{t}", [])]
+    params = [
+        c for c in runs.columns
+        if c.startswith("params.") and not c.endswith("._target_") and not c[len("params."):].startswith(IGNORED_PARAMS)
+    ]
+    return keys + [c for c in params if varies(c, keys)]
+
+
+def label(column: str) -> str:
+    return column.split(".", 1)[1]
+
+
+def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """One row per group: counts, and mean / CI half-width / reached counts of every R-index and summary metric."""
+    r_columns = sorted(
+        (c for c in runs.columns if c.startswith("metrics.") and label(c).replace("client_", "").startswith("R")),
+        key=lambda c: (label(c).startswith("client_"), float(label(c).replace("client_", "")[1:])),
+    )
+    rows = []
+    grouped = runs.fillna({k: "-" for k in keys}).groupby(keys, sort=True) if keys else [((), runs)]
+    for values, group in grouped:
+        values = values if isinstance(values, tuple) else (values,)
+        row = {label(k): v for k, v in zip(keys, values)}
+        row["runs"] = len(group)
+        for column in list(r_columns) + [f"metrics.{m}" for m in SUMMARY if f"metrics.{m}" in runs]:
+            reached = group[column].dropna()
+            row[f"{label(column)}_mean"], row[f"{label(column)}_ci95"] = mean_ci(reached.to_numpy())
+            if column in r_columns:
+                row[f"{label(column)}_reached"] = len(reached)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _cell(mean: float, half: float, digits: int) -> str:
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
+
+
+def markdown(table: pd.DataFrame, keys: list[str]) -> str:
+    """A Markdown table: group keys, runs, then "mean ± CI" cells (R-indices with "reached k/n")."""
+    names = [label(k) for k in keys]
+    metrics = list(dict.fromkeys(c.rsplit("_", 1)[0] for c in table.columns if c.endswith("_mean")))
+    header = names + ["runs"] + [m if not m.replace("client_", "").startswith("R") else f"{m} (reached)" for m in metrics]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for _, row in table.iterrows():
+        cells = [str(row[n]) for n in names] + [str(row["runs"])]
+        for m in metrics:
+            is_r = f"{m}_reached" in row
+            cell = _cell(row[f"{m}_mean"], row[f"{m}_ci95"], 1 if is_r else 4)
+            cells.append(f"{cell} ({int(row[f'{m}_reached'])}/{row['runs']})" if is_r else cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accuracy") -> dict[str, pd.DataFrame]:
+    """Per group, a rounds x runs frame of ``metric``; runs that stopped early carry their last value forward."""
+    out = {}
+    grouped = runs.fillna({k: "-" for k in keys}).groupby(keys, sort=True) if keys else [((), runs)]
+    for values, group in grouped:
+        values = values if isinstance(values, tuple) else (values,)
+        name = ", ".join(f"{label(k)}={v}" for k, v in zip(keys, values)) or "all runs"
+        series = {
+            run_id: pd.Series({m.step: m.value for m in client.get_metric_history(run_id, metric)})
+            for run_id in group["run_id"]
+        }
+        frame = pd.DataFrame(series).sort_index()
+        out[name] = frame.ffill()
+    return out
+
+
+def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str) -> Path:
+    """Mean accuracy per round with its 95% Student-t band, one line per group."""
+    from fedrun.plots import plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, frame in groups.items():
+        stats = np.array([mean_ci(frame.loc[r].dropna().to_numpy()) for r in frame.index])
+        ax.plot(frame.index, stats[:, 0], label=f"{name} (n={frame.shape[1]})")
+        ax.fill_between(frame.index, stats[:, 0] - np.nan_to_num(stats[:, 1]), stats[:, 0] + np.nan_to_num(stats[:, 1]), alpha=0.2)
+    ax.set(xlabel="round", ylabel="test accuracy", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="fedrun-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiment", required=True, help="MLflow experiment name (tracking.experiment)")
+    parser.add_argument("--tracking-uri", default="sqlite:///outputs/mlflow.db", help="default: %(default)s (relative to here)")
+    parser.add_argument("--group-by", nargs="+", metavar="KEY", help="config keys or group names (default: every key that varies, except seed)")
+    parser.add_argument("--filter", metavar="EXPR", help="MLflow search filter, e.g. \"params.`aggregator.temperature` = '1.0'\"")
+    parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
+    args = parser.parse_args(argv)
+
+    import mlflow
+
+    from fedrun.tracking import resolve_uri
+
+    uri = resolve_uri(args.tracking_uri, Path.cwd())
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(args.experiment)
+    if experiment is None:
+        names = ", ".join(e.name for e in client.search_experiments()) or "none"
+        raise SystemExit(f"fedrun-report: error: no experiment {args.experiment!r} in {uri} (there: {names})")
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs([experiment.experiment_id], filter_string=args.filter or "", output_format="pandas")
+    finished = runs[runs["status"] == "FINISHED"] if len(runs) else runs
+    if finished.empty:
+        raise SystemExit(f"fedrun-report: error: no finished runs in {args.experiment!r}" + (f" matching {args.filter!r}" if args.filter else ""))
+    if args.group_by:
+        keys = []
+        for key in args.group_by:
+            column = f"tags.{key}" if key in GROUP_TAGS else f"params.{key}"
+            if column not in finished:
+                raise SystemExit(f"fedrun-report: error: --group-by {key!r} is neither a group ({', '.join(GROUP_TAGS)}) nor a logged config key")
+            keys.append(column)
+    else:
+        keys = group_keys(finished)
+
+    out = args.out or Path("outputs") / "report" / args.experiment
+    out.mkdir(parents=True, exist_ok=True)
+    table = summarise(finished, keys)
+    text = markdown(table, keys)
+    (out / "report.md").write_text(f"# {args.experiment}\n\n{len(finished)} finished runs ({len(runs) - len(finished)} others left out).\n\n" + text)
+    table.to_csv(out / "report.csv", index=False)
+    plot_bands(curves(client, finished, keys), out / "accuracy.png", f"{args.experiment}: mean test accuracy, 95% CI band")
+    print(text, end="")
+    print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, {out / 'accuracy.png'}")
+
+
+if __name__ == "__main__":
+    main()
