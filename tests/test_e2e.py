@@ -94,3 +94,16 @@ def test_missing_dataset_files_say_what_to_put_where(fedrun, tmp_path):
     assert done.returncode == 2
     line = done.stderr.strip().splitlines()[-1]
     assert "train-images-idx3-ubyte.gz" in line and "nowhere/FashionMNIST/raw" in line and "FEDRUN_DATA" in line
+
+
+@pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="the presets use MNIST and Fashion-MNIST")
+def test_every_preset_runs_shrunk(fedrun):
+    fedrun("-m", "experiment=glob(*)", "schedule.rounds=1", "partition.num_clients=10", "partition.samples_per_client=20",
+           "schedule.batch_size=10", "tracking.enabled=false")
+    assert len(job_dirs(fedrun.cwd, "multiruns")) == len(list((Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml")))
+
+
+def test_named_sweep_runs_every_point(fedrun, store):
+    fedrun("sweep=topk", "hydra.sweeper.params.seed=0", "schedule.rounds=1", "partition.num_clients=5", experiment="topk")
+    _, runs = mlflow_runs(store, "topk")
+    assert sorted(r.data.params["aggregator.k"] for r in runs) == ["0.1", "0.2", "0.5", "1", "1.0"]

@@ -1,0 +1,73 @@
+"""fedrun-report: grouping rules on a hand-made frame, and the real command on real runs."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import mlflow_runs
+from fedrun.metrics import mean_ci
+from fedrun.report import group_keys, markdown, summarise
+
+
+def frame():
+    return pd.DataFrame(
+        {
+            "run_id": list("abcdef"),
+            "tags.aggregator": ["fedavg"] * 2 + ["fedsoftmax"] * 4,
+            "tags.dataset": ["digits"] * 6,
+            "params.seed": ["0", "1", "0", "1", "0", "1"],
+            "params.aggregator._target_": ["A"] * 2 + ["S"] * 4,
+            "params.aggregator.temperature": [None, None, "1", "1", "10", "10"],
+            "params.tracking.uri": ["x"] * 6,
+            "metrics.R60": [3.0, 5.0, 2.0, 4.0, np.nan, 6.0],
+            "metrics.final_test_accuracy": [0.9, 0.92, 0.95, 0.93, 0.91, 0.94],
+        }
+    )
+
+
+def test_group_keys_skip_seed_targets_and_keys_implied_by_the_choice():
+    runs = frame()
+    assert group_keys(runs) == ["tags.aggregator", "params.aggregator.temperature"]
+    # temperature only differs between aggregators: implied by the choice, so not a key
+    same_t = runs.assign(**{"params.aggregator.temperature": [None, None, "1", "1", "1", "1"]})
+    assert group_keys(same_t) == ["tags.aggregator"]
+
+
+def test_summary_counts_reached_runs_and_uses_student_t():
+    runs = frame()
+    keys = group_keys(runs)
+    table = summarise(runs, keys).set_index(["aggregator", "aggregator.temperature"])
+    fedavg = table.loc[("fedavg", "-")]
+    assert fedavg["runs"] == 2 and fedavg["R60_reached"] == 2
+    assert fedavg["R60_mean"] == 4.0 and fedavg["R60_ci95"] == pytest.approx(mean_ci([3.0, 5.0])[1])
+    hot = table.loc[("fedsoftmax", "10")]
+    assert hot["R60_reached"] == 1 and hot["R60_mean"] == 6.0 and math.isnan(hot["R60_ci95"])
+    text = markdown(summarise(runs, keys), keys)
+    assert "| aggregator | aggregator.temperature | runs | R60 (reached) |" in text
+    assert "4.0 ± 12.7 (2/2)" in text and "6.0 (1/2)" in text
+
+
+@pytest.mark.e2e
+def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
+    fedrun("-m", "aggregator=fedavg,fedsoftmax", "seed=0,1", "schedule.rounds=3", "partition.num_clients=5", experiment="report")
+    out = tmp_path / "report"
+    report = str(Path(sys.executable).parent / "fedrun-report")
+    done = subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--out", str(out)],
+                          capture_output=True, text=True, check=True)
+    assert "| aggregator | runs |" in done.stdout
+    table = pd.read_csv(out / "report.csv").set_index("aggregator")
+    assert list(table.index) == ["fedavg", "fedsoftmax"] and list(table["runs"]) == [2, 2]
+    _, runs = mlflow_runs(store, "report")
+    for aggregator in ("fedavg", "fedsoftmax"):
+        finals = [r.data.metrics["final_test_accuracy"] for r in runs if r.data.tags["aggregator"] == aggregator]
+        mean, half = mean_ci(finals)
+        assert table.loc[aggregator, "final_test_accuracy_mean"] == pytest.approx(mean)
+        assert table.loc[aggregator, "final_test_accuracy_ci95"] == pytest.approx(half)
+    assert (out / "report.md").read_text().startswith("# report") and (out / "accuracy.png").stat().st_size > 10_000
+    missing = subprocess.run([report, "--experiment", "nope", "--tracking-uri", f"sqlite:///{store}"], capture_output=True, text=True)
+    assert missing.returncode != 0 and "no experiment 'nope'" in missing.stderr
