@@ -15,14 +15,13 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from fedrun import engine
 from fedrun.errors import ConfigError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.tracking import Tracker, resolve_uri
 
-GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "schedule", "device")
+GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "schedule", "device", "engine")
 
 
 def build(group: str, node: DictConfig, **runtime):
@@ -56,7 +55,7 @@ def setup(cfg: DictConfig) -> dict:
     seed = cfg.seed
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", seed, "an integer >= 0")
-    objects = {group: build(group, cfg[group]) for group in ("dataset", "partition", "aggregator", "schedule", "device")}
+    objects = {group: build(group, cfg[group]) for group in ("dataset", "partition", "aggregator", "schedule", "device", "engine")}
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])
@@ -140,7 +139,7 @@ def main(cfg: DictConfig) -> float | None:
 
     status, reason, model, final = "FAILED", None, parts["model"], None
     try:
-        result = engine.run(
+        result = parts["engine"](
             model=model,
             data=parts["data"],
             clients=parts["clients"],
@@ -154,6 +153,7 @@ def main(cfg: DictConfig) -> float | None:
         )
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()
+        tracker.log_result(result.summary, result.tables)
         return result.rows[-1]["test_accuracy"]
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"

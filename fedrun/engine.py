@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from fedrun.aggregators import Aggregator, CohortReport
 from fedrun.clients import FStarEstimate, LocalWork, client_accuracy, cohort_losses, evaluate, train_cohort
 from fedrun.datasets import FederatedData
-from fedrun.errors import DivergenceError, check
+from fedrun.errors import ConfigError, DivergenceError, check
 from fedrun.models import flat_parameters
 from fedrun.seeding import numpy_rng
 
@@ -70,10 +70,19 @@ def select_device(kind: str = "auto") -> torch.device:
 
 @dataclass
 class RunResult:
-    """What a run produced: the final flat model and one metrics row per round."""
+    """What a run produced.
+
+    Attributes:
+        params: The final flat global model.
+        rows: One metrics row per round (aggregation).
+        summary: Run-level metrics the engine measured (e.g. fairness).
+        tables: Named tables to keep as CSV artifacts.
+    """
 
     params: torch.Tensor
     rows: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    tables: dict = field(default_factory=dict)
 
 
 def run(
@@ -106,6 +115,8 @@ def run(
     Returns:
         The final model and the metrics rows.
     """
+    if not isinstance(aggregator, Aggregator):
+        raise ConfigError("engine", "sync", f"async for {type(aggregator).__name__}, an asynchronous aggregator")
     model.to(device).eval()
     x, y = data.x_train.to(device), data.y_train.to(device)
     x_test, y_test = data.x_test.to(device), data.y_test.to(device)

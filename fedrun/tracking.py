@@ -58,6 +58,7 @@ class Tracker:
         self._rows: dict[Path, list[dict]] = {}  # rows written so far, to rewrite a file when a column appears
         self._columns: dict[Path, list[str]] = {}
         self.run_id: str | None = None
+        self.extra_summary: dict = {}
 
     def start(self, params: dict, tags: dict, run_name: str) -> None:
         """Open the MLflow run (when enabled) and log the flattened config and tags."""
@@ -106,6 +107,12 @@ class Tracker:
             writer.writeheader()
             writer.writerows(rows)
 
+    def log_result(self, summary: dict, tables: dict) -> None:
+        """Keep the engine's run-level metrics (logged at the end) and write its tables as CSV files."""
+        self.extra_summary = dict(summary)
+        for name, table in tables.items():
+            table.to_csv(self.dir / name, index=False)
+
     def summary(self) -> tuple[dict, dict]:
         """Metrics and tags that summarise the run so far: R-indices, accuracy, stability of the curve."""
         if not self.metrics_path.exists():
@@ -115,6 +122,7 @@ class Tracker:
         accuracy = metrics["test_accuracy"].dropna()
         if len(accuracy):
             values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
+        values.update(self.extra_summary)
         values["smoothness"] = smoothness(metrics["test_accuracy"])
         values["lag1_autocorr"] = lag1_autocorr(metrics["test_accuracy"])
         for column, prefix in (("test_accuracy", ""), ("client_accuracy", "client_")):
@@ -124,8 +132,10 @@ class Tracker:
                 reached = r_index(metrics["round"], metrics[column], target)
                 if reached is None:
                     tags[prefix + r_name(target)] = "not_reached"
-                else:
-                    values[prefix + r_name(target)] = reached
+                    continue
+                values[prefix + r_name(target)] = reached
+                if "virtual_time" in metrics:  # asynchronous runs: the R-index in virtual time too
+                    values[prefix + r_name(target) + "_time"] = float(metrics.loc[metrics["round"] == reached, "virtual_time"].iloc[0])
         return {k: v for k, v in values.items() if not math.isnan(v)}, tags
 
     def finish(

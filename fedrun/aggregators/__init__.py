@@ -1,6 +1,7 @@
 """Aggregators: how the server combines a cohort's updates (weights alpha plus a server step)."""
 
 from fedrun.aggregators.base import Aggregator, CohortReport
+from fedrun.aggregators.buffered import AsyncAggregator, BufferReport, FedAsync, FedBuff, FedStaleWeight
 from fedrun.aggregators.loss_weighted import (
     FedAvg,
     FedBetter,
@@ -14,6 +15,6 @@ from fedrun.aggregators.loss_weighted import (
 )
 
 __all__ = [
-    "Aggregator", "CohortReport", "FedAvg", "FedBetter", "FedBetterK", "FedMax", "FedMaxK",
+    "Aggregator", "AsyncAggregator", "BufferReport", "CohortReport", "FedAsync", "FedBuff", "FedStaleWeight", "FedAvg", "FedBetter", "FedBetterK", "FedMax", "FedMaxK",
     "FedSoftBetter", "FedSoftMax", "Hybrid", "LossWeighted",
 ]

@@ -1,0 +1,155 @@
+"""Buffered asynchronous aggregators (paper 004): the server aggregates a buffer of b updates at a time.
+
+Each buffered update j carries Delta_j = w_local - w_pulled and its staleness tau_j = (server version
+at aggregation) - (version the client pulled). The default server step is the synchronous one,
+w <- w + server_lr * sum_j alpha_j Delta_j.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedrun.errors import check
+
+
+@dataclass
+class BufferReport:
+    """What the server knows about a full buffer.
+
+    Attributes:
+        clients: The client of each buffered update, in arrival order (a client may appear twice).
+        sizes: Each update's client sample count.
+        staleness: tau_j of each update.
+        version: The server version being aggregated into (0-based count of earlier aggregations).
+        pulled: The global model each update started from (flat), for aggregators that mix models.
+    """
+
+    clients: np.ndarray
+    sizes: np.ndarray
+    staleness: np.ndarray
+    version: int
+    pulled: list[torch.Tensor]
+
+
+class AsyncAggregator:
+    """Base of the buffered asynchronous aggregators; they run on the asynchronous engine.
+
+    Args:
+        buffer_size: b, updates per aggregation.
+        server_lr: Server learning rate.
+    """
+
+    def __init__(self, buffer_size: int = 5, server_lr: float = 1.0):
+        check(isinstance(buffer_size, int) and buffer_size >= 1, "buffer_size", buffer_size, "an integer >= 1")
+        check(server_lr > 0, "server_lr", server_lr, "a number > 0")
+        self.buffer_size, self.server_lr = buffer_size, server_lr
+        self.diagnostics: dict[str, float] = {}
+        self.tags: dict[str, str] = {}
+
+    def observe(self, client: int, staleness: int) -> None:
+        """Called at every arrival, before the update enters the buffer (for staleness statistics)."""
+
+    def weights(self, buffer: BufferReport) -> np.ndarray:
+        raise NotImplementedError
+
+    def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, buffer: BufferReport) -> tuple[torch.Tensor, np.ndarray]:
+        """w + server_lr * sum_j alpha_j Delta_j; returns the new model and alpha over the buffer."""
+        alpha = self.weights(buffer)
+        step = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas
+        return global_params + self.server_lr * step, alpha
+
+
+class FedBuff(AsyncAggregator):
+    """FedBuff (Nguyen et al. 2022): alpha_j = 1/b, or proportional to 1/sqrt(1 + tau_j) with
+    ``staleness_scaling`` (renormalised over the buffer).
+
+    Args:
+        staleness_scaling: Down-weight stale updates by 1/sqrt(1 + tau).
+        buffer_size, server_lr: See ``AsyncAggregator``.
+    """
+
+    def __init__(self, buffer_size: int = 5, server_lr: float = 1.0, staleness_scaling: bool = False):
+        super().__init__(buffer_size, server_lr)
+        self.staleness_scaling = staleness_scaling
+
+    def weights(self, buffer):
+        w = 1.0 / np.sqrt(1.0 + buffer.staleness) if self.staleness_scaling else np.ones(len(buffer.staleness))
+        return w / w.sum()
+
+
+class FedStaleWeight(AsyncAggregator):
+    """FedStaleWeight (paper 004): alpha_j proportional to E[tau_j] * b + 1 (eq. 8), normalised over the buffer.
+
+    E[tau_j] is the mean of client j's last ``window`` staleness values, the current one included.
+    The +1 keeps a buffer of fresh (tau = 0) updates at uniform weights; the paper's public code weighted
+    by the window mean alone, which zeroed such a buffer and stopped the model.
+
+    Args:
+        form: ``eq8`` (E[tau] * b + 1) or ``algorithm`` (E[tau] + 1, as the paper's algorithm box writes it).
+        window: How many recent staleness values per client the moving average keeps (the oldest drops out).
+        buffer_size, server_lr: See ``AsyncAggregator``.
+    """
+
+    def __init__(self, buffer_size: int = 5, server_lr: float = 1.0, form: str = "eq8", window: int = 10):
+        super().__init__(buffer_size, server_lr)
+        check(form in ("eq8", "algorithm"), "form", form, "eq8 or algorithm")
+        check(isinstance(window, int) and window >= 1, "window", window, "an integer >= 1")
+        self.form, self.window = form, window
+        self.history: dict[int, deque] = {}
+
+    def observe(self, client, staleness):
+        self.history.setdefault(int(client), deque(maxlen=self.window)).append(int(staleness))
+
+    def expected_staleness(self, client: int) -> float:
+        values = self.history.get(int(client))
+        return float(np.mean(values)) if values else 0.0
+
+    def weights(self, buffer):
+        expected = np.array([self.expected_staleness(c) for c in buffer.clients])
+        raw = expected * (self.buffer_size if self.form == "eq8" else 1) + 1.0
+        return raw / raw.sum()
+
+
+class FedAsync(AsyncAggregator):
+    """FedAsync (Xie et al. 2019): every update is applied alone (b = 1) by mixing models,
+    w <- (1 - a) w + a w_local, with w_local = w_pulled + Delta and a = mixing * s(tau).
+
+    Args:
+        mixing: alpha_0 in (0, 1].
+        staleness_function: ``constant`` (s = 1), ``polynomial`` (s = (1 + tau)^-exponent) or
+            ``hinge`` (s = 1 for tau <= hinge_b, else 1 / (hinge_a (tau - hinge_b) + 1)).
+        exponent, hinge_a, hinge_b: Parameters of s.
+    """
+
+    def __init__(
+        self,
+        mixing: float = 0.6,
+        staleness_function: str = "polynomial",
+        exponent: float = 0.5,
+        hinge_a: float = 10.0,
+        hinge_b: int = 4,
+    ):
+        super().__init__(buffer_size=1, server_lr=1.0)
+        check(0 < mixing <= 1, "mixing", mixing, "a number in (0, 1]")
+        check(staleness_function in ("constant", "polynomial", "hinge"), "staleness_function", staleness_function, "constant, polynomial or hinge")
+        check(exponent >= 0, "exponent", exponent, "a number >= 0")
+        self.mixing, self.staleness_function = mixing, staleness_function
+        self.exponent, self.hinge_a, self.hinge_b = exponent, hinge_a, hinge_b
+
+    def s(self, tau: float) -> float:
+        if self.staleness_function == "constant":
+            return 1.0
+        if self.staleness_function == "polynomial":
+            return (1.0 + tau) ** -self.exponent
+        return 1.0 if tau <= self.hinge_b else 1.0 / (self.hinge_a * (tau - self.hinge_b) + 1.0)
+
+    def weights(self, buffer):
+        return np.ones(1)
+
+    def aggregate(self, global_params, deltas, buffer):
+        a = self.mixing * self.s(float(buffer.staleness[0]))
+        self.diagnostics = {"mixing_weight": a}
+        local = buffer.pulled[0] + deltas[0]
+        return (1.0 - a) * global_params + a * local, np.ones(1)

@@ -1,0 +1,216 @@
+"""Buffered asynchronous FL on a deterministic virtual clock: a heap of (arrival time, client) events.
+
+No threads and no sleeping. Every client repeatedly pulls the newest global model (remembering its
+version), trains, and its update arrives after a compute time drawn from its own random stream. When
+the buffer holds b updates the server aggregates and the version increases. A client restarts at its
+arrival time with the newest model then available (the new one if its arrival triggered aggregation).
+Ties in arrival time are broken by client id, so the same config and seed give the same event order.
+"""
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fedrun.aggregators.buffered import AsyncAggregator, BufferReport
+from fedrun.clients import evaluate, per_sample_loss, train_cohort
+from fedrun.datasets import FederatedData
+from fedrun.errors import ConfigError, DivergenceError, check
+from fedrun.models import flat_parameters
+from fedrun.seeding import numpy_rng
+
+DISTRIBUTIONS = {"constant": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std", "min"), "lognormal": ("mean", "sigma")}
+
+
+class SpeedGroup:
+    """Clients sharing a compute-time distribution and availability.
+
+    Args:
+        name: Group name, used in metric names (``weight_share/<name>``).
+        clients: How many clients (numbered in group order), or null for all remaining ones.
+        distribution: ``constant`` (value), ``uniform`` (low, high), ``normal`` (mean, std, clipped
+            at min) or ``lognormal`` (mean, sigma of the underlying normal).
+        offline: Virtual-time intervals [start, end) in which the group's clients neither start work
+            nor deliver it: work starts, and updates arrive, at the interval's end.
+        **params: The distribution's parameters.
+    """
+
+    def __init__(self, name: str, clients: int | None, distribution: str, offline: list | None = None, **params):
+        check(distribution in DISTRIBUTIONS, f"speeds.{name}.distribution", distribution, ", ".join(DISTRIBUTIONS))
+        wanted = set(DISTRIBUTIONS[distribution])
+        check(set(params) == wanted, f"speeds.{name}", sorted(params), f"exactly {sorted(wanted)} for {distribution}")
+        check(clients is None or (isinstance(clients, int) and clients >= 1), f"speeds.{name}.clients", clients, "null or an integer >= 1")
+        low = {"constant": params.get("value"), "uniform": params.get("low"), "normal": params.get("min"), "lognormal": 0.0}[distribution]
+        check(low is not None and low >= 0 and (distribution != "uniform" or params["high"] >= params["low"]), f"speeds.{name}", params, "non-negative compute times")
+        self.offline = sorted((float(a), float(b)) for a, b in (offline or []))
+        for a, b in self.offline:
+            check(b > a >= 0, f"speeds.{name}.offline", offline, "intervals [start, end) with 0 <= start < end")
+        self.name, self.clients, self.distribution, self.params = name, clients, distribution, params
+
+    def draw(self, rng: np.random.Generator) -> float:
+        p = self.params
+        if self.distribution == "constant":
+            return float(p["value"])
+        if self.distribution == "uniform":
+            return float(rng.uniform(p["low"], p["high"]))
+        if self.distribution == "normal":
+            return float(max(p["min"], rng.normal(p["mean"], p["std"])))
+        return float(rng.lognormal(p["mean"], p["sigma"]))
+
+    def online_at(self, t: float) -> float:
+        """The first time >= t at which the group is online."""
+        for start, end in self.offline:
+            if start <= t < end:
+                t = end
+        return t
+
+
+class AsyncEngine:
+    """Runs an ``AsyncAggregator`` on the virtual clock.
+
+    Args:
+        speeds: Speed groups (see ``SpeedGroup``), assigned to clients in order.
+        max_time: Stop once virtual time passes this budget, or null.
+    """
+
+    def __init__(self, speeds: list, max_time: float | None = None):
+        check(len(speeds) >= 1, "speeds", speeds, "a non-empty list of speed groups")
+        self.groups = [SpeedGroup(**dict(g)) for g in speeds]
+        check(sum(g.clients is None for g in self.groups) <= 1, "speeds", [g.name for g in self.groups], "at most one group with clients: null")
+        check(max_time is None or max_time > 0, "max_time", max_time, "null or a number > 0")
+        self.max_time = max_time
+
+    def assign(self, num_clients: int) -> np.ndarray:
+        """Each client's speed group index."""
+        fixed = sum(g.clients for g in self.groups if g.clients is not None)
+        if fixed > num_clients or (fixed != num_clients and all(g.clients is not None for g in self.groups)):
+            raise ConfigError("engine.speeds", [g.clients for g in self.groups], f"group sizes that add up to the {num_clients} clients")
+        sizes = [g.clients if g.clients is not None else num_clients - fixed for g in self.groups]
+        return np.repeat(np.arange(len(self.groups)), sizes)
+
+    def __call__(
+        self,
+        model: nn.Module,
+        data: FederatedData,
+        clients: list[np.ndarray],
+        aggregator: AsyncAggregator,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        schedule,
+        device: torch.device,
+        seed: int,
+        on_round: Callable[[dict, np.ndarray], None] = lambda metrics, alpha: None,
+        client_tests: list[np.ndarray] | None = None,
+    ):
+        """Simulate until ``schedule.rounds`` aggregations (server versions) or ``max_time``.
+
+        Same arguments as ``fedrun.engine.run``; each metrics row is one aggregation.
+        """
+        from fedrun.engine import RunResult
+
+        if not isinstance(aggregator, AsyncAggregator):
+            raise ConfigError("engine", "async", f"sync for {type(aggregator).__name__}, a synchronous aggregator")
+        group_of = self.assign(len(clients))
+        model.to(device).eval()
+        x, y = data.x_train.to(device), data.y_train.to(device)
+        x_test, y_test = data.x_test.to(device), data.y_test.to(device)
+        label_sets = self._label_sets(data, clients, group_of)
+        sizes = np.array([len(c) for c in clients])
+        base_lr = optimizer.keywords["lr"]
+        speed_rng = [numpy_rng(seed, "speed", c) for c in range(len(clients))]
+
+        w = flat_parameters(model)
+        version, jobs, buffer = 0, np.zeros(len(clients), dtype=int), []
+        pulled = {c: (0, w) for c in range(len(clients))}  # model version and weights each client trains from
+        events = []
+        for c in range(len(clients)):
+            self._start(events, c, 0.0, speed_rng, group_of)
+        applied = np.zeros(len(clients))  # total alpha each client received
+        result = RunResult(w)
+        bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True)
+        start, done = time.perf_counter(), False
+        while events and not done:
+            now = events[0][0]
+            if self.max_time is not None and now > self.max_time:
+                break
+            arrived = []  # every arrival at this instant, in client-id order (the heap's tie-break)
+            while events and events[0][0] == now:
+                arrived.append(heapq.heappop(events)[1])
+            for c in arrived:
+                jobs[c] += 1
+                from_version, w_pulled = pulled[c]
+                lr = base_lr * schedule.lr_decay**version
+                deltas, _ = train_cohort(model, w_pulled, x, y, [clients[c]], np.array([c]), optimizer, lr, schedule.work, seed, int(jobs[c]))
+                aggregator.observe(c, version - from_version)
+                buffer.append((c, deltas[0], version - from_version, w_pulled))
+                if len(buffer) < aggregator.buffer_size:
+                    continue
+                ids = np.array([b[0] for b in buffer])
+                staleness = np.array([b[2] for b in buffer], dtype=np.float64)
+                report = BufferReport(ids, sizes[ids], staleness, version, [b[3] for b in buffer])
+                w, alpha = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
+                version, buffer = version + 1, []
+                alpha_all = np.bincount(ids, weights=alpha, minlength=len(clients))
+                applied += alpha_all
+                row = {"round": version, "virtual_time": now, "staleness_mean": staleness.mean(), "staleness_max": staleness.max(), "lr": lr}
+                row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
+                row.update(aggregator.diagnostics)
+                diverged = not torch.isfinite(w).all()
+                if not diverged and (version % schedule.eval_every == 0 or version == schedule.rounds):
+                    row.update(self._evaluate(model, w, x_test, y_test, label_sets))
+                    bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", t=f"{now:.1f}")
+                row["round_wall_s"], start = time.perf_counter() - start, time.perf_counter()
+                result.rows.append(row)
+                on_round(row, alpha_all)
+                bar.update()
+                if diverged:
+                    raise DivergenceError(f"non-finite global model after aggregation {version} (lr={lr:g})")
+                result.params = w
+                reached = schedule.stop_at_accuracy is not None and row["test_accuracy"] >= schedule.stop_at_accuracy
+                if version == schedule.rounds or reached:
+                    done = True
+                    break
+            for c in arrived:  # restart with the newest model at this instant, this instant's aggregations included
+                pulled[c] = (version, w)
+                self._start(events, c, now, speed_rng, group_of)
+        bar.close()
+        result.summary, result.tables = self._fairness(model, result.params, x, y, clients, client_tests, group_of, applied)
+        return result
+
+    def _start(self, events: list, c: int, now: float, speed_rng, group_of) -> None:
+        group = self.groups[group_of[c]]
+        begin = group.online_at(now)
+        heapq.heappush(events, (group.online_at(begin + group.draw(speed_rng[c])), c))
+
+    def _label_sets(self, data, clients, group_of) -> dict[str, np.ndarray]:
+        """Each speed group's training labels, when the groups' label sets differ."""
+        labels = data.y_train.numpy()
+        sets = {g.name: np.unique(labels[np.concatenate([clients[c] for c in np.flatnonzero(group_of == i)])]) for i, g in enumerate(self.groups)}
+        distinct = len({tuple(s) for s in sets.values()}) > 1
+        return sets if distinct else {}
+
+    @staticmethod
+    def _evaluate(model, w, x_test, y_test, label_sets) -> dict:
+        loss, correct = per_sample_loss(model, w, x_test, y_test)
+        row = {"test_accuracy": correct.float().mean().item(), "test_loss": loss.mean().item()}
+        for name, labels in label_sets.items():
+            mask = torch.isin(y_test, torch.as_tensor(labels, device=y_test.device))
+            row[f"accuracy/{name}"] = correct[mask].float().mean().item()
+        return row
+
+    def _fairness(self, model, w, x, y, clients, client_tests, group_of, applied):
+        """Weight shares per client and group, and the spread of per-client accuracy of the final model."""
+        import pandas as pd
+
+        total = applied.sum() or 1.0
+        held_out = client_tests or clients
+        accuracy = np.array([evaluate(model, w, x[torch.as_tensor(p, device=x.device)], y[torch.as_tensor(p, device=x.device)])[0] for p in held_out])
+        table = pd.DataFrame({"client": np.arange(len(clients)), "group": [self.groups[g].name for g in group_of],
+                              "weight_share": applied / total, "accuracy": accuracy})
+        summary = {f"weight_share/{g.name}": float(applied[group_of == i].sum() / total) for i, g in enumerate(self.groups)}
+        summary.update(client_accuracy_std=float(accuracy.std()), client_accuracy_min=float(accuracy.min()), client_accuracy_max=float(accuracy.max()))
+        return summary, {"fairness.csv": table}

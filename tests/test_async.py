@@ -1,0 +1,143 @@
+"""The asynchronous engine and buffered aggregators: hand-traced events and hand-computed weights."""
+
+import functools
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose
+
+from fedrun.aggregators import BufferReport, FedAsync, FedAvg, FedBuff, FedStaleWeight
+from fedrun.async_engine import AsyncEngine, SpeedGroup
+from fedrun.datasets import FederatedData
+from fedrun.engine import Schedule, run
+from fedrun.errors import ConfigError
+from fedrun.models import Logistic
+from fedrun.seeding import torch_seed
+
+g = torch.Generator().manual_seed(0)
+DATA = FederatedData(torch.randn(30, 4, generator=g), torch.randint(0, 3, (30,), generator=g),
+                     torch.randn(12, 4, generator=g), torch.randint(0, 3, (12,), generator=g), num_classes=3)
+CLIENTS = [np.arange(0, 10), np.arange(10, 20), np.arange(20, 30)]
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def model():
+    torch.manual_seed(torch_seed(0, "init"))
+    return Logistic((4,), 3)
+
+
+def constant(*values):
+    return [{"name": f"c{i}", "clients": 1, "distribution": "constant", "value": v} for i, v in enumerate(values)]
+
+
+class Recording(FedBuff):
+    """FedBuff that records every buffer it aggregates."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = []
+
+    def aggregate(self, global_params, deltas, buffer):
+        self.seen.append((buffer.version, list(buffer.clients), list(buffer.staleness)))
+        return super().aggregate(global_params, deltas, buffer)
+
+
+def test_hand_traced_events_for_three_constant_clients():
+    # Speeds 1, 2, 3 and b = 2. Arrivals: t=1 c0 | t=2 c0 c1 | t=3 c0 c2 | t=4 c0 c1 | t=5 c0 | t=6 c0 c1 c2.
+    # Arrivals at one instant are taken in id order; everyone restarts with the newest model of that instant.
+    agg = Recording(buffer_size=2)
+    rows = []
+    AsyncEngine(constant(1.0, 2.0, 3.0))(model(), DATA, CLIENTS, agg, SGD, Schedule(rounds=5, local_steps=1, batch_size=5),
+                                         torch.device("cpu"), 0, on_round=lambda row, alpha: rows.append((row, alpha)))
+    assert agg.seen == [
+        (0, [0, 0], [0, 0]),  # t=2: c0 (its 1st and 2nd update) -> version 1; c1 (pulled v0) waits, staleness 1
+        (1, [1, 0], [1, 0]),  # t=3: c1 + c0 -> v2; c2 (pulled v0) waits with staleness 2
+        (2, [2, 0], [2, 0]),  # t=4: c2 + c0 -> v3; c1 (pulled v1 at t=2) waits with staleness 2
+        (3, [1, 0], [2, 0]),  # t=5
+        (4, [0, 1], [0, 1]),  # t=6: c0 then c1 (pulled v3 at t=4) -> v5; c2 (pulled v2 at t=3) is left in the buffer
+    ]
+    assert [r["virtual_time"] for r, _ in rows] == [2.0, 3.0, 4.0, 5.0, 6.0]
+    assert [r["staleness_max"] for r, _ in rows] == [0, 1, 2, 2, 1]
+    assert_allclose(rows[0][1], [1.0, 0, 0])  # client 0 twice: its alphas add up
+
+
+def test_fedbuff_with_b_equal_to_clients_and_equal_speeds_is_synchronous_fedavg():
+    schedule = Schedule(rounds=4, local_steps=3, batch_size=4)
+    sync_rows, async_rows = [], []
+    sync = run(model(), DATA, CLIENTS, FedAvg(weighting="uniform"), SGD, schedule, torch.device("cpu"), 0,
+               on_round=lambda row, alpha: sync_rows.append(row))
+    buffered = AsyncEngine(constant(1.0, 1.0, 1.0))(model(), DATA, CLIENTS, FedBuff(buffer_size=3), SGD, schedule,
+                                                    torch.device("cpu"), 0, on_round=lambda row, alpha: async_rows.append(row))
+    torch.testing.assert_close(buffered.params, sync.params)
+    assert [r["test_accuracy"] for r in async_rows] == [r["test_accuracy"] for r in sync_rows]
+    assert all(r["staleness_max"] == 0 for r in async_rows)
+
+
+def buffer(clients, staleness):
+    return BufferReport(np.array(clients), np.ones(len(clients)), np.array(staleness, float), 0, [])
+
+
+def test_fedstaleweight_weights_on_a_hand_made_buffer():
+    for form, expected in (("eq8", [4, 10, 1]), ("algorithm", [2, 4, 1])):
+        agg = FedStaleWeight(buffer_size=3, form=form)
+        for client, tau in ((0, 0), (0, 2), (1, 3), (2, 0)):
+            agg.observe(client, tau)
+        # E[tau] = [1, 3, 0]; eq8: E*3 + 1 = [4, 10, 1]; algorithm: E + 1 = [2, 4, 1]
+        assert_allclose(agg.weights(buffer([0, 1, 2], [2, 3, 0])), np.array(expected) / sum(expected))
+
+
+def test_fedstaleweight_zero_staleness_buffer_keeps_training():
+    agg = FedStaleWeight(buffer_size=3)
+    for c in range(3):
+        agg.observe(c, 0)
+    alpha = agg.weights(buffer([0, 1, 2], [0, 0, 0]))
+    assert_allclose(alpha, [1 / 3] * 3)
+    new, _ = agg.aggregate(torch.zeros(2), torch.ones(3, 2), buffer([0, 1, 2], [0, 0, 0]))
+    assert_allclose(new.numpy(), [1.0, 1.0])  # the model moves
+
+
+def test_fedstaleweight_window_drops_the_oldest_value():
+    agg = FedStaleWeight(window=2)
+    for tau in (5, 1, 1):
+        agg.observe(7, tau)
+    assert agg.history[7] == deque([1, 1]) and agg.expected_staleness(7) == 1.0
+
+
+def test_fedbuff_staleness_scaling_and_fedasync_mixing_by_hand():
+    w = FedBuff(buffer_size=2, staleness_scaling=True).weights(buffer([0, 1], [0, 3]))
+    assert_allclose(w, np.array([1, 0.5]) / 1.5)  # 1/sqrt(1+0), 1/sqrt(1+3)
+    # w = 0, the update started from 2 and moved by 2: w_local = 4; tau = 3 -> s = 4^-0.5 = 0.5, a = 0.6 * 0.5
+    report = BufferReport(np.array([0]), np.ones(1), np.array([3.0]), 5, [torch.tensor([2.0])])
+    new, _ = FedAsync(mixing=0.6, exponent=0.5).aggregate(torch.zeros(1), torch.tensor([[2.0]]), report)
+    assert_allclose(new.numpy(), [0.3 * 4.0])
+    assert FedAsync(staleness_function="hinge", hinge_a=10, hinge_b=4).s(6) == pytest.approx(1 / 21)
+
+
+def test_same_seed_same_events_and_metrics():
+    speeds = [{"name": "fast", "clients": 2, "distribution": "uniform", "low": 1.0, "high": 2.0},
+              {"name": "slow", "clients": None, "distribution": "lognormal", "mean": 1.0, "sigma": 0.5}]
+
+    def once(seed):
+        rows = []
+        AsyncEngine(speeds)(model(), DATA, CLIENTS, FedStaleWeight(buffer_size=2), SGD, Schedule(rounds=6, local_steps=1, batch_size=5),
+                            torch.device("cpu"), seed, on_round=lambda row, alpha: rows.append({k: v for k, v in row.items() if k != "round_wall_s"}))
+        return rows
+
+    assert once(0) == once(0)
+    assert once(0) != once(1)
+
+
+def test_offline_intervals_delay_start_and_delivery():
+    group = SpeedGroup("g", None, "constant", offline=[[2.0, 5.0]], value=1.0)
+    assert group.online_at(1.5) == 1.5 and group.online_at(2.0) == 5.0 and group.online_at(4.9) == 5.0
+
+
+def test_speed_groups_must_cover_the_clients():
+    with pytest.raises(ConfigError, match="engine.speeds"):
+        AsyncEngine(constant(1.0, 1.0)).assign(3)
+    with pytest.raises(ConfigError, match="distribution"):
+        SpeedGroup("g", 1, "gamma", value=1.0)
+    with pytest.raises(ConfigError, match="engine"):
+        AsyncEngine(constant(1.0, 1.0, 1.0))(model(), DATA, CLIENTS, FedAvg(), SGD, Schedule(rounds=1), torch.device("cpu"), 0)
