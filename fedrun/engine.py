@@ -173,3 +173,10 @@ def run(
             break
     bar.close()
     return result
+
+
+class SyncEngine:
+    """The ``engine=sync`` option: runs ``run`` (a class, so unknown config keys fail when it is built)."""
+
+    def __call__(self, **kwargs) -> RunResult:
+        return run(**kwargs)

@@ -7,7 +7,7 @@ import torch
 from hydra.utils import instantiate
 
 import fedrun.conf
-from fedrun.cli import setup
+from fedrun.cli import build, setup
 from fedrun.errors import ConfigError
 
 CONF = Path(fedrun.conf.__file__).parent
@@ -103,6 +103,12 @@ def test_presets_combine_with_every_aggregator(compose_config, experiment, aggre
     cfg = compose_config(f"experiment={experiment}", f"aggregator={aggregator}")
     assert cfg.tracking.experiment == experiment
     assert instantiate(cfg.aggregator) is not None and instantiate(cfg.partition) is not None
+    sync_aggregator_on_async_preset = "speeds" in cfg.engine and cfg.engine._target_.endswith("SyncEngine")
+    if sync_aggregator_on_async_preset:  # an asynchronous preset: synchronous aggregators are refused at build time
+        with pytest.raises(ConfigError, match="^engine="):
+            build("engine", cfg.engine)
+    else:
+        assert callable(build("engine", cfg.engine))
     for partition in ("iid", "shards", "dirichlet"):
         instantiate(compose_config(f"experiment={experiment}", f"partition={partition}").partition)
 

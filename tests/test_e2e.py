@@ -98,8 +98,8 @@ def test_missing_dataset_files_say_what_to_put_where(fedrun, tmp_path):
 
 @pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="the presets use MNIST and Fashion-MNIST")
 def test_every_preset_runs_shrunk(fedrun):
-    fedrun("-m", "experiment=glob(*)", "schedule.rounds=1", "partition.num_clients=10", "partition.samples_per_client=20",
-           "schedule.batch_size=10", "tracking.enabled=false")
+    fedrun("-m", "experiment=glob(*)", "schedule.rounds=1", "partition.samples_per_client=20", "schedule.batch_size=10",
+           "schedule.eval_every=1", "tracking.enabled=false")
     assert len(job_dirs(fedrun.cwd, "multiruns")) == len(list((Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml")))
 
 
@@ -107,3 +107,22 @@ def test_named_sweep_runs_every_point(fedrun, store):
     fedrun("sweep=topk", "hydra.sweeper.params.seed=0", "schedule.rounds=1", "partition.num_clients=5", experiment="topk")
     _, runs = mlflow_runs(store, "topk")
     assert sorted(r.data.params["aggregator.k"] for r in runs) == ["0.1", "0.2", "0.5", "1", "1.0"]
+
+
+def test_async_run_logs_virtual_time_staleness_and_fairness_and_repeats_exactly(fedrun, store):
+    speeds = "engine.speeds=[{name:fast,clients:3,distribution:uniform,low:1.0,high:2.0},{name:slow,clients:2,distribution:uniform,low:8.0,high:12.0}]"
+    args = ["aggregator=fedstaleweight", "aggregator.buffer_size=2", "partition=label_split",
+            "partition.groups=[{clients:3,labels:[4,5,6,7,8,9]},{clients:2,labels:[0,1,2,3]}]", speeds,
+            "schedule.rounds=6", "schedule.local_steps=1", "schedule.eval_every=3"]
+    fedrun(*args, experiment="async")
+    fedrun(*args, "tracking.enabled=false")
+    client, [run] = mlflow_runs(store, "async")
+    assert run.info.status == "FINISHED" and run.data.tags["engine"] == "async"
+    for name in ("virtual_time", "staleness_mean", "staleness_max", "accuracy/fast", "accuracy/slow",
+                 "weight_share/fast", "weight_share/slow", "client_accuracy_std"):
+        assert name in run.data.metrics, name
+    assert run.data.metrics["weight_share/fast"] + run.data.metrics["weight_share/slow"] == pytest.approx(1.0)
+    assert "fairness.csv" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    first, second = (pd.read_csv(j / "metrics.csv").filter(regex="^(?!.*_wall_s$)") for j in job_dirs(fedrun.cwd, "runs"))
+    assert len(first) == 6
+    pd.testing.assert_frame_equal(first, second)
