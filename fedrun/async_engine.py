@@ -23,6 +23,7 @@ from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, DivergenceError, check
 from fedrun.models import flat_parameters
 from fedrun.seeding import numpy_rng
+from fedrun.servers import ServerOptimizer
 
 DISTRIBUTIONS = {"constant": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std", "min"), "lognormal": ("mean", "sigma")}
 
@@ -103,6 +104,7 @@ class AsyncEngine:
         schedule,
         device: torch.device,
         seed: int,
+        server: ServerOptimizer | None = None,
         on_round: Callable[[dict, np.ndarray], None] = lambda metrics, alpha: None,
         client_tests: list[np.ndarray] | None = None,
     ):
@@ -115,6 +117,7 @@ class AsyncEngine:
         if not isinstance(aggregator, AsyncAggregator):
             raise ConfigError("engine", "async", f"sync for {type(aggregator).__name__}, a synchronous aggregator")
         group_of = self.assign(len(clients))
+        server = server or ServerOptimizer()
         model.to(device).eval()
         x, y = data.x_train.to(device), data.y_train.to(device)
         x_test, y_test = data.x_test.to(device), data.y_test.to(device)
@@ -152,7 +155,8 @@ class AsyncEngine:
                 ids = np.array([b[0] for b in buffer])
                 staleness = np.array([b[2] for b in buffer], dtype=np.float64)
                 report = BufferReport(ids, sizes[ids], staleness, version, [b[3] for b in buffer])
-                w, alpha = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
+                update, alpha = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
+                w = server.step(w, update)
                 version, buffer = version + 1, []
                 alpha_all = np.bincount(ids, weights=alpha, minlength=len(clients))
                 applied += alpha_all

@@ -21,7 +21,7 @@ from fedrun.partitions import hold_out
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.tracking import Tracker, resolve_uri
 
-GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "schedule", "device", "engine")
+GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "device", "engine", "method", "experiment")
 
 
 def build(group: str, node: DictConfig, **runtime):
@@ -55,7 +55,7 @@ def setup(cfg: DictConfig) -> dict:
     seed = cfg.seed
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", seed, "an integer >= 0")
-    objects = {group: build(group, cfg[group]) for group in ("dataset", "partition", "aggregator", "schedule", "device", "engine")}
+    objects = {group: build(group, cfg[group]) for group in ("dataset", "partition", "aggregator", "server", "schedule", "device", "engine")}
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])
@@ -113,7 +113,7 @@ def main(cfg: DictConfig) -> float | None:
         print(f"fedrun: error: {exc}", file=sys.stderr)
         sys.exit(2)
 
-    choices = {group: hydra_cfg.runtime.choices.get(group) for group in GROUPS}
+    choices = {group: hydra_cfg.runtime.choices[group] for group in GROUPS if hydra_cfg.runtime.choices.get(group)}
     tags = {
         **choices,
         "seed": str(cfg.seed),
@@ -133,7 +133,7 @@ def main(cfg: DictConfig) -> float | None:
     )
     resolved = OmegaConf.to_container(cfg, resolve=True)
     OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
-    title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset")) + f" seed={cfg.seed}"
+    title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset", "method")) + f" seed={cfg.seed}"
     run_name = hydra_cfg.job.override_dirname or "defaults"
     tracker.start(flatten(resolved), tags, run_name)
 
@@ -148,6 +148,7 @@ def main(cfg: DictConfig) -> float | None:
             schedule=parts["schedule"],
             device=parts["device"],
             seed=cfg.seed,
+            server=parts["server"],
             on_round=tracker.log_round,
             client_tests=parts["client_tests"],
         )

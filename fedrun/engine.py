@@ -16,6 +16,7 @@ from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, DivergenceError, check
 from fedrun.models import flat_parameters
 from fedrun.seeding import numpy_rng
+from fedrun.servers import ServerOptimizer
 
 
 @dataclass
@@ -94,6 +95,7 @@ def run(
     schedule: Schedule,
     device: torch.device,
     seed: int,
+    server: ServerOptimizer | None = None,
     on_round: Callable[[dict, np.ndarray], None] = lambda metrics, alpha: None,
     client_tests: list[np.ndarray] | None = None,
 ) -> RunResult:
@@ -103,11 +105,12 @@ def run(
         model: The global model's architecture, already initialised from the ``init`` stream.
         data: The dataset's tensors.
         clients: One training-index array per client.
-        aggregator: Chooses alpha and applies the server step.
+        aggregator: Chooses alpha and combines the updates.
         optimizer: ``optimizer(params, lr=...)`` builds a local optimizer; its own ``lr`` is the base rate.
         schedule: Rounds, local work, sampling, evaluation.
         device: Where to train.
         seed: Run seed (client sampling and mini-batch streams).
+        server: Applies the combined update (default: w + Delta).
         on_round: Called after each round with the metrics row and alpha over all clients.
         client_tests: Each client's own held-out samples (indices into train), or None. When given, the
             mean accuracy of the cohort's local models on them is logged as ``client_accuracy``.
@@ -122,6 +125,7 @@ def run(
     x_test, y_test = data.x_test.to(device), data.y_test.to(device)
     has_val = data.x_val is not None and len(data.y_val) > 0
     x_val, y_val = (data.x_val.to(device), data.y_val.to(device)) if has_val else (None, None)
+    server = server or ServerOptimizer()
     sizes = np.array([len(part) for part in clients])
     base_lr = optimizer.keywords["lr"]
     params = flat_parameters(model)
@@ -146,7 +150,8 @@ def run(
         report = CohortReport(cohort, sizes[cohort], losses, t, local_losses, latest_accuracy, accuracy_source, fstar)
         # The papers' client accuracy: each local model on its own held-out split, before aggregation.
         local_accuracy = client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort]) if client_tests else None
-        params, alpha = aggregator.aggregate(params, deltas, report)
+        update, alpha = aggregator.aggregate(params, deltas, report)
+        params = server.step(params, update)
         diverged = not torch.isfinite(params).all()
 
         # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.

@@ -20,6 +20,7 @@ from fedrun.aggregators import (
 )
 from fedrun.clients import ClientLosses
 from fedrun.errors import ConfigError
+from fedrun.servers import ServerOptimizer
 
 
 def report(sizes, losses, round_=1, local=None, authors=None, accuracy=math.nan, fstar=None):
@@ -44,11 +45,11 @@ def test_fedavg_weights_by_samples_and_uniform():
 def test_fedavg_update_is_weighted_mean_of_deltas_times_server_lr():
     w = torch.tensor([1.0, -1.0])
     deltas = torch.tensor([[4.0, 0.0], [0.0, 4.0], [2.0, 2.0]])
-    new, alpha = FedAvg().aggregate(w, deltas, report([1, 1, 2], [0, 0, 0]))
+    update, alpha = FedAvg().aggregate(w, deltas, report([1, 1, 2], [0, 0, 0]))
     # 0.25*[4,0] + 0.25*[0,4] + 0.5*[2,2] = [2, 2]
-    assert_allclose(new.numpy(), [3.0, 1.0])
-    new, _ = FedAvg(server_lr=0.5).aggregate(w, deltas, report([1, 1, 2], [0, 0, 0]))
-    assert_allclose(new.numpy(), [2.0, 0.0])
+    assert_allclose(update.numpy(), [2.0, 2.0])
+    assert_allclose(ServerOptimizer().step(w, update).numpy(), [3.0, 1.0])
+    assert_allclose(ServerOptimizer(server_lr=0.5).step(w, update).numpy(), [2.0, 0.0])
 
 
 def test_fedsoftmax_weights_by_hand():
@@ -187,7 +188,7 @@ def test_hybrid_switches_at_the_right_accuracy_and_never_back():
         (lambda: FedSoftMax(temperature=0), "temperature"),
         (lambda: FedSoftMax(temperature=-1), "temperature"),
         (lambda: FedSoftMax(weighting="size"), "weighting"),
-        (lambda: FedAvg(server_lr=0), "server_lr"),
+        (lambda: ServerOptimizer(server_lr=0), "server_lr"),
         (lambda: FedMaxK(k=0), "k"),
         (lambda: FedMaxK(k=1.5), "k"),
         (lambda: FedMax(fstar="min"), "fstar"),

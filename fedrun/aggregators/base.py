@@ -1,7 +1,7 @@
-"""The aggregation interface: weights alpha over the cohort, then a server step.
+"""The aggregation interface: weights alpha over the cohort, giving the update Delta = sum_i alpha_i Delta_i.
 
-With Delta_i = w_i - w (local model minus the global model it started from), the server step is
-    w <- w + server_lr * sum_i alpha_i * Delta_i,    sum_i alpha_i = 1 over the cohort.
+With Delta_i = w_i - w (local model minus the global model it started from) and alpha summing to 1 over
+the cohort, the server optimizer (the ``server`` group) then steps, e.g. w <- w + server_lr * Delta.
 Aggregators differ in how they choose alpha; ``weights`` is the only method most of them write.
 """
 
@@ -51,13 +51,13 @@ class Aggregator:
     Args:
         weighting: How p_i, the FedAvg weight, is set: ``samples`` (proportional to the client's sample
             count) or ``uniform``; renormalised over the cohort.
-        server_lr: The server learning rate of the step above.
     """
 
-    def __init__(self, weighting: str = "samples", server_lr: float = 1.0):
+    uploads_per_client = 1  # model-sized messages each client sends per round (communication cost)
+
+    def __init__(self, weighting: str = "samples"):
         check(weighting in ("samples", "uniform"), "weighting", weighting, "samples or uniform")
-        check(server_lr > 0, "server_lr", server_lr, "a number > 0")
-        self.weighting, self.server_lr = weighting, server_lr
+        self.weighting = weighting
         self.diagnostics: dict[str, float] = {}
         self.tags: dict[str, str] = {}
 
@@ -73,7 +73,7 @@ class Aggregator:
     def aggregate(
         self, global_params: torch.Tensor, deltas: torch.Tensor, report: CohortReport
     ) -> tuple[torch.Tensor, np.ndarray]:
-        """One server step.
+        """Combine the cohort's updates.
 
         Args:
             global_params: Flat global model w.
@@ -81,10 +81,10 @@ class Aggregator:
             report: What the server knows about the cohort.
 
         Returns:
-            The new flat global model and alpha over the cohort (a diagnostic for tracking).
+            The update Delta = sum_i alpha_i Delta_i for the server optimizer, and alpha over the cohort
+            (a diagnostic for tracking).
         """
         self.diagnostics = {}
         alpha = self.weights(report)
         self.diagnostics["alpha_distance"] = float(np.abs(alpha - self.base_weights(report)).sum())
-        step = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas
-        return global_params + self.server_lr * step, alpha
+        return torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas, alpha

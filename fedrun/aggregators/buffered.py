@@ -1,8 +1,8 @@
 """Buffered asynchronous aggregators (paper 004): the server aggregates a buffer of b updates at a time.
 
 Each buffered update j carries Delta_j = w_local - w_pulled and its staleness tau_j = (server version
-at aggregation) - (version the client pulled). The default server step is the synchronous one,
-w <- w + server_lr * sum_j alpha_j Delta_j.
+at aggregation) - (version the client pulled). The aggregate update is sum_j alpha_j Delta_j, which the
+server optimizer applies (``server=sgd``: w <- w + server_lr * update).
 """
 
 from collections import deque
@@ -38,13 +38,11 @@ class AsyncAggregator:
 
     Args:
         buffer_size: b, updates per aggregation.
-        server_lr: Server learning rate.
     """
 
-    def __init__(self, buffer_size: int = 5, server_lr: float = 1.0):
+    def __init__(self, buffer_size: int = 5):
         check(isinstance(buffer_size, int) and buffer_size >= 1, "buffer_size", buffer_size, "an integer >= 1")
-        check(server_lr > 0, "server_lr", server_lr, "a number > 0")
-        self.buffer_size, self.server_lr = buffer_size, server_lr
+        self.buffer_size = buffer_size
         self.diagnostics: dict[str, float] = {}
         self.tags: dict[str, str] = {}
 
@@ -55,10 +53,9 @@ class AsyncAggregator:
         raise NotImplementedError
 
     def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, buffer: BufferReport) -> tuple[torch.Tensor, np.ndarray]:
-        """w + server_lr * sum_j alpha_j Delta_j; returns the new model and alpha over the buffer."""
+        """The update sum_j alpha_j Delta_j and alpha over the buffer."""
         alpha = self.weights(buffer)
-        step = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas
-        return global_params + self.server_lr * step, alpha
+        return torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas, alpha
 
 
 class FedBuff(AsyncAggregator):
@@ -67,11 +64,11 @@ class FedBuff(AsyncAggregator):
 
     Args:
         staleness_scaling: Down-weight stale updates by 1/sqrt(1 + tau).
-        buffer_size, server_lr: See ``AsyncAggregator``.
+        buffer_size: See ``AsyncAggregator``.
     """
 
-    def __init__(self, buffer_size: int = 5, server_lr: float = 1.0, staleness_scaling: bool = False):
-        super().__init__(buffer_size, server_lr)
+    def __init__(self, buffer_size: int = 5, staleness_scaling: bool = False):
+        super().__init__(buffer_size)
         self.staleness_scaling = staleness_scaling
 
     def weights(self, buffer):
@@ -89,11 +86,11 @@ class FedStaleWeight(AsyncAggregator):
     Args:
         form: ``eq8`` (E[tau] * b + 1) or ``algorithm`` (E[tau] + 1, as the paper's algorithm box writes it).
         window: How many recent staleness values per client the moving average keeps (the oldest drops out).
-        buffer_size, server_lr: See ``AsyncAggregator``.
+        buffer_size: See ``AsyncAggregator``.
     """
 
-    def __init__(self, buffer_size: int = 5, server_lr: float = 1.0, form: str = "eq8", window: int = 10):
-        super().__init__(buffer_size, server_lr)
+    def __init__(self, buffer_size: int = 5, form: str = "eq8", window: int = 10):
+        super().__init__(buffer_size)
         check(form in ("eq8", "algorithm"), "form", form, "eq8 or algorithm")
         check(isinstance(window, int) and window >= 1, "window", window, "an integer >= 1")
         self.form, self.window = form, window
@@ -114,7 +111,8 @@ class FedStaleWeight(AsyncAggregator):
 
 class FedAsync(AsyncAggregator):
     """FedAsync (Xie et al. 2019): every update is applied alone (b = 1) by mixing models,
-    w <- (1 - a) w + a w_local, with w_local = w_pulled + Delta and a = mixing * s(tau).
+    w <- (1 - a) w + a w_local, with w_local = w_pulled + Delta and a = mixing * s(tau). The update it
+    returns is a (w_local - w), so ``server=sgd`` with server_lr 1 applies exactly this mix.
 
     Args:
         mixing: alpha_0 in (0, 1].
@@ -131,7 +129,7 @@ class FedAsync(AsyncAggregator):
         hinge_a: float = 10.0,
         hinge_b: int = 4,
     ):
-        super().__init__(buffer_size=1, server_lr=1.0)
+        super().__init__(buffer_size=1)
         check(0 < mixing <= 1, "mixing", mixing, "a number in (0, 1]")
         check(staleness_function in ("constant", "polynomial", "hinge"), "staleness_function", staleness_function, "constant, polynomial or hinge")
         check(exponent >= 0, "exponent", exponent, "a number >= 0")
@@ -152,4 +150,4 @@ class FedAsync(AsyncAggregator):
         a = self.mixing * self.s(float(buffer.staleness[0]))
         self.diagnostics = {"mixing_weight": a}
         local = buffer.pulled[0] + deltas[0]
-        return (1.0 - a) * global_params + a * local, np.ones(1)
+        return a * (local - global_params), np.ones(1)

@@ -30,7 +30,7 @@ class LossWeighted(Aggregator):
             ``local``: the client's running training loss over its last local epoch (the authors' code).
         loss_scale: ``mean`` (mean loss per sample) or ``authors`` (sum of per-batch mean losses divided
             by the sample count, as in the authors' code; see the README for the temperature mapping).
-        weighting, server_lr: See ``Aggregator``.
+        weighting: See ``Aggregator``.
     """
 
     sign = 1.0  # +1 favours the worst-fitted clients, -1 the best-fitted
@@ -42,9 +42,8 @@ class LossWeighted(Aggregator):
         loss_on: str = "global",
         loss_scale: str = "mean",
         weighting: str = "samples",
-        server_lr: float = 1.0,
     ):
-        super().__init__(weighting, server_lr)
+        super().__init__(weighting)
         check(fstar in ("zero", "estimate"), "fstar", fstar, "zero or estimate")
         check(isinstance(fstar_epochs, int) and fstar_epochs >= 1, "fstar_epochs", fstar_epochs, "an integer >= 1")
         check(loss_on in ("global", "local"), "loss_on", loss_on, "global or local")
@@ -88,7 +87,7 @@ class FedMaxK(LossWeighted):
     Args:
         k: A count (integer >= 1, capped at the cohort size) or a fraction of the cohort (a float,
             0 < k <= 1, rounded, at least one client): ``1`` is one client, ``1.0`` the whole cohort.
-        fstar, fstar_epochs, loss_on, loss_scale, weighting, server_lr: See ``LossWeighted``.
+        fstar, fstar_epochs, loss_on, loss_scale, weighting: See ``LossWeighted``.
     """
 
     def __init__(self, k: float = 0.5, **kwargs):
@@ -126,7 +125,7 @@ class FedSoftMax(LossWeighted):
         temperature_final: T1, or null for a constant temperature.
         anneal: ``constant``, ``linear`` or ``exponential``.
         anneal_rounds: Rounds from T0 to T1 (>= 2 when annealing).
-        fstar, fstar_epochs, loss_on, loss_scale, weighting, server_lr: See ``LossWeighted``.
+        fstar, fstar_epochs, loss_on, loss_scale, weighting: See ``LossWeighted``.
     """
 
     def __init__(
@@ -180,11 +179,11 @@ class Hybrid(Aggregator):
     Args:
         phases: A list of ``{aggregator: <aggregator>, until_round: int | null, until_accuracy: float | null}``;
             the last phase needs no end.
-        weighting, server_lr: Of the hybrid's own server step (each phase's alpha is used as is).
+        weighting: p_i, for the ``alpha_distance`` diagnostic (each phase's alpha is used as is).
     """
 
-    def __init__(self, phases: list, weighting: str = "samples", server_lr: float = 1.0):
-        super().__init__(weighting, server_lr)
+    def __init__(self, phases: list, weighting: str = "samples"):
+        super().__init__(weighting)
         check(len(phases) >= 1, "phases", phases, "a non-empty list of {aggregator, until_round | until_accuracy}")
         self.phases = []
         for i, phase in enumerate(phases):

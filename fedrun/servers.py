@@ -1,0 +1,94 @@
+"""Server optimizers: the ``server`` group. Each turns the aggregated update Delta into a step on w.
+
+Delta = sum_i alpha_i Delta_i is a pseudo-gradient pointing downhill (Reddi et al. 2020 use its negative).
+State (momentum, second moments) persists across rounds and starts at zero.
+"""
+
+import torch
+
+from fedrun.errors import check
+
+
+class ServerOptimizer:
+    """``server=sgd``: w <- w + server_lr * Delta (FedAvg's step when server_lr = 1).
+
+    Args:
+        server_lr: Server learning rate, > 0.
+    """
+
+    def __init__(self, server_lr: float = 1.0):
+        check(server_lr > 0, "server_lr", server_lr, "a number > 0")
+        self.server_lr = server_lr
+
+    def step(self, params: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The new flat global model."""
+        return params + self.server_lr * delta
+
+
+class ServerMomentum(ServerOptimizer):
+    """FedAvgM (Hsu et al. 2019): v <- beta v + Delta, w <- w + server_lr v.
+
+    Args:
+        beta: Momentum in [0, 1).
+        server_lr: See ``ServerOptimizer``.
+    """
+
+    def __init__(self, server_lr: float = 1.0, beta: float = 0.9):
+        super().__init__(server_lr)
+        check(0 <= beta < 1, "beta", beta, "a number in [0, 1)")
+        self.beta, self.velocity = beta, None
+
+    def step(self, params, delta):
+        self.velocity = delta.clone() if self.velocity is None else self.beta * self.velocity + delta
+        return params + self.server_lr * self.velocity
+
+
+class ServerAdaptive(ServerOptimizer):
+    """FedOpt (Reddi et al. 2020, Algorithm 2): m <- beta1 m + (1 - beta1) Delta, v per the variant,
+    w <- w + server_lr * m / (sqrt(v) + eps). No bias correction; m and v start at 0.
+
+    Args:
+        server_lr: Server learning rate.
+        beta1: First-moment decay in [0, 1).
+        beta2: Second-moment decay in [0, 1) (Adam, Yogi).
+        eps: The adaptivity tau of the paper, > 0.
+    """
+
+    def __init__(self, server_lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, eps: float = 1e-3):
+        super().__init__(server_lr)
+        check(0 <= beta1 < 1, "beta1", beta1, "a number in [0, 1)")
+        check(0 <= beta2 < 1, "beta2", beta2, "a number in [0, 1)")
+        check(eps > 0, "eps", eps, "a number > 0")
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        self.m = self.v = None
+
+    def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, params, delta):
+        if self.m is None:
+            self.m, self.v = torch.zeros_like(delta), torch.zeros_like(delta)
+        self.m = self.beta1 * self.m + (1 - self.beta1) * delta
+        self.v = self.second_moment(self.v, delta * delta)
+        return params + self.server_lr * self.m / (self.v.sqrt() + self.eps)
+
+
+class ServerAdam(ServerAdaptive):
+    """FedAdam: v <- beta2 v + (1 - beta2) Delta^2."""
+
+    def second_moment(self, v, delta_sq):
+        return self.beta2 * v + (1 - self.beta2) * delta_sq
+
+
+class ServerYogi(ServerAdaptive):
+    """FedYogi: v <- v - (1 - beta2) Delta^2 sign(v - Delta^2)."""
+
+    def second_moment(self, v, delta_sq):
+        return v - (1 - self.beta2) * delta_sq * torch.sign(v - delta_sq)
+
+
+class ServerAdagrad(ServerAdaptive):
+    """FedAdagrad: v <- v + Delta^2 (beta2 unused)."""
+
+    def second_moment(self, v, delta_sq):
+        return v + delta_sq
