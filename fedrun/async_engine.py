@@ -21,6 +21,7 @@ from fedrun.aggregators.buffered import AsyncAggregator, BufferReport
 from fedrun.clients import evaluate, per_sample_loss, train_cohort
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, DivergenceError, check
+from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
@@ -105,17 +106,21 @@ class AsyncEngine:
         device: torch.device,
         seed: int,
         server: ServerOptimizer | None = None,
-        on_round: Callable[[dict, np.ndarray], None] = lambda metrics, alpha: None,
+        on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
         client_tests: list[np.ndarray] | None = None,
+        heterogeneity=None,
     ):
         """Simulate until ``schedule.rounds`` aggregations (server versions) or ``max_time``.
 
-        Same arguments as ``fedrun.engine.run``; each metrics row is one aggregation.
+        Same arguments as ``fedrun.engine.run``; each metrics row is one aggregation. Compute
+        heterogeneity comes from the speed groups here (``heterogeneity`` must be the equal-work default).
         """
         from fedrun.engine import RunResult
 
         if not isinstance(aggregator, AsyncAggregator):
             raise ConfigError("engine", "async", f"sync for {type(aggregator).__name__}, a synchronous aggregator")
+        if heterogeneity is not None and type(heterogeneity) is not EqualWork:
+            raise ConfigError("heterogeneity", type(heterogeneity).__name__, "none with engine=async (speeds model the heterogeneity)")
         group_of = self.assign(len(clients))
         server = server or ServerOptimizer()
         model.to(device).eval()
@@ -127,6 +132,7 @@ class AsyncEngine:
         speed_rng = [numpy_rng(seed, "speed", c) for c in range(len(clients))]
 
         w = flat_parameters(model)
+        message_mb = w.numel() * w.element_size() / 1e6
         version, jobs, buffer = 0, np.zeros(len(clients), dtype=int), []
         pulled = {c: (0, w) for c in range(len(clients))}  # model version and weights each client trains from
         events = []
@@ -147,9 +153,9 @@ class AsyncEngine:
                 jobs[c] += 1
                 from_version, w_pulled = pulled[c]
                 lr = base_lr * schedule.lr_decay**version
-                deltas, _ = train_cohort(model, w_pulled, x, y, [clients[c]], np.array([c]), optimizer, lr, schedule.work, seed, int(jobs[c]))
+                delta = train_cohort(model, w_pulled, x, y, [clients[c]], np.array([c]), optimizer, lr, schedule.work, seed, int(jobs[c])).deltas[0]
                 aggregator.observe(c, version - from_version)
-                buffer.append((c, deltas[0], version - from_version, w_pulled))
+                buffer.append((c, delta, version - from_version, w_pulled))
                 if len(buffer) < aggregator.buffer_size:
                     continue
                 ids = np.array([b[0] for b in buffer])
@@ -160,7 +166,8 @@ class AsyncEngine:
                 version, buffer = version + 1, []
                 alpha_all = np.bincount(ids, weights=alpha, minlength=len(clients))
                 applied += alpha_all
-                row = {"round": version, "virtual_time": now, "staleness_mean": staleness.mean(), "staleness_max": staleness.max(), "lr": lr}
+                row = {"round": version, "virtual_time": now, "staleness_mean": staleness.mean(), "staleness_max": staleness.max(), "lr": lr,
+                       "upload_mb": len(ids) * message_mb, "download_mb": len(ids) * message_mb}
                 row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
                 row.update(aggregator.diagnostics)
                 diverged = not torch.isfinite(w).all()
@@ -169,7 +176,7 @@ class AsyncEngine:
                     bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", t=f"{now:.1f}")
                 row["round_wall_s"], start = time.perf_counter() - start, time.perf_counter()
                 result.rows.append(row)
-                on_round(row, alpha_all)
+                on_round(row, {"alpha": alpha_all})
                 bar.update()
                 if diverged:
                     raise DivergenceError(f"non-finite global model after aggregation {version} (lr={lr:g})")

@@ -21,7 +21,7 @@ from fedrun.partitions import hold_out
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.tracking import Tracker, resolve_uri
 
-GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "device", "engine", "method", "experiment")
+GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine", "method", "experiment")
 
 
 def build(group: str, node: DictConfig, **runtime):
@@ -55,7 +55,7 @@ def setup(cfg: DictConfig) -> dict:
     seed = cfg.seed
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", seed, "an integer >= 0")
-    objects = {group: build(group, cfg[group]) for group in ("dataset", "partition", "aggregator", "server", "schedule", "device", "engine")}
+    objects = {group: build(group, cfg[group]) for group in ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")}
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])
@@ -151,6 +151,7 @@ def main(cfg: DictConfig) -> float | None:
             server=parts["server"],
             on_round=tracker.log_round,
             client_tests=parts["client_tests"],
+            heterogeneity=parts["heterogeneity"],
         )
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()

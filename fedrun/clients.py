@@ -14,6 +14,7 @@ from torch.nn.functional import cross_entropy
 from torch.nn.utils import parameters_to_vector
 
 from fedrun.models import load_flat
+from fedrun.optimizers import coefficient_norm
 from fedrun.seeding import torch_generator
 
 EVAL_BATCH = 4096
@@ -105,6 +106,31 @@ def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator:
         done += 1
 
 
+@dataclass
+class CohortUpdate:
+    """What local training of a cohort produced.
+
+    Attributes:
+        deltas: Delta_i = w_i - w, one row per cohort client.
+        local_losses: Each client's running training loss over its last local epoch.
+        steps: Local mini-batch steps each client took.
+        coefficient_norms: FedNova's ||a_i||_1 of each client's solver and steps.
+    """
+
+    deltas: torch.Tensor
+    local_losses: ClientLosses
+    steps: np.ndarray
+    coefficient_norms: np.ndarray
+
+
+def solver_coefficient_norm(optimizer: torch.optim.Optimizer, steps: int, lr: float) -> float:
+    """||a||_1 of a local solver: its own ``coefficient_norm`` if it has one, else from its momentum and mu."""
+    if hasattr(optimizer, "coefficient_norm"):
+        return optimizer.coefficient_norm(steps)
+    group = optimizer.param_groups[0]
+    return coefficient_norm(steps, lr, group.get("momentum", 0.0), group.get("mu", 0.0))
+
+
 def train_cohort(
     model: nn.Module,
     global_params: torch.Tensor,
@@ -114,12 +140,12 @@ def train_cohort(
     client_ids: np.ndarray,
     make_optimizer: Callable[..., torch.optim.Optimizer],
     lr: float,
-    work: LocalWork,
+    work: LocalWork | list[LocalWork],
     seed: int,
     round_: int,
     stream: str = "batches",
-) -> tuple[torch.Tensor, ClientLosses]:
-    """Train each cohort client from the global model and return their updates.
+) -> CohortUpdate:
+    """Train each cohort client from the global model.
 
     Args:
         model: A module whose parameters are overwritten (a workspace, not a client's model).
@@ -127,41 +153,49 @@ def train_cohort(
         x, y: Training tensors on the training device.
         parts: Each cohort client's sample indices.
         client_ids: The cohort's client ids (they key each client's mini-batch stream).
-        make_optimizer: ``make_optimizer(params, lr=...)`` gives a fresh local optimizer.
+        make_optimizer: ``make_optimizer(params, lr=...)`` gives a fresh local solver.
         lr: Local learning rate of this round.
-        work: How much local work.
+        work: How much local work, the same for all or one per client.
         seed: Run seed; mini-batch order comes from its ``stream`` keyed by (round, client).
         round_: The round, 1-based.
         stream: Name of the mini-batch random stream.
 
     Returns:
-        Delta_i = w_i - w, one row per cohort client, and each client's running training loss over its
-        last local epoch (the last ceil(n / batch_size) mini-batches), in both scales.
+        The updates, last-epoch running losses (the last ceil(n / batch_size) mini-batches, in both
+        scales), step counts and FedNova coefficient norms.
     """
+    works = work if isinstance(work, list) else [work] * len(parts)
     deltas = torch.empty(len(parts), global_params.numel(), dtype=global_params.dtype, device=global_params.device)
-    local_mean, local_authors = np.empty(len(parts)), np.empty(len(parts))
+    local_mean, local_authors = np.full(len(parts), np.nan), np.full(len(parts), np.nan)
+    steps, norms = np.zeros(len(parts), dtype=int), np.zeros(len(parts))
     model.train()
-    for row, (part, client) in enumerate(zip(parts, client_ids)):
+    for row, (part, client, job) in enumerate(zip(parts, client_ids, works)):
         load_flat(model, global_params)
         optimizer = make_optimizer(model.parameters(), lr=lr)  # fresh state: clients keep nothing across rounds
         index = torch.as_tensor(part, device=x.device)
         generator = torch_generator(seed, stream, round_, int(client))
         batch_losses, batch_sizes = [], []
-        for batch in _batches(len(part), work.batch_size, work.local_epochs, work.local_steps, generator):
+        for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, generator):
             chosen = index[batch.to(x.device)]
-            optimizer.zero_grad(set_to_none=True)
-            loss = cross_entropy(model(x[chosen]), y[chosen])
-            loss.backward()
-            optimizer.step()
-            batch_losses.append(loss.detach())
+
+            def closure():
+                optimizer.zero_grad(set_to_none=True)
+                loss = cross_entropy(model(x[chosen]), y[chosen])
+                loss.backward()
+                return loss
+
+            batch_losses.append(optimizer.step(closure).detach())
             batch_sizes.append(len(batch))
         deltas[row] = parameters_to_vector(model.parameters()).detach() - global_params
-        last = -(-len(part) // work.batch_size)  # batches in one epoch
-        epoch_losses = torch.stack(batch_losses[-last:]).double().cpu().numpy()
-        local_mean[row] = np.average(epoch_losses, weights=batch_sizes[-last:])
-        local_authors[row] = epoch_losses.sum() / len(part)
+        steps[row] = len(batch_losses)
+        norms[row] = solver_coefficient_norm(optimizer, len(batch_losses), lr)
+        if batch_losses:
+            last = -(-len(part) // job.batch_size)  # batches in one epoch
+            epoch_losses = torch.stack(batch_losses[-last:]).double().cpu().numpy()
+            local_mean[row] = np.average(epoch_losses, weights=batch_sizes[-last:])
+            local_authors[row] = epoch_losses.sum() / len(part)
     model.eval()
-    return deltas, ClientLosses(local_mean, local_authors)
+    return CohortUpdate(deltas, ClientLosses(local_mean, local_authors), steps, norms)
 
 
 class FStarEstimate:
@@ -196,8 +230,8 @@ class FStarEstimate:
         work = LocalWork(self.batch_size, local_epochs=1)
         for epoch in range(1, epochs + 1):
             lr = self.make_optimizer.keywords["lr"]
-            delta, _ = train_cohort(self.model, w, self.x, self.y, [part], np.array([client]), self.make_optimizer, lr, work, self.seed, epoch, "fstar")
-            w = w + delta[0]
+            update = train_cohort(self.model, w, self.x, self.y, [part], np.array([client]), self.make_optimizer, lr, work, self.seed, epoch, "fstar")
+            w = w + update.deltas[0]
             losses = cohort_losses(self.model, w, self.x, self.y, [part], self.batch_size)
             best_mean, best_authors = min(best_mean, losses.mean[0]), min(best_authors, losses.authors[0])
         return best_mean, best_authors

@@ -14,6 +14,7 @@ from fedrun.aggregators import Aggregator, CohortReport
 from fedrun.clients import FStarEstimate, LocalWork, client_accuracy, cohort_losses, evaluate, train_cohort
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, DivergenceError, check
+from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
@@ -96,8 +97,9 @@ def run(
     device: torch.device,
     seed: int,
     server: ServerOptimizer | None = None,
-    on_round: Callable[[dict, np.ndarray], None] = lambda metrics, alpha: None,
+    on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
     client_tests: list[np.ndarray] | None = None,
+    heterogeneity: EqualWork | None = None,
 ) -> RunResult:
     """Run synchronous federated training.
 
@@ -111,9 +113,11 @@ def run(
         device: Where to train.
         seed: Run seed (client sampling and mini-batch streams).
         server: Applies the combined update (default: w + Delta).
-        on_round: Called after each round with the metrics row and alpha over all clients.
+        on_round: Called after each round with the metrics row and per-client series over all clients
+            (``alpha``, ``local_steps``; 0 for clients not in the cohort).
         client_tests: Each client's own held-out samples (indices into train), or None. When given, the
             mean accuracy of the cohort's local models on them is logged as ``client_accuracy``.
+        heterogeneity: How much local work each cohort client does (default: the schedule's).
 
     Returns:
         The final model and the metrics rows.
@@ -126,6 +130,7 @@ def run(
     has_val = data.x_val is not None and len(data.y_val) > 0
     x_val, y_val = (data.x_val.to(device), data.y_val.to(device)) if has_val else (None, None)
     server = server or ServerOptimizer()
+    heterogeneity = heterogeneity or EqualWork()
     sizes = np.array([len(part) for part in clients])
     base_lr = optimizer.keywords["lr"]
     params = flat_parameters(model)
@@ -133,6 +138,8 @@ def run(
     sampler = numpy_rng(seed, "sampling")
     m = schedule.cohort_size(len(clients))
     accuracy_source = "val_accuracy" if has_val else "test_accuracy"
+    previous = None  # the previous global model, for aggregators that need it (MVR)
+    message_mb = params.numel() * params.element_size() / 1e6
     latest_accuracy = math.nan  # what accuracy-triggered aggregators (hybrid) see
     result = RunResult(params)
 
@@ -140,14 +147,23 @@ def run(
     for t in bar:
         start = time.perf_counter()
         cohort = np.sort(sampler.choice(len(clients), size=m, replace=False))
+        plan = heterogeneity.plan(t, cohort, sizes[cohort], schedule.work, seed)
+        works = [work for work in plan if work is not None]
+        cohort = cohort[[work is not None for work in plan]]  # stragglers that dropped out of the round
         parts = [clients[i] for i in cohort]
         # F_i(w_t): what the loss-weighted aggregators weigh by, measured before local training.
         losses = cohort_losses(model, params, x, y, parts, schedule.batch_size)
         if not np.all(np.isfinite(losses.mean)):
             raise DivergenceError(f"non-finite training loss of the global model at round {t}")
         lr = base_lr * schedule.lr_decay ** (t - 1)
-        deltas, local_losses = train_cohort(model, params, x, y, parts, cohort, optimizer, lr, schedule.work, seed, t)
-        report = CohortReport(cohort, sizes[cohort], losses, t, local_losses, latest_accuracy, accuracy_source, fstar)
+        trained = train_cohort(model, params, x, y, parts, cohort, optimizer, lr, works, seed, t)
+        deltas = trained.deltas
+        report = CohortReport(cohort, sizes[cohort], losses, t, trained.local_losses, latest_accuracy, accuracy_source, fstar,
+                              trained.steps, trained.coefficient_norms)
+        if aggregator.needs_previous_model and previous is not None:
+            # Same round and client keys, so the same mini-batches as the update from w_t.
+            report.previous_deltas = train_cohort(model, previous, x, y, parts, cohort, optimizer, lr, works, seed, t).deltas
+        previous = params
         # The papers' client accuracy: each local model on its own held-out split, before aggregation.
         local_accuracy = client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort]) if client_tests else None
         update, alpha = aggregator.aggregate(params, deltas, report)
@@ -155,7 +171,10 @@ def run(
         diverged = not torch.isfinite(params).all()
 
         # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
-        row = {"round": t, "train_loss": float(np.average(losses.mean, weights=sizes[cohort])), "lr": lr}
+        models = 2 if aggregator.needs_previous_model else 1
+        row = {"round": t, "train_loss": float(np.average(losses.mean, weights=sizes[cohort])), "lr": lr,
+               "upload_mb": models * len(cohort) * message_mb, "download_mb": models * len(cohort) * message_mb,
+               "local_steps_mean": float(trained.steps.mean())}
         row.update(dict.fromkeys(["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan))
         if local_accuracy is not None:
             row["client_accuracy"] = float(local_accuracy.mean())
@@ -167,10 +186,10 @@ def run(
             latest_accuracy = row[accuracy_source]
             bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", loss=f"{row['test_loss']:.4f}")
         row["round_wall_s"] = time.perf_counter() - start
-        alpha_all = np.zeros(len(clients))
-        alpha_all[cohort] = alpha
+        alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)
+        alpha_all[cohort], steps_all[cohort] = alpha, trained.steps
         result.rows.append(row)
-        on_round(row, alpha_all)  # logged before failing, so the diverging round is on record
+        on_round(row, {"alpha": alpha_all, "local_steps": steps_all})  # logged before failing, so the diverging round is on record
         if diverged:
             raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
         result.params = params

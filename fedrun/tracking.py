@@ -80,10 +80,13 @@ class Tracker:
         mlflow.log_params(params)
         mlflow.set_tags(tags)
 
-    def log_round(self, row: dict, alpha: np.ndarray) -> None:
-        """Append the round to the CSV files and send it to MLflow in one batch."""
+    def log_round(self, row: dict, per_client: dict[str, np.ndarray]) -> None:
+        """Append the round to the CSV files (``metrics.csv``, ``<name>.csv`` per per-client series) and send
+        it to MLflow in one batch."""
         self._append(self.metrics_path, row)
-        self._append(self.alpha_path, {"round": row["round"], **{f"client_{i}": a for i, a in enumerate(alpha)}})
+        for name, values in per_client.items():
+            self._append(self.dir / f"{name}.csv", {"round": row["round"], **{f"client_{i}": v for i, v in enumerate(values)}})
+        alpha = per_client["alpha"]
         if self.enabled:
             import mlflow
 

@@ -60,7 +60,7 @@ def test_hand_traced_events_for_three_constant_clients():
     ]
     assert [r["virtual_time"] for r, _ in rows] == [2.0, 3.0, 4.0, 5.0, 6.0]
     assert [r["staleness_max"] for r, _ in rows] == [0, 1, 2, 2, 1]
-    assert_allclose(rows[0][1], [1.0, 0, 0])  # client 0 twice: its alphas add up
+    assert_allclose(rows[0][1]["alpha"], [1.0, 0, 0])  # client 0 twice: its alphas add up
 
 
 def test_fedbuff_with_b_equal_to_clients_and_equal_speeds_is_synchronous_fedavg():

@@ -35,7 +35,7 @@ def test_cohort_updates_leave_global_untouched_and_match_reference():
     model = MLP((1, 2, 3), 3, hidden=(4,))
     w = flat_parameters(model)
     w_before = w.clone()
-    deltas, _ = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, LocalWork(5, 2), seed=0, round_=1)
+    deltas = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, LocalWork(5, 2), seed=0, round_=1).deltas
     assert torch.equal(w, w_before), "local training wrote into the global model"
     assert deltas.abs().sum(1).min() > 0
     for row, (part, client) in enumerate(zip(PARTS, [0, 1])):
@@ -45,7 +45,7 @@ def test_cohort_updates_leave_global_untouched_and_match_reference():
 def test_one_fedavg_round_is_the_sample_weighted_mean_of_client_models():
     model = MLP((1, 2, 3), 3, hidden=(4,))
     w = flat_parameters(model)
-    deltas, _ = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, LocalWork(5, 2), seed=0, round_=1)
+    deltas = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, LocalWork(5, 2), seed=0, round_=1).deltas
     report = CohortReport(np.array([0, 1]), np.array([12, 28]), None, 1)
     update, _ = FedAvg().aggregate(w, deltas, report)
     new = w + update
@@ -74,7 +74,7 @@ def test_cohort_losses_are_each_clients_mean_loss():
 def test_local_losses_are_the_last_epochs_running_loss():
     model = MLP((1, 2, 3), 3, hidden=(4,))
     w = flat_parameters(model)
-    _, local = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.0, LocalWork(5, 3), seed=0, round_=1)
+    local = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.0, LocalWork(5, 3), seed=0, round_=1).local_losses
     # lr = 0: the model never moves, so every batch loss is the global model's loss on that batch
     full = cohort_losses(model, w, X, Y, PARTS, batch_size=5)
     assert_allclose(local.mean, full.mean, rtol=1e-5)

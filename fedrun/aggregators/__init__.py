@@ -2,6 +2,7 @@
 
 from fedrun.aggregators.base import Aggregator, CohortReport
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport, FedAsync, FedBuff, FedStaleWeight
+from fedrun.aggregators.normalised import MVR, FedNova
 from fedrun.aggregators.loss_weighted import (
     FedAvg,
     FedBetter,
@@ -16,5 +17,5 @@ from fedrun.aggregators.loss_weighted import (
 
 __all__ = [
     "Aggregator", "AsyncAggregator", "BufferReport", "CohortReport", "FedAsync", "FedBuff", "FedStaleWeight", "FedAvg", "FedBetter", "FedBetterK", "FedMax", "FedMaxK",
-    "FedSoftBetter", "FedSoftMax", "Hybrid", "LossWeighted",
+    "FedNova", "FedSoftBetter", "FedSoftMax", "Hybrid", "LossWeighted", "MVR",
 ]

@@ -30,6 +30,10 @@ class CohortReport:
             validation split, else test); NaN before the first evaluation.
         accuracy_source: ``val_accuracy`` or ``test_accuracy``: which one ``accuracy`` is.
         fstar: ``fstar(client_ids, epochs)`` estimates F_i* (cached), or None.
+        steps: Local steps each client took.
+        coefficient_norms: FedNova's ||a_i||_1 of each client's local solver.
+        previous_deltas: For aggregators that ask (``needs_previous_model``): the updates each client
+            would have made from the previous global model on the same mini-batches; None in round 1.
     """
 
     clients: np.ndarray
@@ -40,6 +44,9 @@ class CohortReport:
     accuracy: float = math.nan
     accuracy_source: str = "test_accuracy"
     fstar: Callable[[np.ndarray, int], ClientLosses] | None = None
+    steps: np.ndarray | None = None
+    coefficient_norms: np.ndarray | None = None
+    previous_deltas: torch.Tensor | None = None
 
 
 class Aggregator:
@@ -53,7 +60,7 @@ class Aggregator:
             count) or ``uniform``; renormalised over the cohort.
     """
 
-    uploads_per_client = 1  # model-sized messages each client sends per round (communication cost)
+    needs_previous_model = False  # True: clients also train from the previous global model (previous_deltas)
 
     def __init__(self, weighting: str = "samples"):
         check(weighting in ("samples", "uniform"), "weighting", weighting, "samples or uniform")

@@ -1,0 +1,65 @@
+"""Aggregators that correct for unequal local work or client drift (paper 002's baselines and method)."""
+
+import numpy as np
+import torch
+
+from fedrun.aggregators.base import Aggregator, CohortReport
+from fedrun.errors import check
+
+
+class FedNova(Aggregator):
+    """FedNova (Wang et al. 2020): normalised averaging, Delta = tau_eff * sum_i p_i Delta_i / ||a_i||_1,
+    tau_eff = sum_i p_i ||a_i||_1, with ||a_i||_1 the client's accumulated step coefficients (its local
+    steps for plain SGD; the momentum and proximal forms follow the solver). Equals FedAvg when every
+    client does the same work with the same solver. alpha (logged) is p.
+    """
+
+    def weights(self, report: CohortReport) -> np.ndarray:
+        return self.base_weights(report)
+
+    def aggregate(self, global_params, deltas, report):
+        self.diagnostics = {"alpha_distance": 0.0}
+        p = self.base_weights(report)
+        norms = np.asarray(report.coefficient_norms, dtype=np.float64)
+        check(bool(np.all(norms > 0)), "aggregator", "fednova", "clients that take at least one local step")
+        tau_eff = float(p @ norms)
+        self.diagnostics["tau_eff"] = tau_eff
+        scale = torch.as_tensor(p * tau_eff / norms, dtype=deltas.dtype, device=deltas.device)
+        return scale @ deltas, p
+
+
+class MVR(Aggregator):
+    """Global momentum variance reduction (paper 002, Algorithm 2) in Delta form.
+
+    m_1 = sum_i p_i Delta_i^1 and, from round 2,
+    m_t = beta * sum_i p_i Delta_i^t + (1 - beta) m_{t-1} + (1 - beta) sum_i p_i (Delta_i^t - Delta_hat_i^{t-1}),
+    where Delta_hat_i^{t-1} is the update client i would have made from the previous global model on the
+    same mini-batches. The server optimizer then steps along m_t. Each client uploads two updates and
+    downloads two models per round.
+
+    Args:
+        beta: Weight of the fresh average, in (0, 1].
+        weighting: p_i (the paper averages uniformly).
+    """
+
+    needs_previous_model = True
+
+    def __init__(self, beta: float = 0.5, weighting: str = "uniform"):
+        super().__init__(weighting)
+        check(0 < beta <= 1, "beta", beta, "a number in (0, 1]")
+        self.beta, self.momentum = beta, None
+
+    def weights(self, report: CohortReport) -> np.ndarray:
+        return self.base_weights(report)
+
+    def aggregate(self, global_params, deltas, report):
+        self.diagnostics = {"alpha_distance": 0.0}
+        p = self.base_weights(report)
+        weights = torch.as_tensor(p, dtype=deltas.dtype, device=deltas.device)
+        fresh = weights @ deltas
+        if self.momentum is None or report.previous_deltas is None:
+            self.momentum = fresh  # round 1: plain averaging
+        else:
+            correction = weights @ (deltas - report.previous_deltas)
+            self.momentum = self.beta * fresh + (1 - self.beta) * (self.momentum + correction)
+        return self.momentum, p

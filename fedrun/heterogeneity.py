@@ -1,0 +1,68 @@
+"""Computational heterogeneity: how much local work each cohort client does in a round (``heterogeneity`` group)."""
+
+import math
+
+import numpy as np
+
+from fedrun.clients import LocalWork
+from fedrun.errors import check
+from fedrun.seeding import numpy_rng
+
+
+class EqualWork:
+    """``heterogeneity=none``: every client does the schedule's work."""
+
+    def plan(self, round_: int, cohort: np.ndarray, sizes: np.ndarray, work: LocalWork, seed: int) -> list[LocalWork | None]:
+        """Each cohort client's work this round, or None for a client that drops out."""
+        return [work] * len(cohort)
+
+
+def full_steps(size: int, work: LocalWork) -> int:
+    """The mini-batch steps of the schedule's work for a client of this size."""
+    return work.local_steps if work.local_steps is not None else math.ceil(size / work.batch_size) * work.local_epochs
+
+
+class RandomSteps(EqualWork):
+    """Local steps drawn per client uniformly from [low, high], fixed per client or redrawn every round.
+
+    Args:
+        low, high: Inclusive bounds on the number of local mini-batch steps (>= 1).
+        redraw: Draw again every round instead of once per client.
+    """
+
+    def __init__(self, low: int = 1, high: int = 50, redraw: bool = False):
+        check(isinstance(low, int) and low >= 1, "low", low, "an integer >= 1")
+        check(isinstance(high, int) and high >= low, "high", high, f"an integer >= low={low}")
+        self.low, self.high, self.redraw = low, high, redraw
+
+    def plan(self, round_, cohort, sizes, work, seed):
+        keys = [(round_, int(c)) if self.redraw else (int(c),) for c in cohort]
+        return [LocalWork(work.batch_size, local_steps=int(numpy_rng(seed, "work", *k).integers(self.low, self.high + 1))) for k in keys]
+
+
+class Stragglers(EqualWork):
+    """FedProx's protocol: each round a ``fraction`` of the cohort straggles. In ``partial`` mode a straggler
+    does a uniformly random number of steps in [1, its full work]; in ``drop`` mode it drops out of the round.
+
+    Args:
+        fraction: Share of the cohort that straggles, in [0, 1) (at least one client always finishes).
+        mode: ``partial`` or ``drop``.
+    """
+
+    def __init__(self, fraction: float = 0.5, mode: str = "partial"):
+        check(0 <= fraction < 1, "fraction", fraction, "a number in [0, 1)")
+        check(mode in ("partial", "drop"), "mode", mode, "partial or drop")
+        self.fraction, self.mode = fraction, mode
+
+    def plan(self, round_, cohort, sizes, work, seed):
+        rng = numpy_rng(seed, "stragglers", round_)
+        stragglers = set(rng.choice(len(cohort), size=int(self.fraction * len(cohort)), replace=False).tolist())
+        plan = []
+        for i, size in enumerate(sizes):
+            if i not in stragglers:
+                plan.append(work)
+            elif self.mode == "partial":
+                plan.append(LocalWork(work.batch_size, local_steps=int(rng.integers(1, full_steps(int(size), work) + 1))))
+            else:
+                plan.append(None)
+        return plan
