@@ -1,0 +1,134 @@
+"""Local solvers, FedNova, MVR and heterogeneity: equalities with plain SGD/FedAvg and hand-computed numbers."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from numpy.testing import assert_allclose
+
+from fedrun.aggregators import MVR, CohortReport, FedAvg, FedNova
+from fedrun.clients import LocalWork, train_cohort
+from fedrun.heterogeneity import RandomSteps, Stragglers
+from fedrun.models import MLP, flat_parameters
+from fedrun.optimizers import STORM, ProxSGD, coefficient_norm
+from fedrun.servers import ServerOptimizer
+
+torch.manual_seed(0)
+X, Y = torch.randn(40, 1, 2, 3), torch.randint(0, 3, (40,))
+PARTS = [np.arange(0, 12), np.arange(12, 40)]
+
+
+def updates(make_optimizer, lr=0.1, work=LocalWork(5, 2)):
+    torch.manual_seed(1)
+    model = MLP((1, 2, 3), 3, hidden=(4,))
+    return train_cohort(model, flat_parameters(model), X, Y, PARTS, np.array([0, 1]), make_optimizer, lr, work, seed=0, round_=1)
+
+
+def test_prox_with_mu_zero_is_sgd_and_mu_pulls_towards_the_global_model():
+    sgd = updates(functools.partial(torch.optim.SGD, momentum=0.5)).deltas
+    torch.testing.assert_close(updates(functools.partial(ProxSGD, mu=0.0, momentum=0.5)).deltas, sgd, rtol=0, atol=0)
+    pulled = updates(functools.partial(ProxSGD, mu=5.0, momentum=0.5)).deltas
+    assert (pulled.norm(dim=1) < sgd.norm(dim=1)).all()
+
+
+def test_storm_with_beta_one_is_sgd():
+    sgd = updates(torch.optim.SGD).deltas
+    torch.testing.assert_close(updates(functools.partial(STORM, beta=1.0)).deltas, sgd)
+    assert not torch.allclose(updates(functools.partial(STORM, beta=0.3)).deltas, sgd)
+
+
+def test_storm_adaptive_steps_by_hand():
+    # loss 0.5 (p - 3)^2, gradient p - 3, deterministic, so the correction term vanishes.
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = STORM([p], adaptive=True, k0=1.0, w0=18.0, beta=0.5)
+
+    def closure():
+        opt.zero_grad()
+        loss = 0.5 * (p - 3).pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)  # g = -3, sum g^2 = 9, eta = 1 / 27^(1/3) = 1/3
+    assert p.item() == pytest.approx(1.0)
+    opt.step(closure)  # g = -2, d = -2 + 0.5 (-3 - (-3)), sum g^2 = 13, eta = 1 / 31^(1/3)
+    assert p.item() == pytest.approx(1.0 + 2.0 / 31 ** (1 / 3))
+
+
+def test_coefficient_norms_match_fednova_closed_forms():
+    assert coefficient_norm(7, 0.1) == 7
+    rho, tau = 0.5, 6
+    assert coefficient_norm(tau, 0.1, momentum=rho) == pytest.approx((tau - rho * (1 - rho**tau) / (1 - rho)) / (1 - rho))
+    lr, mu = 0.1, 0.5
+    assert coefficient_norm(tau, lr, mu=mu) == pytest.approx((1 - (1 - lr * mu) ** tau) / (lr * mu))
+
+
+def test_solver_reports_steps_and_norms():
+    done = updates(functools.partial(torch.optim.SGD, momentum=0.5))
+    assert list(done.steps) == [6, 12]  # ceil(12/5) * 2, ceil(28/5) * 2
+    assert_allclose(done.coefficient_norms, [coefficient_norm(6, 0.1, 0.5), coefficient_norm(12, 0.1, 0.5)])
+
+
+def report(sizes, norms, previous=None):
+    return CohortReport(np.arange(len(sizes)), np.array(sizes), None, 1, coefficient_norms=np.array(norms, float), previous_deltas=previous)
+
+
+def test_fednova_equals_fedavg_with_equal_work_and_follows_its_formula_otherwise():
+    deltas = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    w = torch.zeros(2)
+    equal = report([1, 3], [5, 5])
+    torch.testing.assert_close(FedNova().aggregate(w, deltas, equal)[0], FedAvg().aggregate(w, deltas, equal)[0])
+    # p = [.25, .75], ||a|| = [2, 4]: tau_eff = 3.5, scales p * 3.5 / ||a|| = [.4375, .65625]
+    update, alpha = FedNova().aggregate(w, deltas, report([1, 3], [2, 4]))
+    assert_allclose(update.numpy(), [0.4375, 0.65625])
+    assert_allclose(alpha, [0.25, 0.75])
+
+
+def test_mvr_first_round_is_plain_averaging_then_its_momentum_by_hand():
+    agg, w = MVR(beta=0.5), torch.zeros(2)
+    first, _ = agg.aggregate(w, torch.tensor([[1.0, 3.0], [1.0, -1.0]]), report([1, 1], [1, 1]))
+    assert_allclose(first.numpy(), [1.0, 1.0])
+    # fresh mean [1, 1]; correction mean(Delta - Delta_hat) = [.5, .5]; m = .5 [1, 1] + .5 ([1, 1] + [.5, .5])
+    second, _ = agg.aggregate(w, torch.tensor([[2.0, 0.0], [0.0, 2.0]]),
+                              report([1, 1], [1, 1], previous=torch.tensor([[1.0, 0.0], [0.0, 1.0]])))
+    assert_allclose(second.numpy(), [1.25, 1.25])
+
+
+@pytest.mark.parametrize("lr", [0.1, 0.01])
+def test_two_client_quadratic_fedavg_bias_and_fednova_fixed_points(lr):
+    """F_i(x) = (x - e_i)^2 / 2, e = (0, 1), p = (1/2, 1/2), tau = (1, 10) local GD steps at this lr.
+
+    A client's update from x is c_i (e_i - x) with c_i = 1 - (1 - lr)^tau_i. FedAvg's fixed point is
+    sum p_i c_i e_i / sum p_i c_i; FedNova's (||a_i|| = tau_i) is sum p_i (c_i/tau_i) e_i / sum p_i (c_i/tau_i);
+    the true optimum is 1/2. (Wang et al.'s objective inconsistency: FedNova's residual bias vanishes as lr -> 0.)
+    """
+    e, tau = np.array([0.0, 1.0]), np.array([1, 10])
+    c = 1 - (1 - lr) ** tau
+    closed = {"fedavg": (c @ e) / c.sum(), "fednova": ((c / tau) @ e) / (c / tau).sum()}
+    for name, agg in (("fedavg", FedAvg(weighting="uniform")), ("fednova", FedNova(weighting="uniform"))):
+        x, server = torch.tensor([0.3], dtype=torch.float64), ServerOptimizer()
+        for _ in range(3000):
+            deltas = []
+            for target, steps in zip(e, tau):
+                local = x.clone()
+                for _ in range(steps):
+                    local = local - lr * (local - target)  # exact gradient step
+                deltas.append(local - x)
+            r = CohortReport(np.arange(2), np.ones(2), None, 1, coefficient_norms=np.array([coefficient_norm(s, lr) for s in tau]))
+            x = server.step(x, agg.aggregate(x, torch.stack(deltas), r)[0])
+        assert x.item() == pytest.approx(closed[name], abs=1e-9)
+    assert abs(closed["fednova"] - 0.5) < abs(closed["fedavg"] - 0.5) / 3
+
+
+def test_heterogeneity_plans():
+    cohort, sizes, work = np.arange(6), np.full(6, 20), LocalWork(5, local_epochs=2)
+    fixed = RandomSteps(low=2, high=9)
+    first, again = fixed.plan(1, cohort, sizes, work, 0), fixed.plan(2, cohort, sizes, work, 0)
+    assert [w.local_steps for w in first] == [w.local_steps for w in again]
+    assert all(2 <= w.local_steps <= 9 for w in first)
+    redrawn = RandomSteps(low=2, high=9, redraw=True)
+    assert [w.local_steps for w in redrawn.plan(1, cohort, sizes, work, 0)] != [w.local_steps for w in redrawn.plan(2, cohort, sizes, work, 0)]
+    partial = Stragglers(fraction=0.5).plan(3, cohort, sizes, work, 0)
+    assert sum(w is not work for w in partial) == 3 and all(1 <= w.local_steps <= 8 for w in partial if w is not work)
+    dropped = Stragglers(fraction=0.5, mode="drop").plan(3, cohort, sizes, work, 0)
+    assert sum(w is None for w in dropped) == 3
