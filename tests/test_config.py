@@ -12,15 +12,15 @@ from fedrun.errors import ConfigError
 
 CONF = Path(fedrun.conf.__file__).parent
 OPTIONS = sorted((d.name, f.stem) for d in CONF.iterdir() if d.is_dir() and not d.name.startswith("_") for f in d.glob("*.yaml"))
-OBJECT_GROUPS = ("dataset", "partition", "aggregator", "optimizer", "schedule", "device")
-GLOBAL_GROUPS = ("experiment", "sweep")  # presets that set keys across groups
+OBJECT_GROUPS = ("dataset", "partition", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine")
+GLOBAL_GROUPS = ("experiment", "sweep", "method")  # presets that set keys across groups
 # Small shapes that each model option accepts: images for the CNN, anything for the others.
 MODEL_INPUT = {"cnn": (1, 8, 8)}
 
 
 def test_groups_are_found():
     groups = {g for g, _ in OPTIONS}
-    assert {"dataset", "partition", "model", "aggregator", "optimizer", "schedule", "device"} <= groups
+    assert {"dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine", "method"} <= groups
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
