@@ -126,3 +126,18 @@ def test_async_run_logs_virtual_time_staleness_and_fairness_and_repeats_exactly(
     first, second = (pd.read_csv(j / "metrics.csv").filter(regex="^(?!.*_wall_s$)") for j in job_dirs(fedrun.cwd, "runs"))
     assert len(first) == 6
     pd.testing.assert_frame_equal(first, second)
+
+
+def test_methods_set_three_groups_and_mvr_doubles_communication(fedrun, store):
+    fedrun("-m", "method=fedavg,storm_vr", "schedule.rounds=2", "partition.num_clients=4", "schedule.local_steps=2",
+           "heterogeneity=stragglers", "heterogeneity.fraction=0.5", experiment="methods")
+    client, runs = mlflow_runs(store, "methods")
+    by_method = {r.data.tags["method"]: r for r in runs}
+    assert by_method["storm_vr"].data.tags["aggregator"] == "mvr" and by_method["storm_vr"].data.tags["optimizer"] == "storm"
+    assert by_method["fedavg"].data.tags["server"] == "sgd"
+    upload = {m: r.data.metrics["upload_mb"] for m, r in by_method.items()}
+    assert upload["storm_vr"] == pytest.approx(2 * upload["fedavg"])
+    for job in job_dirs(fedrun.cwd, "multiruns"):
+        steps = pd.read_csv(job / "local_steps.csv").drop(columns="round").to_numpy()
+        # every round: two clients do their full 2 steps, the two stragglers between 1 and 2
+        assert ((steps >= 1) & (steps <= 2)).all() and ((steps == 2).sum(axis=1) >= 2).all()
