@@ -26,6 +26,7 @@ def plot_curves(metrics: pd.DataFrame, path: Path, title: str = "") -> Path:
     acc_ax.set(xlabel="round", ylabel="accuracy", title="accuracy")
     loss_ax.set(xlabel="round", ylabel="cross-entropy", title="loss", yscale="log")
     for ax in (acc_ax, loss_ax):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)

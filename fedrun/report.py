@@ -105,7 +105,7 @@ def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accu
 
 def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str) -> Path:
     """Mean accuracy per round with its 95% Student-t band, one line per group."""
-    from fedrun.plots import plt
+    from fedrun.plots import MaxNLocator, plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, frame in groups.items():
@@ -113,6 +113,7 @@ def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str) -> Path:
         ax.plot(frame.index, stats[:, 0], label=f"{name} (n={frame.shape[1]})")
         ax.fill_between(frame.index, stats[:, 0] - np.nan_to_num(stats[:, 1]), stats[:, 0] + np.nan_to_num(stats[:, 1]), alpha=0.2)
     ax.set(xlabel="round", ylabel="test accuracy", title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
