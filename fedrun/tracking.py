@@ -96,15 +96,15 @@ class Tracker:
             mlflow.log_metrics(values, step=int(row["round"]))
 
     def _append(self, path: Path, row: dict) -> None:
-        rows = self._rows.setdefault(path, [])
+        rows, columns = self._rows.setdefault(path, []), self._columns.setdefault(path, [])
         rows.append(row)
-        columns = list(dict.fromkeys(key for r in rows for key in r))
-        if len(rows) > 1 and len(columns) == len(self._columns[path]):
+        new = [key for key in row if key not in columns]
+        if not new:
             with path.open("a", newline="") as handle:
                 csv.DictWriter(handle, fieldnames=columns).writerow(row)
             return
         # The first row, or a column that appeared mid-run (a hybrid's next phase): write the whole file.
-        self._columns[path] = columns
+        columns.extend(new)
         with path.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=columns)
             writer.writeheader()
