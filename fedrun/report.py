@@ -8,6 +8,7 @@ reached it ("reached k/n"), final and best test accuracy, smoothness. Writes ``r
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +47,10 @@ def label(column: str) -> str:
 
 def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """One row per group: counts, and mean / CI half-width / reached counts of every R-index and summary metric."""
+    matches = {c: R_INDEX.match(label(c)) for c in runs.columns if c.startswith("metrics.")}
     r_columns = sorted(
-        (c for c in runs.columns if c.startswith("metrics.") and label(c).replace("client_", "").startswith("R")),
-        key=lambda c: (label(c).startswith("client_"), float(label(c).replace("client_", "")[1:])),
+        (c for c, m in matches.items() if m),
+        key=lambda c: (bool(matches[c]["client"]), bool(matches[c]["time"]), float(matches[c]["target"])),
     )
     rows = []
     grouped = runs.fillna({k: "-" for k in keys}).groupby(keys, sort=True) if keys else [((), runs)]
@@ -65,6 +67,9 @@ def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+R_INDEX = re.compile(r"^(?P<client>client_)?R(?P<target>\d+(\.\d+)?)(?P<time>_time)?$")  # R60, client_R60, R60_time
+
+
 def _cell(mean: float, half: float, digits: int) -> str:
     if math.isnan(mean):
         return "-"
@@ -75,7 +80,7 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
     """A Markdown table: group keys, runs, then "mean ± CI" cells (R-indices with "reached k/n")."""
     names = [label(k) for k in keys]
     metrics = list(dict.fromkeys(c.rsplit("_", 1)[0] for c in table.columns if c.endswith("_mean")))
-    header = names + ["runs"] + [m if not m.replace("client_", "").startswith("R") else f"{m} (reached)" for m in metrics]
+    header = names + ["runs"] + [f"{m} (reached)" if R_INDEX.match(m) else m for m in metrics]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for _, row in table.iterrows():
         cells = [str(row[n]) for n in names] + [str(row["runs"])]

@@ -25,6 +25,8 @@ def frame():
             "params.aggregator.temperature": [None, None, "1", "1", "10", "10"],
             "params.tracking.uri": ["x"] * 6,
             "metrics.R60": [3.0, 5.0, 2.0, 4.0, np.nan, 6.0],
+            "metrics.R60_time": [30.5, 50.0, 20.0, 40.0, np.nan, 60.0],
+            "metrics.rounds_run": [9.0] * 6,
             "metrics.final_test_accuracy": [0.9, 0.92, 0.95, 0.93, 0.91, 0.94],
         }
     )
@@ -47,8 +49,10 @@ def test_summary_counts_reached_runs_and_uses_student_t():
     assert fedavg["R60_mean"] == 4.0 and fedavg["R60_ci95"] == pytest.approx(mean_ci([3.0, 5.0])[1])
     hot = table.loc[("fedsoftmax", "10")]
     assert hot["R60_reached"] == 1 and hot["R60_mean"] == 6.0 and math.isnan(hot["R60_ci95"])
+    assert fedavg["R60_time_mean"] == pytest.approx(40.25) and fedavg["R60_time_reached"] == 2
+    assert "rounds_run_mean" not in table  # not an R-index
     text = markdown(summarise(runs, keys), keys)
-    assert "| aggregator | aggregator.temperature | runs | R60 (reached) |" in text
+    assert "| aggregator | aggregator.temperature | runs | R60 (reached) | R60_time (reached) |" in text
     assert "4.0 ± 12.7 (2/2)" in text and "6.0 (1/2)" in text
 
 
