@@ -87,6 +87,13 @@ class AsyncEngine:
         check(max_time is None or max_time > 0, "max_time", max_time, "null or a number > 0")
         self.max_time = max_time
 
+    def check(self, aggregator, heterogeneity) -> None:
+        """Refuse, before training, what this engine cannot run."""
+        if not isinstance(aggregator, AsyncAggregator):
+            raise ConfigError("engine", "async", f"sync for {type(aggregator).__name__}, a synchronous aggregator")
+        if heterogeneity is not None and type(heterogeneity) is not EqualWork:
+            raise ConfigError("heterogeneity", type(heterogeneity).__name__, "none with engine=async (speeds model the heterogeneity)")
+
     def assign(self, num_clients: int) -> np.ndarray:
         """Each client's speed group index."""
         fixed = sum(g.clients for g in self.groups if g.clients is not None)
@@ -117,10 +124,7 @@ class AsyncEngine:
         """
         from fedrun.engine import RunResult
 
-        if not isinstance(aggregator, AsyncAggregator):
-            raise ConfigError("engine", "async", f"sync for {type(aggregator).__name__}, a synchronous aggregator")
-        if heterogeneity is not None and type(heterogeneity) is not EqualWork:
-            raise ConfigError("heterogeneity", type(heterogeneity).__name__, "none with engine=async (speeds model the heterogeneity)")
+        self.check(aggregator, heterogeneity)
         group_of = self.assign(len(clients))
         server = server or ServerOptimizer()
         model.to(device).eval()

@@ -55,7 +55,9 @@ def setup(cfg: DictConfig) -> dict:
     seed = cfg.seed
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", seed, "an integer >= 0")
-    objects = {group: build(group, cfg[group]) for group in ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")}
+    groups = ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")
+    objects = {group: build(group, cfg[group]) for group in groups}
+    objects["engine"].check(objects["aggregator"], objects["heterogeneity"])
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])

@@ -122,8 +122,6 @@ def run(
     Returns:
         The final model and the metrics rows.
     """
-    if not isinstance(aggregator, Aggregator):
-        raise ConfigError("engine", "sync", f"async for {type(aggregator).__name__}, an asynchronous aggregator")
     model.to(device).eval()
     x, y = data.x_train.to(device), data.y_train.to(device)
     x_test, y_test = data.x_test.to(device), data.y_test.to(device)
@@ -202,5 +200,11 @@ def run(
 class SyncEngine:
     """The ``engine=sync`` option: runs ``run`` (a class, so unknown config keys fail when it is built)."""
 
+    def check(self, aggregator, heterogeneity) -> None:
+        """Refuse, before training, an aggregator this engine cannot run."""
+        if not isinstance(aggregator, Aggregator):
+            raise ConfigError("engine", "sync", f"async for {type(aggregator).__name__}, an asynchronous aggregator")
+
     def __call__(self, **kwargs) -> RunResult:
+        self.check(kwargs["aggregator"], kwargs.get("heterogeneity"))
         return run(**kwargs)

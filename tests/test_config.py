@@ -80,6 +80,8 @@ def test_working_combinations_build(compose_config, overrides):
         (["partition=natural"], "partition=", "does not come split"),
         (["optimizer.lr=-1"], "optimizer=", "learning rate"),
         (["seed=-1"], "seed=-1", ">= 0"),
+        (["aggregator=fedbuff", "engine=sync"], "engine='sync'", "async for FedBuff"),
+        (["aggregator=fedbuff", "heterogeneity=stragglers"], "heterogeneity='Stragglers'", "none with engine=async"),
         (["metrics.r_targets=[0.6,1.5]"], "metrics.r_targets", "(0, 1]"),
     ],
 )
