@@ -19,9 +19,8 @@ from fedrun.errors import ConfigError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
 from fedrun.seeding import numpy_rng, torch_seed
-from fedrun.tracking import Tracker, resolve_uri
+from fedrun.tracking import CONFIG_GROUPS, Tracker, resolve_uri
 
-GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine", "method", "experiment")
 
 
 def build(group: str, node: DictConfig, **runtime):
@@ -115,7 +114,7 @@ def main(cfg: DictConfig) -> float | None:
         print(f"fedrun: error: {exc}", file=sys.stderr)
         sys.exit(2)
 
-    choices = {group: hydra_cfg.runtime.choices[group] for group in GROUPS if hydra_cfg.runtime.choices.get(group)}
+    choices = {group: hydra_cfg.runtime.choices[group] for group in CONFIG_GROUPS if hydra_cfg.runtime.choices.get(group)}
     tags = {
         **choices,
         "seed": str(cfg.seed),

@@ -15,8 +15,8 @@ import numpy as np
 import pandas as pd
 
 from fedrun.metrics import mean_ci
+from fedrun.tracking import CONFIG_GROUPS
 
-GROUP_TAGS = ("dataset", "partition", "model", "aggregator", "optimizer", "schedule", "device")
 IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
 SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_autocorr")
 
@@ -33,7 +33,7 @@ def group_keys(runs: pd.DataFrame) -> list[str]:
             return values.nunique() > 1
         return values.groupby([runs[k].fillna("-").astype(str) for k in by]).nunique().max() > 1
 
-    keys = [f"tags.{t}" for t in GROUP_TAGS if f"tags.{t}" in runs and varies(f"tags.{t}", [])]
+    keys = [f"tags.{t}" for t in CONFIG_GROUPS if f"tags.{t}" in runs and varies(f"tags.{t}", [])]
     params = [
         c for c in runs.columns
         if c.startswith("params.") and not c.endswith("._target_") and not c[len("params."):].startswith(IGNORED_PARAMS)
@@ -47,6 +47,9 @@ def label(column: str) -> str:
 
 def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """One row per group: counts, and mean / CI half-width / reached counts of every R-index and summary metric."""
+    # A target no run reached exists only as a tag (R95=not_reached): give it an empty metric column.
+    unreached = [f"metrics.{label(c)}" for c in runs.columns if c.startswith("tags.") and R_INDEX.match(label(c))]
+    runs = runs.assign(**{c: math.nan for c in unreached if c not in runs})
     matches = {c: R_INDEX.match(label(c)) for c in runs.columns if c.startswith("metrics.")}
     r_columns = sorted(
         (c for c, m in matches.items() if m),
@@ -154,9 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.group_by:
         keys = []
         for key in args.group_by:
-            column = f"tags.{key}" if key in GROUP_TAGS else f"params.{key}"
+            column = f"tags.{key}" if key in CONFIG_GROUPS else f"params.{key}"
             if column not in finished:
-                raise SystemExit(f"fedrun-report: error: --group-by {key!r} is neither a group ({', '.join(GROUP_TAGS)}) nor a logged config key")
+                raise SystemExit(f"fedrun-report: error: --group-by {key!r} is neither a group ({', '.join(CONFIG_GROUPS)}) nor a logged config key")
             keys.append(column)
     else:
         keys = group_keys(finished)

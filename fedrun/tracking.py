@@ -16,6 +16,11 @@ from fedrun.metrics import lag1_autocorr, r_index, r_name, smoothness
 from fedrun.plots import plot_alpha_heatmap, plot_curves
 
 
+# Config groups whose chosen option becomes a run tag (and a grouping key in fedrun-report).
+CONFIG_GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity",
+                 "device", "engine", "method", "experiment")
+
+
 def resolve_uri(uri: str, start_dir: Path) -> str:
     """Make a relative ``sqlite:///`` URI absolute against the directory fedrun was started in."""
     prefix = "sqlite:///"

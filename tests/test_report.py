@@ -27,6 +27,7 @@ def frame():
             "metrics.R60": [3.0, 5.0, 2.0, 4.0, np.nan, 6.0],
             "metrics.R60_time": [30.5, 50.0, 20.0, 40.0, np.nan, 60.0],
             "metrics.rounds_run": [9.0] * 6,
+            "tags.R95": ["not_reached"] * 6,
             "metrics.final_test_accuracy": [0.9, 0.92, 0.95, 0.93, 0.91, 0.94],
         }
     )
@@ -51,8 +52,9 @@ def test_summary_counts_reached_runs_and_uses_student_t():
     assert hot["R60_reached"] == 1 and hot["R60_mean"] == 6.0 and math.isnan(hot["R60_ci95"])
     assert fedavg["R60_time_mean"] == pytest.approx(40.25) and fedavg["R60_time_reached"] == 2
     assert "rounds_run_mean" not in table  # not an R-index
+    assert fedavg["R95_reached"] == 0  # a target no run reached still has its column
     text = markdown(summarise(runs, keys), keys)
-    assert "| aggregator | aggregator.temperature | runs | R60 (reached) | R60_time (reached) |" in text
+    assert "| aggregator | aggregator.temperature | runs | R60 (reached) | R95 (reached) | R60_time (reached) |" in text
     assert "4.0 ± 12.7 (2/2)" in text and "6.0 (1/2)" in text
 
 
