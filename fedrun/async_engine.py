@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pandas as pd
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport
 from fedrun.clients import evaluate, per_sample_loss, train_cohort
 from fedrun.datasets import FederatedData
+from fedrun.engine import RunResult
 from fedrun.errors import ConfigError, DivergenceError, check
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
@@ -122,8 +124,6 @@ class AsyncEngine:
         Same arguments as ``fedrun.engine.run``; each metrics row is one aggregation. Compute
         heterogeneity comes from the speed groups here (``heterogeneity`` must be the equal-work default).
         """
-        from fedrun.engine import RunResult
-
         self.check(aggregator, heterogeneity)
         group_of = self.assign(len(clients))
         server = server or ServerOptimizer()
@@ -219,8 +219,6 @@ class AsyncEngine:
 
     def _fairness(self, model, w, x, y, clients, client_tests, group_of, applied):
         """Weight shares per client and group, and the spread of per-client accuracy of the final model."""
-        import pandas as pd
-
         total = applied.sum() or 1.0
         held_out = client_tests or clients
         accuracy = np.array([evaluate(model, w, x[torch.as_tensor(p, device=x.device)], y[torch.as_tensor(p, device=x.device)])[0] for p in held_out])
