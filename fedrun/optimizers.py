@@ -21,12 +21,13 @@ def coefficient_norm(steps: int, lr: float, momentum: float = 0.0, mu: float = 0
         return 0.0
     if momentum == 0 and mu == 0:
         return float(steps)
-    moved, buffer = np.zeros(steps), np.zeros(steps)  # column j: the effect of a unit gradient at step j
+    # Column j: the displacement (in units of lr) caused by a unit gradient at step j, so no division by lr.
+    moved, buffer = np.zeros(steps), np.zeros(steps)
     for k in range(steps):
-        buffer = momentum * buffer + mu * moved
+        buffer = momentum * buffer + lr * mu * moved
         buffer[k] += 1.0
-        moved = moved - lr * buffer
-    return float(-moved.sum() / lr)
+        moved = moved - buffer
+    return float(-moved.sum())
 
 
 class ProxSGD(torch.optim.SGD):

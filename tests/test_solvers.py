@@ -61,6 +61,7 @@ def test_coefficient_norms_match_fednova_closed_forms():
     assert coefficient_norm(tau, 0.1, momentum=rho) == pytest.approx((tau - rho * (1 - rho**tau) / (1 - rho)) / (1 - rho))
     lr, mu = 0.1, 0.5
     assert coefficient_norm(tau, lr, mu=mu) == pytest.approx((1 - (1 - lr * mu) ** tau) / (lr * mu))
+    assert coefficient_norm(tau, 0.0, momentum=rho, mu=mu) == coefficient_norm(tau, 0.1, momentum=rho)  # lr -> 0: no prox pull
 
 
 def test_solver_reports_steps_and_norms():
