@@ -63,9 +63,15 @@ class ClientLosses:
 
 
 def _authors_scale(losses: torch.Tensor, batch_size: int) -> float:
-    """Sum over consecutive batches of the batch mean loss, divided by the sample count."""
-    means = [chunk.mean() for chunk in losses.split(batch_size)]
-    return float(torch.stack(means).sum()) / len(losses)
+    """Sum over consecutive batches of the batch mean loss, divided by the sample count.
+
+    Full batches contribute their sum / batch_size, the last partial batch its sum / its size.
+    """
+    full = len(losses) - len(losses) % batch_size
+    total = losses[:full].sum() / batch_size
+    if full < len(losses):
+        total = total + losses[full:].mean()
+    return float(total) / len(losses)
 
 
 def cohort_losses(
