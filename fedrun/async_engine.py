@@ -175,7 +175,7 @@ class AsyncEngine:
                 row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
                 row.update(aggregator.diagnostics)
                 diverged = not torch.isfinite(w).all()
-                if not diverged and (version % schedule.eval_every == 0 or version == schedule.rounds):
+                if not diverged and schedule.evaluates(version):
                     row.update(self._evaluate(model, w, x_test, y_test, label_sets))
                     bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", t=f"{now:.1f}")
                 row["round_wall_s"], start = time.perf_counter() - start, time.perf_counter()
@@ -185,8 +185,7 @@ class AsyncEngine:
                 if diverged:
                     raise DivergenceError(f"non-finite global model after aggregation {version} (lr={lr:g})")
                 result.params = w
-                reached = schedule.stop_at_accuracy is not None and row["test_accuracy"] >= schedule.stop_at_accuracy
-                if version == schedule.rounds or reached:
+                if version == schedule.rounds or schedule.reached(row["test_accuracy"]):
                     done = True
                     break
             for c in arrived:  # restart with the newest model at this instant, this instant's aggregations included

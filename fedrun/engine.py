@@ -58,6 +58,14 @@ class Schedule:
     def work(self) -> LocalWork:
         return LocalWork(self.batch_size, self.local_epochs, self.local_steps)
 
+    def evaluates(self, t: int) -> bool:
+        """Whether round (or aggregation) ``t`` is evaluated: every ``eval_every``, and always the last."""
+        return t % self.eval_every == 0 or t == self.rounds
+
+    def reached(self, accuracy: float) -> bool:
+        """Whether ``accuracy`` (NaN when not evaluated) meets ``stop_at_accuracy``."""
+        return self.stop_at_accuracy is not None and accuracy >= self.stop_at_accuracy
+
     def cohort_size(self, num_clients: int) -> int:
         return max(1, int(round(self.clients_per_round * num_clients)))
 
@@ -177,7 +185,7 @@ def run(
         if local_accuracy is not None:
             row["client_accuracy"] = float(local_accuracy.mean())
         row.update(aggregator.diagnostics)
-        if not diverged and (t % schedule.eval_every == 0 or t == schedule.rounds):
+        if not diverged and schedule.evaluates(t):
             row["test_accuracy"], row["test_loss"] = evaluate(model, params, x_test, y_test)
             if has_val:
                 row["val_accuracy"], row["val_loss"] = evaluate(model, params, x_val, y_val)
@@ -191,7 +199,7 @@ def run(
         if diverged:
             raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
         result.params = params
-        if schedule.stop_at_accuracy is not None and row["test_accuracy"] >= schedule.stop_at_accuracy:
+        if schedule.reached(row["test_accuracy"]):
             break
     bar.close()
     return result

@@ -42,3 +42,12 @@ def test_mean_ci_matches_student_t():
     mean, half = mean_ci([1.0, 2.0, 3.0])
     assert mean == 2.0 and half == pytest.approx(4.302653 / math.sqrt(3), rel=1e-6)
     assert mean_ci([5.0])[0] == 5.0 and math.isnan(mean_ci([5.0])[1])
+
+
+def test_schedule_evaluation_and_stop_decisions():
+    from fedrun.engine import Schedule
+
+    schedule = Schedule(rounds=10, eval_every=4, stop_at_accuracy=0.9)
+    assert [t for t in range(1, 11) if schedule.evaluates(t)] == [4, 8, 10]
+    assert schedule.reached(0.9) and not schedule.reached(0.89) and not schedule.reached(math.nan)
+    assert not Schedule(stop_at_accuracy=None).reached(1.0)
