@@ -56,7 +56,7 @@ class Tracker:
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.num_clients, self.enabled, self.uri, self.experiment = num_clients, enabled, uri, experiment
+        self.enabled, self.uri, self.experiment = enabled, uri, experiment
         self.alpha_series = num_clients <= max_alpha_series
         self.r_targets = tuple(r_targets)
         self.metrics_path, self.alpha_path = self.dir / "metrics.csv", self.dir / "alpha.csv"
@@ -121,11 +121,9 @@ class Tracker:
         for name, table in tables.items():
             table.to_csv(self.dir / name, index=False)
 
-    def summary(self) -> tuple[dict, dict]:
-        """Metrics and tags that summarise the run so far: R-indices, accuracy, stability of the curve."""
-        if not self.metrics_path.exists():
-            return {}, {}
-        metrics = pd.read_csv(self.metrics_path)
+    def summary(self, metrics: pd.DataFrame) -> tuple[dict, dict]:
+        """Metrics and tags that summarise the run so far (``metrics.csv`` as a frame): R-indices,
+        accuracy, stability of the curve."""
         values, tags = {"rounds_run": len(metrics), "total_wall_s": float(metrics["round_wall_s"].sum())}, {}
         accuracy = metrics["test_accuracy"].dropna()
         if len(accuracy):
@@ -158,14 +156,15 @@ class Tracker:
             title: Plot title.
             tags: Further run-level tags (e.g. from the aggregator).
         """
-        values, summary_tags = self.summary()
+        metrics = pd.read_csv(self.metrics_path) if self.metrics_path.exists() else None
+        values, summary_tags = self.summary(metrics) if metrics is not None else ({}, {})
         tags = {**summary_tags, **(tags or {})}
         if reason:
             tags["failure_reason"] = reason[:5000]
         if model is not None:
             torch.save(model.state_dict(), self.dir / "model.pt")
-        if self.metrics_path.exists():
-            plot_curves(pd.read_csv(self.metrics_path), self.dir / "curves.png", title)
+        if metrics is not None:
+            plot_curves(metrics, self.dir / "curves.png", title)
             plot_alpha_heatmap(pd.read_csv(self.alpha_path), self.dir / "alpha_heatmap.png", title, top=10)
         pd.Series({**values, **tags}, dtype=object).to_csv(self.dir / "summary.csv", header=["value"])
         if not self.enabled or self.run_id is None:
