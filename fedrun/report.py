@@ -45,6 +45,15 @@ def label(column: str) -> str:
     return column.split(".", 1)[1]
 
 
+def groups(runs: pd.DataFrame, keys: list[str]):
+    """(values of the keys, runs) per group, sorted; missing values group as "-"; one group without keys."""
+    if not keys:
+        yield (), runs
+        return
+    for values, group in runs.fillna({k: "-" for k in keys}).groupby(keys, sort=True):
+        yield (values if isinstance(values, tuple) else (values,)), group
+
+
 def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """One row per group: counts, and mean / CI half-width / reached counts of every R-index and summary metric."""
     # A target no run reached exists only as a tag (R95=not_reached): give it an empty metric column.
@@ -56,9 +65,7 @@ def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         key=lambda c: (bool(matches[c]["client"]), bool(matches[c]["time"]), float(matches[c]["target"])),
     )
     rows = []
-    grouped = runs.fillna({k: "-" for k in keys}).groupby(keys, sort=True) if keys else [((), runs)]
-    for values, group in grouped:
-        values = values if isinstance(values, tuple) else (values,)
+    for values, group in groups(runs, keys):
         row = {label(k): v for k, v in zip(keys, values)}
         row["runs"] = len(group)
         for column in list(r_columns) + [f"metrics.{m}" for m in SUMMARY if f"metrics.{m}" in runs]:
@@ -98,9 +105,7 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
 def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accuracy") -> dict[str, pd.DataFrame]:
     """Per group, a rounds x runs frame of ``metric``; runs that stopped early carry their last value forward."""
     out = {}
-    grouped = runs.fillna({k: "-" for k in keys}).groupby(keys, sort=True) if keys else [((), runs)]
-    for values, group in grouped:
-        values = values if isinstance(values, tuple) else (values,)
+    for values, group in groups(runs, keys):
         name = ", ".join(f"{label(k)}={v}" for k, v in zip(keys, values)) or "all runs"
         series = {
             run_id: pd.Series({m.step: m.value for m in client.get_metric_history(run_id, metric)})
