@@ -60,6 +60,8 @@ def setup(cfg: DictConfig) -> dict:
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])
+    except ConfigError as exc:
+        raise exc.within("optimizer") from None
     except (ValueError, TypeError) as exc:
         raise _explain("optimizer", cfg.optimizer, exc) from None
     for target in cfg.metrics.r_targets:
@@ -132,6 +134,7 @@ def main(cfg: DictConfig) -> float | None:
         max_alpha_series=cfg.tracking.max_alpha_series,
         r_targets=tuple(cfg.metrics.r_targets),
     )
+    tracker.log_partition(parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"])
     resolved = OmegaConf.to_container(cfg, resolve=True)
     OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
     title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset", "method")) + f" seed={cfg.seed}"

@@ -179,6 +179,15 @@ def train_cohort(
         load_flat(model, global_params)
         optimizer = make_optimizer(model.parameters(), lr=lr)  # fresh state: clients keep nothing across rounds
         index = torch.as_tensor(part, device=x.device)
+        if hasattr(optimizer, "start_round"):  # solvers whose step follows the round (STORM's eta_t)
+
+            def full_closure(index=index):
+                optimizer.zero_grad(set_to_none=True)
+                loss = cross_entropy(model(x[index]), y[index])
+                loss.backward()
+                return loss
+
+            optimizer.start_round(round_, full_closure)
         generator = torch_generator(seed, stream, round_, int(client))
         batch_losses, batch_sizes = [], []
         for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, generator):

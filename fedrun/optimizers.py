@@ -62,28 +62,58 @@ class ProxSGD(torch.optim.SGD):
 
 
 class STORM(torch.optim.Optimizer):
-    """The STORM local solver of paper 002 (Cutkosky & Orabona 2019):
-    d_k = g(w_k; B_k) + (1 - beta)(d_{k-1} - g(w_{k-1}; B_k)), w_{k+1} = w_k - eta_k d_k,
-    both gradients on the same mini-batch B_k (the closure is called again at w_{k-1}); d_0 = g(w_0; B_0).
+    """The STORM local solver of paper 002 (Cutkosky & Orabona 2019; paper 002 eq. 3 and Algorithm 1):
+    d_k = g(w_k; B_k) + (1 - beta)(d_{k-1} - g(w_{k-1}; B_k)), w_{k+1} = w_k - eta_t d_k,
+    both gradients on the same mini-batch B_k (the closure is called again at w_{k-1}).
+
+    d_0 is the first mini-batch's gradient (``init: minibatch``) or the gradient over all of the client's
+    samples at the round's starting model (``init: full``, paper 002 line 159: "the full gradient is
+    considered in the computation of the initial gradient"; Algorithm 1 line 6). With ``full`` that
+    gradient takes the place of the first mini-batch's, so the step count does not change. Paper 002 runs
+    beta = 0 (line 159: "similar to 3 where beta = 0"), the pure recursive correction.
+
+    The step eta_t belongs to the round, not to the client (Algorithm 1 line 13 updates omega and
+    omega-hat with the same eta_t): ``lr`` when ``adaptive`` is false, else Theorem A.1's schedule
+    (paper 002 line 259) eta_t = k0 / (w0 + sigma2 * t)^(1/3), with t the round the server announces
+    (``start_round``). It is constant during a round, decreases across rounds, and needs no client
+    state between rounds. (Algorithm 1 line 10 writes the gradient in place of sigma^2 t; its garbled
+    text does not say over which steps it accumulates, Theorem A.1 does.)
 
     Args:
         params: Model parameters.
         lr: The fixed step when ``adaptive`` is false.
-        beta: Momentum weight in (0, 1]; 1 is plain SGD.
-        adaptive: Use eta_k = k0 / (w0 + sum of squared gradient norms so far)^(1/3).
-        k0, w0: Constants of the adaptive step.
+        beta: Momentum weight in [0, 1]; 1 is plain SGD, 0 the paper's pure recursion.
+        init: ``minibatch`` or ``full`` (see above).
+        adaptive: Use Theorem A.1's eta_t instead of ``lr``.
+        k0, w0, sigma2: k, w and sigma^2 of eta_t = k0 / (w0 + sigma2 * t)^(1/3).
         weight_decay: L2 term added to every gradient.
     """
 
-    def __init__(self, params, lr: float = 0.05, beta: float = 0.2, adaptive: bool = False, k0: float = 0.1,
-                 w0: float = 0.1, weight_decay: float = 0.0):
+    def __init__(self, params, lr: float = 0.05, beta: float = 0.2, init: str = "minibatch", adaptive: bool = False,
+                 k0: float = 0.1, w0: float = 0.1, sigma2: float = 1.0, weight_decay: float = 0.0):
         check(lr > 0, "lr", lr, "a number > 0")
-        check(0 < beta <= 1, "beta", beta, "a number in (0, 1]")
+        check(0 <= beta <= 1, "beta", beta, "a number in [0, 1]")
+        check(init in ("minibatch", "full"), "init", init, "minibatch or full")
         check(k0 > 0, "k0", k0, "a number > 0")
         check(w0 > 0, "w0", w0, "a number > 0")
+        check(sigma2 >= 0, "sigma2", sigma2, "a number >= 0")
         check(weight_decay >= 0, "weight_decay", weight_decay, "a number >= 0")
-        super().__init__(params, dict(lr=lr, beta=beta, adaptive=adaptive, k0=k0, w0=w0, weight_decay=weight_decay))
-        self.grad_sq_sum = 0.0
+        super().__init__(params, dict(lr=lr, beta=beta, weight_decay=weight_decay))
+        self.init, self.adaptive, self.k0, self.w0, self.sigma2 = init, adaptive, k0, w0, sigma2
+        self.eta = lr
+        self.etas: list[float] = []  # the step of every update taken, for tests and diagnostics
+        self._full_closure = None
+
+    @staticmethod
+    def step_size(round_: int, k0: float, w0: float, sigma2: float) -> float:
+        """Theorem A.1's eta_t = k0 / (w0 + sigma2 * t)^(1/3)."""
+        return k0 / (w0 + sigma2 * round_) ** (1 / 3)
+
+    def start_round(self, round_: int, full_closure) -> None:
+        """Called before the client's first step: the round t the server announced, and a closure giving
+        the loss over all of the client's samples (for ``init: full``)."""
+        self.eta = self.step_size(round_, self.k0, self.w0, self.sigma2) if self.adaptive else self.param_groups[0]["lr"]
+        self._full_closure = full_closure
 
     def coefficient_norm(self, steps: int) -> float:
         """FedNova's ||a||_1, counting each STORM step as one plain step."""
@@ -98,23 +128,26 @@ class STORM(torch.optim.Optimizer):
     def step(self, closure):
         group = self.param_groups[0]
         params = group["params"]
-        loss, grads = self._gradients(closure, params, group["weight_decay"])
         first = "direction" not in self.state[params[0]]
-        if first or group["beta"] == 1:
-            directions = grads
+        if first and self.init == "full":
+            check(self._full_closure is not None, "init", self.init, "minibatch when the trainer gives no full-data closure")
+            loss, directions = self._gradients(self._full_closure, params, group["weight_decay"])
         else:
-            current = [p.detach().clone() for p in params]
-            for p in params:
-                p.copy_(self.state[p]["previous"])
-            _, previous_grads = self._gradients(closure, params, group["weight_decay"])  # g(w_{k-1}; B_k)
-            for p, value in zip(params, current):
-                p.copy_(value)
-            keep = 1 - group["beta"]
-            directions = [g + keep * (self.state[p]["direction"] - gp) for p, g, gp in zip(params, grads, previous_grads)]
-        self.grad_sq_sum += float(sum(g.pow(2).sum() for g in grads))
-        eta = group["k0"] / (group["w0"] + self.grad_sq_sum) ** (1 / 3) if group["adaptive"] else group["lr"]
+            loss, grads = self._gradients(closure, params, group["weight_decay"])
+            if first or group["beta"] == 1:
+                directions = grads
+            else:
+                current = [p.detach().clone() for p in params]
+                for p in params:
+                    p.copy_(self.state[p]["previous"])
+                _, previous_grads = self._gradients(closure, params, group["weight_decay"])  # g(w_{k-1}; B_k)
+                for p, value in zip(params, current):
+                    p.copy_(value)
+                keep = 1 - group["beta"]
+                directions = [g + keep * (self.state[p]["direction"] - gp) for p, g, gp in zip(params, grads, previous_grads)]
         for p, d in zip(params, directions):
             self.state[p]["direction"] = d
             self.state[p]["previous"] = p.detach().clone()
-            p.sub_(eta * d)
+            p.sub_(self.eta * d)
+        self.etas.append(self.eta)
         return loss

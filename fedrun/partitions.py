@@ -2,7 +2,7 @@
 
 Every partition first draws its pool (all training samples, or ``num_clients * samples_per_client`` of
 them when capped), then returns one index array per client: disjoint, and together covering the pool
-exactly once.
+exactly once (McMahan's shards, ``shard_source: dataset``, deal only some of the dataset's shards).
 """
 
 import numpy as np
@@ -98,12 +98,25 @@ class IID(Partition):
 
 
 class Shards(Partition):
-    """McMahan et al. (2017): sort the pool by label, cut it into shards, deal shards to clients.
+    """McMahan et al. (2017): sort samples by label, cut them into shards, deal ``shards_per_client`` random
+    shards to each client.
+
+    ``shard_source`` says which samples are cut:
+
+    - ``dataset`` (McMahan's protocol, the papers' "non-IID"): all eligible training samples are sorted by
+      label and cut into shards of ``shard_size``; ``num_clients * shards_per_client`` of them are drawn at
+      random without replacement. When only part of the dataset is used (50 x 200 of MNIST's 60,000), the
+      federation's label marginal is itself random and uneven, as in the papers.
+    - ``pool``: a pool of ``num_clients * samples_per_client`` samples is drawn first, sorted and cut, and
+      all of its shards are dealt, so every label is about equally represented over the federation.
+
+    Within a label, samples are in random order (the run's partition stream), so shards differ by seed.
 
     Args:
-        shard_size: Samples per shard; null derives it from the pool so every client gets its shards.
-            A larger shard gives each client fewer labels (the papers' "non-IID" vs "very non-IID").
+        shard_size: Samples per shard; null derives it (``samples_per_client / shards_per_client``, else from
+            the pool). A larger shard gives each client fewer labels ("non-IID" vs "very non-IID").
         shards_per_client: Shards dealt to each client.
+        shard_source: ``dataset`` or ``pool`` (above).
         num_clients, samples_per_client: See ``Partition``.
     """
 
@@ -113,10 +126,12 @@ class Shards(Partition):
         samples_per_client: int | None = None,
         shard_size: int | None = None,
         shards_per_client: int = 2,
+        shard_source: str = "dataset",
     ):
         super().__init__(num_clients, samples_per_client)
         check(isinstance(shards_per_client, int) and shards_per_client >= 1, "shards_per_client", shards_per_client, "an integer >= 1")
         check(shard_size is None or (isinstance(shard_size, int) and shard_size >= 1), "shard_size", shard_size, "null or an integer >= 1")
+        check(shard_source in ("dataset", "pool"), "shard_source", shard_source, "dataset (McMahan et al.: shards of the whole training set) or pool")
         if shard_size is not None and samples_per_client is not None:
             check(
                 shard_size * shards_per_client == samples_per_client,
@@ -125,10 +140,27 @@ class Shards(Partition):
                 f"{samples_per_client // shards_per_client} or null: shard_size x shards_per_client must equal "
                 f"samples_per_client={samples_per_client} (or choose shards_per_client to divide it)",
             )
-        self.shard_size, self.shards_per_client = shard_size, shards_per_client
+        if shard_size is None and samples_per_client is not None and shard_source == "dataset":
+            check(
+                samples_per_client % shards_per_client == 0,
+                "shards_per_client",
+                shards_per_client,
+                f"a divisor of samples_per_client={samples_per_client} with shard_source=dataset (or set shard_size)",
+            )
+            shard_size = samples_per_client // shards_per_client
+        self.shard_size, self.shards_per_client, self.shard_source = shard_size, shards_per_client, shard_source
 
     def _pool_size(self, available):
         num_shards = self.num_clients * self.shards_per_client
+        if self.shard_source == "dataset" and self.shard_size is not None:
+            check(
+                num_shards * self.shard_size <= available,
+                "shard_size",
+                self.shard_size,
+                f"at most {available // num_shards}: {self.num_clients} clients x {self.shards_per_client} shards "
+                f"must fit in {available} samples",
+            )
+            return available  # every eligible sample is cut into shards; the dealt ones are drawn later
         if self.shard_size is None:
             base = super()._pool_size(available)
             check(
@@ -150,9 +182,11 @@ class Shards(Partition):
 
     def _split(self, pool, labels, rng):
         num_shards = self.num_clients * self.shards_per_client
-        by_label = pool[np.argsort(labels[pool], kind="stable")]  # pool is already shuffled within labels
-        shards = np.split(by_label, num_shards)
-        dealt = rng.permutation(num_shards).reshape(self.num_clients, self.shards_per_client)
+        size = self.shard_size or len(pool) // num_shards
+        cut = len(pool) // size  # shards the pool makes; a remainder of random samples (pool is shuffled) is left out
+        by_label = pool[: cut * size][np.argsort(labels[pool[: cut * size]], kind="stable")]
+        shards = np.split(by_label, cut)
+        dealt = rng.choice(cut, size=num_shards, replace=False).reshape(self.num_clients, self.shards_per_client)
         return [np.concatenate([shards[s] for s in row]) for row in dealt]
 
 

@@ -1,7 +1,8 @@
 """Server optimizers: the ``server`` group. Each turns the aggregated update Delta into a step on w.
 
 Delta = sum_i alpha_i Delta_i is a pseudo-gradient pointing downhill (Reddi et al. 2020 use its negative).
-State (momentum, second moments) persists across rounds and starts at zero.
+State (momentum, second moments) persists across rounds. Momentum starts at zero; the adaptive
+servers' second moment starts at tau^2 as Reddi et al. (2021) initialise it (``v0: paper``), or at zero.
 """
 
 import torch
@@ -44,22 +45,29 @@ class ServerMomentum(ServerOptimizer):
 
 
 class ServerAdaptive(ServerOptimizer):
-    """FedOpt (Reddi et al. 2020, Algorithm 2): m <- beta1 m + (1 - beta1) Delta, v per the variant,
-    w <- w + server_lr * m / (sqrt(v) + eps). No bias correction; m and v start at 0.
+    """FedOpt (Reddi et al. 2021, Algorithm 2): m <- beta1 m + (1 - beta1) Delta, v per the variant,
+    w <- w + server_lr * m / (sqrt(v) + tau), with tau = ``eps``. No bias correction; m starts at 0.
+
+    Algorithm 2's initialisation is v_{-1} >= tau^2 (``v0: paper`` starts at exactly tau^2), which damps
+    the first steps: with v = 0 the first step is server_lr * (1 - beta1) Delta / (sqrt(1 - beta2) |Delta| + tau),
+    nearly sign-like. ``v0: zero`` starts at 0 as popular implementations do (Flower's FedAdam, FedYogi
+    and FedAdagrad), so a user can match their numbers.
 
     Args:
         server_lr: Server learning rate.
         beta1: First-moment decay in [0, 1).
         beta2: Second-moment decay in [0, 1) (Adam, Yogi).
         eps: The adaptivity tau of the paper, > 0.
+        v0: ``paper`` (v starts at tau^2) or ``zero``.
     """
 
-    def __init__(self, server_lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, eps: float = 1e-3):
+    def __init__(self, server_lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, eps: float = 1e-3, v0: str = "paper"):
         super().__init__(server_lr)
         check(0 <= beta1 < 1, "beta1", beta1, "a number in [0, 1)")
         check(0 <= beta2 < 1, "beta2", beta2, "a number in [0, 1)")
         check(eps > 0, "eps", eps, "a number > 0")
-        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        check(v0 in ("paper", "zero"), "v0", v0, "paper (tau^2, Reddi et al. Algorithm 2) or zero")
+        self.beta1, self.beta2, self.eps, self.v0 = beta1, beta2, eps, v0
         self.m = self.v = None
 
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> torch.Tensor:
@@ -67,7 +75,8 @@ class ServerAdaptive(ServerOptimizer):
 
     def step(self, params, delta):
         if self.m is None:
-            self.m, self.v = torch.zeros_like(delta), torch.zeros_like(delta)
+            self.m = torch.zeros_like(delta)
+            self.v = torch.full_like(delta, self.eps**2 if self.v0 == "paper" else 0.0)
         self.m = self.beta1 * self.m + (1 - self.beta1) * delta
         self.v = self.second_moment(self.v, delta * delta)
         return params + self.server_lr * self.m / (self.v.sqrt() + self.eps)

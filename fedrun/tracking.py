@@ -85,6 +85,16 @@ class Tracker:
         mlflow.log_params(params)
         mlflow.set_tags(tags)
 
+    def log_partition(self, clients: list[np.ndarray], labels: np.ndarray, num_classes: int, held_out: list[np.ndarray] | None = None) -> None:
+        """Write ``partition.csv``: per client its training samples, held-out samples (when any) and count per label."""
+        counts = np.stack([np.bincount(labels[part], minlength=num_classes) for part in clients]) if clients else np.zeros((0, num_classes))
+        table = pd.DataFrame(counts, columns=[f"label_{c}" for c in range(num_classes)])
+        table.insert(0, "samples", [len(part) for part in clients])
+        if held_out is not None:
+            table.insert(1, "held_out", [len(part) for part in held_out])
+        table.insert(0, "client", range(len(clients)))
+        table.to_csv(self.dir / "partition.csv", index=False)
+
     def log_round(self, row: dict, per_client: dict[str, np.ndarray]) -> None:
         """Append the round to the CSV files (``metrics.csv``, ``<name>.csv`` per per-client series) and send
         it to MLflow in one batch."""

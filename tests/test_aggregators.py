@@ -15,8 +15,10 @@ from fedrun.aggregators import (
     FedMax,
     FedMaxK,
     FedSoftBetter,
+    FedNova,
     FedSoftMax,
     Hybrid,
+    MVR,
 )
 from fedrun.clients import ClientLosses
 from fedrun.errors import ConfigError
@@ -196,6 +198,8 @@ def test_hybrid_switches_at_the_right_accuracy_and_never_back():
         (lambda: FedMax(loss_scale="sum"), "loss_scale"),
         (lambda: FedSoftMax(anneal="linear"), "temperature_final"),
         (lambda: Hybrid([{"aggregator": FedMax()}, {"aggregator": FedAvg()}]), "phases"),
+        (lambda: Hybrid([{"aggregator": FedNova(), "until_round": 2}, {"aggregator": FedAvg()}]), r"phases\[0\].aggregator='FedNova'"),
+        (lambda: Hybrid([{"aggregator": FedAvg(), "until_round": 2}, {"aggregator": MVR()}]), r"phases\[1\].aggregator='MVR'"),
     ],
 )
 def test_bad_values_name_the_key(make, key):

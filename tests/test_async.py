@@ -1,6 +1,7 @@
 """The asynchronous engine and buffered aggregators: hand-traced events and hand-computed weights."""
 
 import functools
+import math
 from collections import deque
 
 import numpy as np
@@ -105,14 +106,36 @@ def test_fedstaleweight_window_drops_the_oldest_value():
     assert agg.history[7] == deque([1, 1]) and agg.expected_staleness(7) == 1.0
 
 
-def test_fedbuff_staleness_scaling_and_fedasync_mixing_by_hand():
+def test_fedbuff_staleness_scaling_is_not_renormalised_and_fedasync_mixing_by_hand():
+    # FedBuff Algorithm 1: alpha_k = s(tau_k) / K. tau = (0, 3): s = (1/sqrt(1), 1/sqrt(4)) = (1, 0.5), / K=2.
     w = FedBuff(buffer_size=2, staleness_scaling=True).weights(buffer([0, 1], [0, 3]))
-    assert_allclose(w, np.array([1, 0.5]) / 1.5)  # 1/sqrt(1+0), 1/sqrt(1+3)
+    assert_allclose(w, [0.5, 0.25])
+    # Equal staleness 4: every weight 1 / (K sqrt(5)), summing to 1/sqrt(5) = 0.4472, not 1.
+    w = FedBuff(buffer_size=3, staleness_scaling=True).weights(buffer([0, 1, 2], [4, 4, 4]))
+    assert_allclose(w, [1 / (3 * math.sqrt(5))] * 3)
+    update, _ = FedBuff(buffer_size=3, staleness_scaling=True).aggregate(torch.zeros(1), torch.ones(3, 1), buffer([0, 1, 2], [4, 4, 4]))
+    assert_allclose(update.numpy(), [1 / math.sqrt(5)], rtol=1e-6)  # the stale buffer moves the model less
+    assert_allclose(FedBuff(buffer_size=2).weights(buffer([0, 1], [0, 3])), [0.5, 0.5])  # s = 1: plain 1/K
     # w = 0, the update started from 2 and moved by 2: w_local = 4; tau = 3 -> s = 4^-0.5 = 0.5, a = 0.6 * 0.5
     report = BufferReport(np.array([0]), np.ones(1), np.array([3.0]), 5, [torch.tensor([2.0])])
     new, _ = FedAsync(mixing=0.6, exponent=0.5).aggregate(torch.zeros(1), torch.tensor([[2.0]]), report)
     assert_allclose(new.numpy(), [0.3 * 4.0])
     assert FedAsync(staleness_function="hinge", hinge_a=10, hinge_b=4).s(6) == pytest.approx(1 / 21)
+
+
+def test_fedstaleweight_include_current_or_only_earlier_buffers():
+    # Client 0: tau 2 in an earlier buffer, then tau 6 in this one; client 1: tau 0 only in this one.
+    weigh = {}
+    for include in (True, False):
+        agg = FedStaleWeight(buffer_size=2, form="algorithm", include_current=include)
+        agg.observe(0, 2)
+        agg.weights(buffer([0, 5], [2, 0]))  # the earlier aggregation (client 5 stands in)
+        agg.observe(0, 6)
+        agg.observe(1, 0)
+        weigh[include] = agg.weights(buffer([0, 1], [6, 0]))
+    # included: E = [(2 + 6)/2, 0] = [4, 0] -> [5, 1] / 6; earlier only: E = [2, 0] -> [3, 1] / 4
+    assert_allclose(weigh[True], [5 / 6, 1 / 6])
+    assert_allclose(weigh[False], [3 / 4, 1 / 4])
 
 
 def test_same_seed_same_events_and_metrics():

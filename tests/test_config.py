@@ -83,6 +83,12 @@ def test_working_combinations_build(compose_config, overrides):
         (["aggregator=fedbuff", "engine=sync"], "engine='sync'", "async for FedBuff"),
         (["aggregator=fedbuff", "heterogeneity=stragglers"], "heterogeneity='Stragglers'", "none with engine=async"),
         (["metrics.r_targets=[0.6,1.5]"], "metrics.r_targets", "(0, 1]"),
+        (["aggregator=hybrid", "aggregator.phases=[{aggregator:{_target_:fedrun.aggregators.FedNova},until_round:2},"
+          "{aggregator:{_target_:fedrun.aggregators.FedAvg}}]"],
+         "aggregator.phases[0].aggregator='FedNova'", "only chooses weights"),
+        (["partition=shards", "partition.shard_source=balanced"], "partition.shard_source='balanced'", "dataset"),
+        (["server=adam", "server.v0=one"], "server.v0='one'", "paper"),
+        (["optimizer=storm", "optimizer.init=half"], "optimizer.init='half'", "minibatch or full"),
     ],
 )
 def test_bad_values_fail_before_training_with_one_line(compose_config, overrides, key, allowed):
@@ -120,3 +126,4 @@ def test_softmax_mnist_is_the_papers_protocol(compose_config):
     assert (cfg.partition.num_clients, cfg.partition.samples_per_client, cfg.partition.shards_per_client) == (50, 200, 2)
     assert (cfg.schedule.local_epochs, cfg.schedule.batch_size, cfg.schedule.clients_per_round) == (2, 64, 1.0)
     assert cfg.model._target_.endswith("CNN") and cfg.dataset._target_.endswith("MNIST")
+    assert instantiate(cfg.partition).shard_source == "dataset"  # McMahan's shards of the whole training set

@@ -35,7 +35,7 @@ def test_main_job_logs_metrics_alpha_and_artifacts(fedrun, store):
     assert "R60" in run.data.metrics or run.data.tags.get("R60") == "not_reached"
     assert run.data.tags.get("R90") == "not_reached" or run.data.metrics["R90"] >= 1
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"metrics.csv", "alpha.csv", "model.pt", "curves.png", "alpha_heatmap.png", "config.yaml"} <= artifacts
+    assert {"metrics.csv", "alpha.csv", "model.pt", "curves.png", "alpha_heatmap.png", "config.yaml", "partition.csv"} <= artifacts
     [job] = job_dirs(fedrun.cwd, "runs")
     metrics, alpha = pd.read_csv(job / "metrics.csv"), pd.read_csv(job / "alpha.csv")
     assert list(metrics["round"]) == [1, 2, 3] and alpha.shape == (3, 6)
@@ -87,6 +87,11 @@ def test_mnist_runs_offline_from_fedrun_data(fedrun, store):
     [job] = job_dirs(fedrun.cwd, "runs")
     accuracy = pd.read_csv(job / "metrics.csv")["test_accuracy"]
     assert accuracy.iloc[-1] > 0.3  # 10 classes: chance is 0.1
+    # The split that produced the result: McMahan's shards, 2 of 100 samples each, so at most two labels a client.
+    partition = pd.read_csv(job / "partition.csv")
+    counts = partition[[f"label_{c}" for c in range(10)]]
+    assert list(partition["client"]) == list(range(10)) and list(partition["samples"]) == [200] * 10
+    assert (counts.sum(axis=1) == 200).all() and ((counts > 0).sum(axis=1) <= 2).all()
 
 
 def test_missing_dataset_files_say_what_to_put_where(fedrun, tmp_path):

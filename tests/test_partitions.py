@@ -70,6 +70,55 @@ def test_shards_that_do_not_fit_are_rejected():
         Shards(num_clients=50, samples_per_client=200, shard_size=60, shards_per_client=4)
 
 
+SMALL = np.array([0, 1, 2] * 4)  # 12 samples, 4 per label: label l is at indices l, l + 3, l + 6, l + 9
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dataset_shards_by_hand(seed):
+    # shard_source=dataset, shards of 4 over 12 samples sorted by label: exactly the 3 shards {label 0},
+    # {label 1}, {label 2}. Two clients x one shard draw 2 of the 3 without replacement, so each client holds
+    # all 4 samples of one label, the two labels differ, and the third label is not in the federation.
+    parts = Shards(num_clients=2, shard_size=4, shards_per_client=1, shard_source="dataset")(SMALL, rng(seed))
+    labels = [set(SMALL[p]) for p in parts]
+    assert all(len(label) == 1 for label in labels) and labels[0] != labels[1]
+    for p, (label,) in zip(parts, labels):
+        assert list(p) == [label, label + 3, label + 6, label + 9]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pool_shards_by_hand(seed):
+    # shard_source=pool with 3 clients x 4 samples: the pool is all 12 samples, cut into 3 shards of 4 = one
+    # label each, and all of them are dealt: every label is in the federation once.
+    parts = Shards(num_clients=3, samples_per_client=4, shards_per_client=1, shard_source="pool")(SMALL, rng(seed))
+    assert sorted(int(SMALL[p][0]) for p in parts) == [0, 1, 2]
+    assert all(len(set(SMALL[p])) == 1 and len(p) == 4 for p in parts)
+
+
+def test_dataset_shards_give_an_uneven_federation_label_marginal_and_pool_an_even_one():
+    # 5 clients x 2 shards of 10 (100 of 1000 samples). dataset: 10 of 100 single-label shards, so the
+    # federation's label counts are multiples of 10 and labels go missing; pool: a random 100-sample pool,
+    # so every label is present in about its share.
+    missing = {"dataset": [], "pool": []}
+    for source in missing:
+        for seed in range(10):
+            parts = Shards(num_clients=5, samples_per_client=20, shards_per_client=2, shard_source=source)(LABELS, rng(seed))
+            check_disjoint_cover(parts, 100)
+            counts = np.bincount(LABELS[np.concatenate(parts)], minlength=10)
+            missing[source].append(int((counts == 0).sum()))
+            if source == "dataset":  # whole single-label shards: at most two labels per client
+                assert set(counts % 10) == {0}
+                assert all(len(np.unique(LABELS[p])) <= 2 for p in parts)
+    assert sum(missing["pool"]) == 0
+    assert np.mean(missing["dataset"]) >= 1  # about 10 * 0.9^10 = 3.5 labels missing on average
+
+
+def test_shard_source_is_checked():
+    with pytest.raises(ConfigError, match="shard_source"):
+        Shards(shard_source="mcmahan")
+    with pytest.raises(ConfigError, match="shards_per_client"):
+        Shards(num_clients=5, samples_per_client=25, shards_per_client=2)  # 25 / 2 is not a shard size
+
+
 def test_dirichlet_respects_min_size_and_small_alpha_concentrates_labels():
     parts = Dirichlet(num_clients=10, alpha=0.1, min_size=5)(LABELS, rng())
     check_disjoint_cover(parts, 1000)

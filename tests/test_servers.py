@@ -25,30 +25,47 @@ def test_momentum_two_steps():
     assert_allclose(w2.numpy(), [1.4, 0.7], rtol=1e-6)
 
 
-def test_adam_first_step():
-    # m = 0.1 * D1 = [.02, -.04]; v = 0.01 * D1^2 = [.0004, .0016]; sqrt v = [.02, .04]
+def test_adam_first_step_from_the_papers_v0():
+    # Reddi et al. (2021) Algorithm 2: v_{-1} = tau^2 = 1e-4. m = 0.1 * D1 = [.02, -.04];
+    # v = 0.99 * 1e-4 + 0.01 * D1^2 = [.000499, .001699]; sqrt v = [.0223383, .0412189];
+    # w = 1 + 0.1 * m / (sqrt v + .01) = 1 + [.02 / .0323383, -.04 / .0512189] / 10 = [1.061846, 0.921904]
     server = ServerAdam(server_lr=0.1, beta1=0.9, beta2=0.99, eps=0.01)
-    expected = 1.0 + 0.1 * torch.tensor([0.02 / 0.03, -0.04 / 0.05])
-    assert_allclose(server.step(W, D1).numpy(), expected.numpy(), rtol=1e-6)
+    assert_allclose(server.step(W, D1).numpy(), [1.061846, 0.921904], rtol=1e-6)
+    assert_allclose(server.v.numpy(), [0.000499, 0.001699], rtol=1e-5)
+
+
+def test_adam_first_step_from_zero_is_nearly_sign_like():
+    # v0 = zero (Flower's start): v = 0.01 * D1^2 = [.0004, .0016]; sqrt v = [.02, .04];
+    # w = 1 + 0.1 * [.02 / .03, -.04 / .05] = [1.0666667, 0.92]
+    server = ServerAdam(server_lr=0.1, beta1=0.9, beta2=0.99, eps=0.01, v0="zero")
+    assert_allclose(server.step(W, D1).numpy(), [1 + 0.1 * 0.02 / 0.03, 1 - 0.1 * 0.04 / 0.05], rtol=1e-6)
 
 
 def test_yogi_and_adagrad_second_moments():
-    # From v = 0: yogi v = 0 - 0.01 * D1^2 * sign(0 - D1^2) = 0.01 * D1^2 (as Adam's first step)
+    # Yogi from v = tau^2 = 1e-4: D1^2 = [.04, .16] > v, so sign(v - D1^2) = -1 and v = 1e-4 + 0.01 D1^2 = [.0005, .0017]
     yogi = ServerYogi(server_lr=0.1, beta1=0.9, beta2=0.99, eps=0.01)
-    adam = ServerAdam(server_lr=0.1, beta1=0.9, beta2=0.99, eps=0.01)
-    assert_allclose(yogi.step(W, D1).numpy(), adam.step(W, D1).numpy(), rtol=1e-6)
-    # second step: v = [.0004, .0016]; D2^2 = [.01, .09]; sign(v - D2^2) = -1 -> v += .01 * D2^2
+    yogi.step(W, D1)
+    assert_allclose(yogi.v.numpy(), [0.0005, 0.0017], rtol=1e-5)
+    # second step: D2^2 = [.01, .09] > v again -> v += .01 * D2^2 = [.0006, .0026]
     yogi.step(W, D2)
-    assert_allclose(yogi.v.numpy(), [0.0004 + 0.0001, 0.0016 + 0.0009], rtol=1e-5)
-    # adagrad: v = D1^2; m = 0.1 D1; step = lr * 0.1 D1 / (|D1| + eps)
+    assert_allclose(yogi.v.numpy(), [0.0006, 0.0026], rtol=1e-5)
+    # From v = 0 Yogi's first step equals Adam's: 0 - 0.01 * D1^2 * sign(0 - D1^2) = 0.01 * D1^2
+    zero_yogi = ServerYogi(server_lr=0.1, beta1=0.9, beta2=0.99, eps=0.01, v0="zero")
+    zero_adam = ServerAdam(server_lr=0.1, beta1=0.9, beta2=0.99, eps=0.01, v0="zero")
+    assert_allclose(zero_yogi.step(W, D1).numpy(), zero_adam.step(W, D1).numpy(), rtol=1e-6)
+    # Adagrad: v = 1e-4 + D1^2 = [.0401, .1601], sqrt v = [.200250, .400125]; m = 0.1 D1;
+    # w = 1 + [.02 / .210250, -.04 / .410125] = [1.095125, 0.902469]
     adagrad = ServerAdagrad(server_lr=1.0, beta1=0.9, eps=0.01)
-    expected = [1 + 0.02 / (0.2 + 0.01), 1 - 0.04 / (0.4 + 0.01)]
-    assert_allclose(adagrad.step(W, D1).numpy(), expected, rtol=1e-6)
-    assert math.isclose(adagrad.v[1].item(), 0.16, rel_tol=1e-6)
+    assert_allclose(adagrad.step(W, D1).numpy(), [1.095125, 0.902469], rtol=1e-6)
+    assert math.isclose(adagrad.v[1].item(), 0.1601, rel_tol=1e-6)
+    # v0 = zero: v = D1^2, step = 0.1 D1 / (|D1| + .01)
+    zero = ServerAdagrad(server_lr=1.0, beta1=0.9, eps=0.01, v0="zero")
+    assert_allclose(zero.step(W, D1).numpy(), [1 + 0.02 / (0.2 + 0.01), 1 - 0.04 / (0.4 + 0.01)], rtol=1e-6)
 
 
 @pytest.mark.parametrize("make,key", [(lambda: ServerMomentum(beta=1.0), "beta"), (lambda: ServerAdam(eps=0), "eps"),
-                                      (lambda: ServerYogi(beta2=1.5), "beta2"), (lambda: ServerOptimizer(server_lr=-1), "server_lr")])
+                                      (lambda: ServerYogi(beta2=1.5), "beta2"), (lambda: ServerOptimizer(server_lr=-1), "server_lr"),
+                                      (lambda: ServerAdam(v0="ones"), "v0")])
 def test_bad_values_name_the_key(make, key):
     with pytest.raises(ConfigError, match=key):
         make()

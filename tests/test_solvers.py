@@ -38,10 +38,8 @@ def test_storm_with_beta_one_is_sgd():
     assert not torch.allclose(updates(functools.partial(STORM, beta=0.3)).deltas, sgd)
 
 
-def test_storm_adaptive_steps_by_hand():
-    # loss 0.5 (p - 3)^2, gradient p - 3, deterministic, so the correction term vanishes.
-    p = torch.nn.Parameter(torch.zeros(1))
-    opt = STORM([p], adaptive=True, k0=1.0, w0=18.0, beta=0.5)
+def quadratic_steps(opt, p, rounds_and_steps):
+    """Run ``opt`` on 0.5 (p - 3)^2 (deterministic, so STORM's correction vanishes); returns p after each step."""
 
     def closure():
         opt.zero_grad()
@@ -49,10 +47,102 @@ def test_storm_adaptive_steps_by_hand():
         loss.backward()
         return loss
 
-    opt.step(closure)  # g = -3, sum g^2 = 9, eta = 1 / 27^(1/3) = 1/3
-    assert p.item() == pytest.approx(1.0)
-    opt.step(closure)  # g = -2, d = -2 + 0.5 (-3 - (-3)), sum g^2 = 13, eta = 1 / 31^(1/3)
-    assert p.item() == pytest.approx(1.0 + 2.0 / 31 ** (1 / 3))
+    seen = []
+    for _ in range(rounds_and_steps):
+        opt.step(closure)
+        seen.append(p.item())
+    return seen
+
+
+def test_storm_adaptive_step_follows_the_round_by_hand():
+    # Theorem A.1 (paper 002 line 259): eta_t = k0 / (w0 + sigma2 t)^(1/3); k0 = 1, w0 = 7, sigma2 = 1.
+    # Round 1: eta = 1 / 8^(1/3) = 1/2 for every step of the round: p = 0 -> 0 + 3/2 = 1.5 -> 1.5 + 1.5/2 = 2.25.
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = STORM([p], adaptive=True, k0=1.0, w0=7.0, sigma2=1.0, beta=0.5)
+    opt.start_round(1, None)
+    assert quadratic_steps(opt, p, 2) == pytest.approx([1.5, 2.25])
+    assert opt.etas == pytest.approx([0.5, 0.5])
+    # Round 20, a fresh solver (clients keep nothing): eta = 1 / 27^(1/3) = 1/3: p = 0 -> 1 -> 1 + 2/3.
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = STORM([p], adaptive=True, k0=1.0, w0=7.0, sigma2=1.0, beta=0.5)
+    opt.start_round(20, None)
+    assert quadratic_steps(opt, p, 2) == pytest.approx([1.0, 5 / 3])
+    # The defaults (k0 = w0 = 0.1, sigma2 = 1) decay from 0.1 / 1.1^(1/3) = 0.1 / 1.03228 = 0.09687
+    # to 0.1 / 30.1^(1/3) = 0.1 / 3.11070 = 0.03215 at round 30.
+    assert STORM.step_size(1, 0.1, 0.1, 1.0) == pytest.approx(0.09687, abs=1e-5)
+    assert STORM.step_size(30, 0.1, 0.1, 1.0) == pytest.approx(0.03215, abs=1e-5)
+
+
+def batch_closures(opt, p, curvatures):
+    """Closures over mini-batches k with loss 0.5 a_k p^2 (gradient a_k p), one per step."""
+
+    def make(a):
+        def closure():
+            opt.zero_grad()
+            loss = 0.5 * a * p.pow(2).sum()
+            loss.backward()
+            return loss
+
+        return closure
+
+    return [make(a) for a in curvatures]
+
+
+def test_storm_pure_recursion_beta_zero_by_hand():
+    # beta = 0, eta = 0.1, p0 = 1, batches with a = 1, 2, 4:
+    # d0 = 1 * 1 = 1, p1 = 0.9; d1 = 2 * 0.9 + (d0 - 2 * 1) = 0.8, p2 = 0.82;
+    # d2 = 4 * 0.82 + (d1 - 4 * 0.9) = 0.48, p3 = 0.772.
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = STORM([p], lr=0.1, beta=0.0)
+    seen = []
+    for closure in batch_closures(opt, p, [1.0, 2.0, 4.0]):
+        opt.step(closure)
+        seen.append(p.item())
+    assert seen == pytest.approx([0.9, 0.82, 0.772])
+
+
+def test_storm_full_gradient_init_by_hand():
+    # init full: d0 is the full-data gradient (here 3 p) instead of the first batch's; then the recursion.
+    # d0 = 3 * 1 = 3, p1 = 0.7; d1 = 2 * 0.7 + (3 - 2 * 1) = 2.4, p2 = 0.7 - 0.24 = 0.46.
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = STORM([p], lr=0.1, beta=0.0, init="full")
+    full = batch_closures(opt, p, [3.0])[0]
+    opt.start_round(1, full)
+    for closure in batch_closures(opt, p, [1.0, 2.0]):
+        opt.step(closure)
+    assert p.item() == pytest.approx(0.46)
+
+
+def test_storm_init_full_through_train_cohort_uses_the_clients_full_gradient():
+    # One local step with init full and beta = 0 is one full-batch gradient step: the same as SGD with a
+    # batch as large as the client.
+    full_batch = updates(torch.optim.SGD, work=LocalWork(40, local_steps=1)).deltas
+    storm = updates(functools.partial(STORM, beta=0.0, init="full"), work=LocalWork(5, local_steps=1)).deltas
+    torch.testing.assert_close(storm, full_batch)
+
+
+def test_mvr_trajectories_take_the_same_adaptive_steps():
+    """Paper 002 Algorithm 1 line 13: omega and omega-hat (from the previous global model) step with the same eta_t."""
+    from fedrun.datasets import FederatedData
+    from fedrun.engine import Schedule, run
+
+    made = []
+
+    def solver(params, lr):
+        made.append(STORM(params, lr=lr, beta=0.0, init="full", adaptive=True, k0=0.1, w0=0.1, sigma2=1.0))
+        return made[-1]
+
+    solver.keywords = {"lr": 0.1}  # what the engine reads as the base rate of a partial
+    torch.manual_seed(0)
+    model = MLP((1, 2, 3), 3, hidden=(4,))
+    data = FederatedData(X, Y, X[:8], Y[:8], num_classes=3)
+    run(model, data, PARTS, MVR(beta=0.5), solver, Schedule(rounds=3, local_steps=3, batch_size=5), torch.device("cpu"), 0)
+    # Round 1: one trajectory per client; rounds 2 and 3: from w_t, then from w_{t-1}, per client.
+    assert len(made) == 2 + 4 + 4
+    for t, first in ((2, 2), (3, 6)):
+        eta = 0.1 / (0.1 + t) ** (1 / 3)
+        for i in range(2):
+            assert made[first + i].etas == made[first + 2 + i].etas == pytest.approx([eta] * 3)
 
 
 def test_coefficient_norms_match_fednova_closed_forms():

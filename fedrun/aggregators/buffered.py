@@ -59,11 +59,13 @@ class AsyncAggregator:
 
 
 class FedBuff(AsyncAggregator):
-    """FedBuff (Nguyen et al. 2022): alpha_j = 1/b, or proportional to 1/sqrt(1 + tau_j) with
-    ``staleness_scaling`` (renormalised over the buffer).
+    """FedBuff (Nguyen et al. 2022, Algorithm 1): the server accumulates s(tau_k) Delta_k over the buffer
+    and divides by its size K, so alpha_k = s(tau_k) / K with s = 1 (default) or s(tau) = 1 / sqrt(1 + tau)
+    with ``staleness_scaling``. The weights are not renormalised: a buffer of stale updates moves the model
+    less, as in the paper and its reference implementation (a sum of weighted updates divided by K).
 
     Args:
-        staleness_scaling: Down-weight stale updates by 1/sqrt(1 + tau).
+        staleness_scaling: Down-weight stale updates by s(tau) = 1/sqrt(1 + tau).
         buffer_size: See ``AsyncAggregator``.
     """
 
@@ -72,39 +74,51 @@ class FedBuff(AsyncAggregator):
         self.staleness_scaling = staleness_scaling
 
     def weights(self, buffer):
-        w = 1.0 / np.sqrt(1.0 + buffer.staleness) if self.staleness_scaling else np.ones(len(buffer.staleness))
-        return w / w.sum()
+        s = 1.0 / np.sqrt(1.0 + buffer.staleness) if self.staleness_scaling else np.ones(len(buffer.staleness))
+        return s / len(s)
 
 
 class FedStaleWeight(AsyncAggregator):
     """FedStaleWeight (paper 004): alpha_j proportional to E[tau_j] * b + 1 (eq. 8), normalised over the buffer.
 
-    E[tau_j] is the mean of client j's last ``window`` staleness values, the current one included.
+    E[tau_j] is a moving average of client j's staleness (paper 004 line 172: "we maintain a moving average
+    of previous staleness for that agent"; the paper gives no window). fedrun keeps the client's last
+    ``window`` values (5 by default, as the authors' afl-bench code does; the oldest value drops out) and,
+    with ``include_current`` (default, as in that code, which records the buffer's staleness before
+    weighing it), counts the updates of the buffer being aggregated; ``include_current: false`` averages only
+    values from earlier buffers. (The authors' tracker pops the newest value when the window is full, which
+    freezes its first four values; fedrun drops the oldest, as a moving average does.)
     The +1 keeps a buffer of fresh (tau = 0) updates at uniform weights; the paper's public code weighted
     by the window mean alone, which zeroed such a buffer and stopped the model.
 
     Args:
         form: ``eq8`` (E[tau] * b + 1) or ``algorithm`` (E[tau] + 1, as the paper's algorithm box writes it).
         window: How many recent staleness values per client the moving average keeps (the oldest drops out).
+        include_current: Whether the updates in the buffer being aggregated count in E[tau].
         buffer_size: See ``AsyncAggregator``.
     """
 
-    def __init__(self, buffer_size: int = 5, form: str = "eq8", window: int = 10):
+    def __init__(self, buffer_size: int = 5, form: str = "eq8", window: int = 5, include_current: bool = True):
         super().__init__(buffer_size)
         check(form in ("eq8", "algorithm"), "form", form, "eq8 or algorithm")
         check(isinstance(window, int) and window >= 1, "window", window, "an integer >= 1")
-        self.form, self.window = form, window
+        self.form, self.window, self.include_current = form, window, include_current
         self.history: dict[int, deque] = {}
+        self.fresh: dict[int, int] = {}  # values each client added since the last aggregation
 
     def observe(self, client, staleness):
         self.history.setdefault(int(client), deque(maxlen=self.window)).append(int(staleness))
+        self.fresh[int(client)] = self.fresh.get(int(client), 0) + 1
 
     def expected_staleness(self, client: int) -> float:
-        values = self.history.get(int(client))
+        values = list(self.history.get(int(client), ()))
+        if not self.include_current:
+            values = values[: max(0, len(values) - self.fresh.get(int(client), 0))]
         return float(np.mean(values)) if values else 0.0
 
     def weights(self, buffer):
         expected = np.array([self.expected_staleness(c) for c in buffer.clients])
+        self.fresh = {}
         raw = expected * (self.buffer_size if self.form == "eq8" else 1) + 1.0
         return raw / raw.sum()
 

@@ -189,6 +189,16 @@ class Hybrid(Aggregator):
         for i, phase in enumerate(phases):
             rounds, accuracy = phase.get("until_round"), phase.get("until_accuracy")
             check(isinstance(phase.get("aggregator"), Aggregator), f"phases[{i}].aggregator", phase.get("aggregator"), "an aggregator config")
+            # A phase contributes only its weights; one that aggregates otherwise (FedNova's normalisation,
+            # MVR's momentum) would silently run as a weighted average.
+            agg = phase["aggregator"]
+            check(
+                type(agg).aggregate is Aggregator.aggregate and not agg.needs_previous_model,
+                f"phases[{i}].aggregator",
+                type(agg).__name__,
+                "an aggregator that only chooses weights (fedavg, the loss-weighted family, hybrid), not one with "
+                "its own aggregation such as fednova or mvr",
+            )
             check(rounds is None or (isinstance(rounds, int) and rounds >= 1), f"phases[{i}].until_round", rounds, "null or an integer >= 1")
             check(accuracy is None or 0 < accuracy <= 1, f"phases[{i}].until_accuracy", accuracy, "null or a fraction in (0, 1]")
             check(i == len(phases) - 1 or rounds is not None or accuracy is not None, f"phases[{i}]", dict(phase), "an until_round or until_accuracy (all but the last phase)")
