@@ -2,8 +2,10 @@
 
 Runs are grouped by every config key that varies across them except ``seed`` (or by ``--group-by``).
 For each group: the number of runs, mean +/- 95% Student-t interval of each R-index over the runs that
-reached it ("reached k/n"), final and best test accuracy, smoothness. Writes ``report.md``,
-``report.csv`` and ``accuracy.png`` (mean test accuracy per round with its interval band per group).
+reached it ("reached k/n"), the censored median of each R-index (runs that never reached the target count
+as infinitely late; "> N" when fewer than half reached it within their N rounds), final and best test
+accuracy, smoothness. Writes ``report.md``, ``report.csv`` and ``accuracy.png`` (mean test accuracy per
+round with its interval band per group).
 """
 
 import argparse
@@ -54,6 +56,17 @@ def groups(runs: pd.DataFrame, keys: list[str]):
         yield (values if isinstance(values, tuple) else (values,)), group
 
 
+def censored_median(values: np.ndarray) -> float:
+    """The median R-index with runs that never reached the target (NaN) counted as infinitely late.
+
+    This is the Kaplan-Meier median of survival analysis for runs censored after their last round: the
+    smallest R by which at least half the runs had reached the target, i.e. the ceil(n/2)-th smallest
+    value; infinite when fewer than half reached it.
+    """
+    ordered = np.sort(np.where(np.isnan(values), np.inf, values))
+    return float(ordered[math.ceil(len(ordered) / 2) - 1]) if len(ordered) else math.nan
+
+
 def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """One row per group: counts, and mean / CI half-width / reached counts of every R-index and summary metric."""
     # A target no run reached exists only as a tag (R95=not_reached): give it an empty metric column.
@@ -73,6 +86,9 @@ def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
             row[f"{label(column)}_mean"], row[f"{label(column)}_ci95"] = mean_ci(reached.to_numpy())
             if column in r_columns:
                 row[f"{label(column)}_reached"] = len(reached)
+                row[f"{label(column)}_median"] = censored_median(group[column].to_numpy(dtype=np.float64))
+        # Where a median is infinite, the table says "> N": N, the most rounds any run of the group ran.
+        row["rounds_max"] = float(group["metrics.rounds_run"].max()) if "metrics.rounds_run" in group else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -86,11 +102,21 @@ def _cell(mean: float, half: float, digits: int) -> str:
     return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
+def _median_cell(median: float, rounds_max: float, in_time: bool) -> str:
+    if math.isnan(median):
+        return "-"
+    if math.isinf(median):  # fewer than half reached the target: censored at the end of the runs
+        return "> end" if in_time or math.isnan(rounds_max) else f"> {int(rounds_max)}"
+    return f"{median:.1f}" if in_time else f"{median:g}"
+
+
 def markdown(table: pd.DataFrame, keys: list[str]) -> str:
     """A Markdown table: group keys, runs, then "mean ± CI" cells (R-indices with "reached k/n")."""
     names = [label(k) for k in keys]
     metrics = list(dict.fromkeys(c.rsplit("_", 1)[0] for c in table.columns if c.endswith("_mean")))
-    header = names + ["runs"] + [f"{m} (reached)" if R_INDEX.match(m) else m for m in metrics]
+    header = names + ["runs"]
+    for m in metrics:
+        header += [f"{m} (reached)", f"{m} median"] if R_INDEX.match(m) else [m]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for _, row in table.iterrows():
         cells = [str(row[n]) for n in names] + [str(row["runs"])]
@@ -98,6 +124,8 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
             is_r = f"{m}_reached" in row
             cell = _cell(row[f"{m}_mean"], row[f"{m}_ci95"], 1 if is_r else 4)
             cells.append(f"{cell} ({int(row[f'{m}_reached'])}/{row['runs']})" if is_r else cell)
+            if is_r:
+                cells.append(_median_cell(row[f"{m}_median"], row.get("rounds_max", math.nan), R_INDEX.match(m)["time"]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

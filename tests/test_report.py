@@ -11,7 +11,7 @@ import pytest
 
 from conftest import mlflow_runs
 from fedrun.metrics import mean_ci
-from fedrun.report import group_keys, markdown, summarise
+from fedrun.report import censored_median, group_keys, markdown, summarise
 
 
 def frame():
@@ -53,9 +53,24 @@ def test_summary_counts_reached_runs_and_uses_student_t():
     assert fedavg["R60_time_mean"] == pytest.approx(40.25) and fedavg["R60_time_reached"] == 2
     assert "rounds_run_mean" not in table  # not an R-index
     assert fedavg["R95_reached"] == 0  # a target no run reached still has its column
+    # Censored medians: fedavg [3, 5] -> the 1st of 2 = 3; fedsoftmax T=10 [unreached, 6] -> 6 (half reached);
+    # R95 reached by none -> infinite, shown as "> 9" (the runs' 9 rounds).
+    assert fedavg["R60_median"] == 3.0 and hot["R60_median"] == 6.0 and math.isinf(fedavg["R95_median"])
     text = markdown(summarise(runs, keys), keys)
-    assert "| aggregator | aggregator.temperature | runs | R60 (reached) | R95 (reached) | R60_time (reached) |" in text
-    assert "4.0 ± 12.7 (2/2)" in text and "6.0 (1/2)" in text
+    assert ("| aggregator | aggregator.temperature | runs | R60 (reached) | R60 median | R95 (reached) | R95 median | "
+            "R60_time (reached) | R60_time median |") in text
+    assert "| 4.0 ± 12.7 (2/2) | 3 |" in text and "| 6.0 (1/2) | 6 |" in text and "| - (0/2) | > 9 |" in text
+
+
+def test_censored_median_counts_unreached_runs_as_infinite():
+    nan = math.nan
+    # sorted with inf: [2, 4, inf] -> the ceil(3/2) = 2nd value, 4 (the mean over reached runs would also be 3)
+    assert censored_median(np.array([4.0, nan, 2.0])) == 4.0
+    # [3, inf, inf]: one of three reached -> fewer than half: infinite ("> max rounds" in the table)
+    assert math.isinf(censored_median(np.array([nan, 3.0, nan])))
+    # [1, 5, 7, inf]: the 2nd value; half of the runs had reached it by round 5
+    assert censored_median(np.array([7.0, nan, 1.0, 5.0])) == 5.0
+    assert math.isnan(censored_median(np.array([])))
 
 
 @pytest.mark.e2e
