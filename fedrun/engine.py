@@ -11,7 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedrun.aggregators import Aggregator, CohortReport
-from fedrun.clients import FStarEstimate, LocalWork, client_accuracy, cohort_losses, evaluate, train_cohort
+from fedrun.clients import FStarEstimate, LazyLosses, LocalWork, client_accuracy, cohort_losses, evaluate, train_cohort
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, DivergenceError, check
 from fedrun.heterogeneity import EqualWork
@@ -157,11 +157,11 @@ def run(
         works = [work for work in plan if work is not None]
         cohort = cohort[[work is not None for work in plan]]  # stragglers that dropped out of the round
         parts = [clients[i] for i in cohort]
-        # F_i(w_t): what the loss-weighted aggregators weigh by, measured before local training.
-        losses = cohort_losses(model, params, x, y, parts, schedule.batch_size)
-        if not np.all(np.isfinite(losses.mean)):
-            raise DivergenceError(f"non-finite training loss of the global model at round {t}")
+        # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t, made
+        # only when read (by the aggregator, or for train_loss on evaluated rounds). Bound to this round's w_t.
+        losses = LazyLosses(lambda w=params, parts=parts: cohort_losses(model, w, x, y, parts, schedule.batch_size))
         lr = base_lr * schedule.lr_decay ** (t - 1)
+        clock = time.perf_counter()
         trained = train_cohort(model, params, x, y, parts, cohort, optimizer, lr, works, seed, t)
         deltas = trained.deltas
         report = CohortReport(cohort, sizes[cohort], losses, t, trained.local_losses, latest_accuracy, accuracy_source, fstar,
@@ -169,28 +169,41 @@ def run(
         if aggregator.needs_previous_model and previous is not None:
             # Same round and client keys, so the same mini-batches as the update from w_t.
             report.previous_deltas = train_cohort(model, previous, x, y, parts, cohort, optimizer, lr, works, seed, t).deltas
+        timings = {"train_wall_s": time.perf_counter() - clock}
         previous = params
         # The papers' client accuracy: each local model on its own held-out split, before aggregation.
         local_accuracy = client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort]) if client_tests else None
+        clock = time.perf_counter()
         update, alpha = aggregator.aggregate(params, deltas, report)
         params = server.step(params, update)
         diverged = not torch.isfinite(params).all()
+        timings["aggregate_wall_s"] = time.perf_counter() - clock - losses.wall_s  # a loss pass the aggregator read is its own column
 
         # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
         models = 2 if aggregator.needs_previous_model else 1
-        row = {"round": t, "train_loss": float(np.average(losses.mean, weights=sizes[cohort])), "lr": lr,
+        evaluated = not diverged and schedule.evaluates(t)
+        train_loss = math.nan
+        if losses.computed or evaluated:
+            if not np.all(np.isfinite(losses.mean)):
+                raise DivergenceError(f"non-finite training loss of the global model at round {t}")
+            train_loss = float(np.average(losses.mean, weights=sizes[cohort]))
+        timings["loss_wall_s"] = losses.wall_s
+        row = {"round": t, "train_loss": train_loss, "lr": lr,
                "upload_mb": models * len(cohort) * message_mb, "download_mb": models * len(cohort) * message_mb,
                "local_steps_mean": float(trained.steps.mean())}
         row.update(dict.fromkeys(["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan))
         if local_accuracy is not None:
             row["client_accuracy"] = float(local_accuracy.mean())
         row.update(aggregator.diagnostics)
-        if not diverged and schedule.evaluates(t):
+        clock = time.perf_counter()
+        if evaluated:
             row["test_accuracy"], row["test_loss"] = evaluate(model, params, x_test, y_test)
             if has_val:
                 row["val_accuracy"], row["val_loss"] = evaluate(model, params, x_val, y_val)
             latest_accuracy = row[accuracy_source]
             bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", loss=f"{row['test_loss']:.4f}")
+        timings["eval_wall_s"] = time.perf_counter() - clock
+        row.update(timings)
         row["round_wall_s"] = time.perf_counter() - start
         alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)
         alpha_all[cohort], steps_all[cohort] = alpha, trained.steps

@@ -9,7 +9,8 @@ from fedrun.errors import ConfigError, check
 
 
 class CNN(nn.Sequential):
-    """The papers' CNN: conv3x3(32)+ReLU+maxpool2, conv3x3(64)+ReLU+maxpool2, flatten, linear to classes.
+    """The papers' CNN: conv3x3(32)+ReLU+maxpool2, conv3x3(64)+ReLU+maxpool2, flatten, linear to classes
+    (each ReLU applied after its pooling, which computes the same function and gradient).
 
     Unpadded convolutions, as in the papers, give 64 x 5 x 5 = 1600 features on 28x28 inputs.
 
@@ -31,13 +32,15 @@ class CNN(nn.Sequential):
         out = _cnn_side(side, padding)
         check(out >= 1, "padding", padding, f"a padding that leaves features for {height}x{width} inputs (try 1)")
         features = 64 * _cnn_side(height, padding) * _cnn_side(width, padding)
+        # ReLU after max-pooling: relu(maxpool(a)) = maxpool(relu(a)) exactly (ReLU is monotone, and both
+        # orders send the gradient to the same element, or none), at a quarter of the ReLU work.
         super().__init__(
             nn.Conv2d(channels, 32, 3, padding=padding),
-            nn.ReLU(),
             nn.MaxPool2d(2),
+            nn.ReLU(),
             nn.Conv2d(32, 64, 3, padding=padding),
-            nn.ReLU(),
             nn.MaxPool2d(2),
+            nn.ReLU(),
             nn.Flatten(),
             nn.Linear(features, num_classes),
         )
