@@ -77,7 +77,9 @@ class STORM(torch.optim.Optimizer):
     (paper 002 line 259) eta_t = k0 / (w0 + sigma2 * t)^(1/3), with t the round the server announces
     (``start_round``). It is constant during a round, decreases across rounds, and needs no client
     state between rounds. (Algorithm 1 line 10 writes the gradient in place of sigma^2 t; its garbled
-    text does not say over which steps it accumulates, Theorem A.1 does.)
+    text does not say over which steps it accumulates, Theorem A.1 does.) Theorem A.1's w is
+    max{(4LkE)^3 - sigma^2 t, 2 sigma^2, (ck/16LE)^3}, which needs the smoothness L that no experiment knows;
+    fedrun takes w as the constant ``w0``, to be tuned with ``k0`` and ``sigma2`` (the theorem asks w >= 2 sigma2).
 
     Args:
         params: Model parameters.
@@ -102,7 +104,7 @@ class STORM(torch.optim.Optimizer):
         self.init, self.adaptive, self.k0, self.w0, self.sigma2 = init, adaptive, k0, w0, sigma2
         self.eta = lr
         self.etas: list[float] = []  # the step of every update taken, for tests and diagnostics
-        self._full_closure = None
+        self._full_closure, self._round = None, None
 
     @staticmethod
     def step_size(round_: int, k0: float, w0: float, sigma2: float) -> float:
@@ -113,7 +115,7 @@ class STORM(torch.optim.Optimizer):
         """Called before the client's first step: the round t the server announced, and a closure giving
         the loss over all of the client's samples (for ``init: full``)."""
         self.eta = self.step_size(round_, self.k0, self.w0, self.sigma2) if self.adaptive else self.param_groups[0]["lr"]
-        self._full_closure = full_closure
+        self._full_closure, self._round = full_closure, round_
 
     def coefficient_norm(self, steps: int) -> float:
         """FedNova's ||a||_1, counting each STORM step as one plain step."""
@@ -129,9 +131,12 @@ class STORM(torch.optim.Optimizer):
         group = self.param_groups[0]
         params = group["params"]
         first = "direction" not in self.state[params[0]]
+        check(not self.adaptive or self._round is not None, "adaptive", self.adaptive, "false when the trainer announces no round (start_round)")
         if first and self.init == "full":
             check(self._full_closure is not None, "init", self.init, "minibatch when the trainer gives no full-data closure")
-            loss, directions = self._gradients(self._full_closure, params, group["weight_decay"])
+            with torch.enable_grad():
+                loss = closure()  # the mini-batch's loss, for the running local loss; its gradient is not used
+            _, directions = self._gradients(self._full_closure, params, group["weight_decay"])
         else:
             loss, grads = self._gradients(closure, params, group["weight_decay"])
             if first or group["beta"] == 1:

@@ -49,8 +49,8 @@ class ServerAdaptive(ServerOptimizer):
     w <- w + server_lr * m / (sqrt(v) + tau), with tau = ``eps``. No bias correction; m starts at 0.
 
     Algorithm 2's initialisation is v_{-1} >= tau^2 (``v0: paper`` starts at exactly tau^2), which damps
-    the first steps: with v = 0 the first step is server_lr * (1 - beta1) Delta / (sqrt(1 - beta2) |Delta| + tau),
-    nearly sign-like. ``v0: zero`` starts at 0 as popular implementations do (Flower's FedAdam, FedYogi
+    the first steps: with v = 0 Adam's and Yogi's first step is server_lr (1 - beta1) Delta / (sqrt(1 - beta2) |Delta| + tau)
+    (Adagrad's: server_lr (1 - beta1) Delta / (|Delta| + tau)), nearly sign-like. ``v0: zero`` starts at 0 as popular implementations do (Flower's FedAdam, FedYogi
     and FedAdagrad), so a user can match their numbers.
 
     Args:

@@ -103,7 +103,24 @@ def test_fedstaleweight_window_drops_the_oldest_value():
     agg = FedStaleWeight(window=2)
     for tau in (5, 1, 1):
         agg.observe(7, tau)
-    assert agg.history[7] == deque([1, 1]) and agg.expected_staleness(7) == 1.0
+    assert agg.expected_staleness(7) == 1.0  # the last two of 5, 1, 1
+
+
+def test_fedstaleweight_excluding_the_current_buffer_keeps_a_full_window():
+    # window 1, buffer 2: client 0 had tau 4 in an earlier buffer, then arrives twice (tau 0, 0) in this one.
+    # Excluding the current buffer, E = 4 (its last earlier value), not 0: weights (4 + 1, 4 + 1) / 10 over
+    # its two updates, and the window of earlier values survives the two new arrivals.
+    agg = FedStaleWeight(buffer_size=2, form="algorithm", window=1, include_current=False)
+    agg.observe(0, 4)
+    agg.observe(1, 0)
+    agg.weights(buffer([0, 1], [4, 0]))
+    agg.observe(0, 0)
+    agg.observe(0, 0)
+    assert agg.expected_staleness(0) == 4.0
+    included = FedStaleWeight(buffer_size=2, form="algorithm", window=1)
+    for tau in (4, 0, 0):
+        included.observe(0, tau)
+    assert included.expected_staleness(0) == 0.0  # the window holds the newest value, 0
 
 
 def test_fedbuff_staleness_scaling_is_not_renormalised_and_fedasync_mixing_by_hand():

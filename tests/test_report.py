@@ -64,7 +64,7 @@ def test_summary_counts_reached_runs_and_uses_student_t():
 
 def test_censored_median_counts_unreached_runs_as_infinite():
     nan = math.nan
-    # sorted with inf: [2, 4, inf] -> the ceil(3/2) = 2nd value, 4 (the mean over reached runs would also be 3)
+    # sorted with inf: [2, 4, inf] -> the ceil(3/2) = 2nd value, 4 (the mean over the reached runs is 3)
     assert censored_median(np.array([4.0, nan, 2.0])) == 4.0
     # [3, inf, inf]: one of three reached -> fewer than half: infinite ("> max rounds" in the table)
     assert math.isinf(censored_median(np.array([nan, 3.0, nan])))

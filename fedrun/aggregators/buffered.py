@@ -107,13 +107,15 @@ class FedStaleWeight(AsyncAggregator):
         self.fresh: dict[int, int] = {}  # values each client added since the last aggregation
 
     def observe(self, client, staleness):
-        self.history.setdefault(int(client), deque(maxlen=self.window)).append(int(staleness))
+        # Room for a whole buffer beyond the window, so excluding the current buffer still leaves ``window`` values.
+        self.history.setdefault(int(client), deque(maxlen=self.window + self.buffer_size)).append(int(staleness))
         self.fresh[int(client)] = self.fresh.get(int(client), 0) + 1
 
     def expected_staleness(self, client: int) -> float:
         values = list(self.history.get(int(client), ()))
         if not self.include_current:
             values = values[: max(0, len(values) - self.fresh.get(int(client), 0))]
+        values = values[-self.window :]
         return float(np.mean(values)) if values else 0.0
 
     def weights(self, buffer):
