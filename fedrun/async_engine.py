@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport
+from fedrun.backends import as_device
 from fedrun.clients import evaluate, per_sample_loss, train_cohort
 from fedrun.datasets import FederatedData
 from fedrun.engine import RunResult
@@ -112,7 +113,7 @@ class AsyncEngine:
         aggregator: AsyncAggregator,
         optimizer: Callable[..., torch.optim.Optimizer],
         schedule,
-        device: torch.device,
+        device,
         seed: int,
         server: ServerOptimizer | None = None,
         on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
@@ -127,9 +128,9 @@ class AsyncEngine:
         self.check(aggregator, heterogeneity)
         group_of = self.assign(len(clients))
         server = server or ServerOptimizer()
-        model.to(device).eval()
-        x, y = data.x_train.to(device), data.y_train.to(device)
-        x_test, y_test = data.x_test.to(device), data.y_test.to(device)
+        # One client trains at a time here, so the loop backend; the device's layout still applies.
+        x, y, x_test, y_test = as_device(device).prepare(model, data.x_train, data.y_train, data.x_test, data.y_test)
+        model.eval()
         label_sets = self._label_sets(data, clients, group_of)
         sizes = np.array([len(c) for c in clients])
         base_lr = optimizer.keywords["lr"]

@@ -12,9 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
-from torch.nn.utils import parameters_to_vector
 
-from fedrun.models import load_flat
+from fedrun.models import flat_parameters, load_flat
 from fedrun.optimizers import coefficient_norm
 from fedrun.seeding import torch_generator
 
@@ -237,7 +236,7 @@ def train_cohort(
 
             batch_losses.append(optimizer.step(closure).detach())
             batch_sizes.append(len(batch))
-        deltas[row] = parameters_to_vector(model.parameters()).detach() - global_params
+        deltas[row] = flat_parameters(model) - global_params
         steps[row] = len(batch_losses)
         norms[row] = solver_coefficient_norm(optimizer, len(batch_losses), lr)
         if batch_losses:

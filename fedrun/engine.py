@@ -11,7 +11,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedrun.aggregators import Aggregator, CohortReport
-from fedrun.clients import FStarEstimate, LazyLosses, LocalWork, client_accuracy, cohort_losses, evaluate, train_cohort
+from fedrun.backends import Device, as_device, passes
+from fedrun.clients import FStarEstimate, LazyLosses, LocalWork, client_accuracy, cohort_losses, evaluate
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, DivergenceError, check
 from fedrun.heterogeneity import EqualWork
@@ -70,14 +71,6 @@ class Schedule:
         return max(1, int(round(self.clients_per_round * num_clients)))
 
 
-def select_device(kind: str = "auto") -> torch.device:
-    """``cpu``, ``cuda`` (fails clearly without CUDA) or ``auto`` (CUDA when available)."""
-    check(kind in ("cpu", "cuda", "auto"), "kind", kind, "cpu, cuda or auto")
-    if kind == "cuda":
-        check(torch.cuda.is_available(), "kind", kind, "cpu or auto: this machine has no CUDA device")
-    return torch.device("cuda" if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()) else "cpu")
-
-
 @dataclass
 class RunResult:
     """What a run produced.
@@ -102,7 +95,7 @@ def run(
     aggregator: Aggregator,
     optimizer: Callable[..., torch.optim.Optimizer],
     schedule: Schedule,
-    device: torch.device,
+    device: Device | torch.device,
     seed: int,
     server: ServerOptimizer | None = None,
     on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
@@ -118,7 +111,7 @@ def run(
         aggregator: Chooses alpha and combines the updates.
         optimizer: ``optimizer(params, lr=...)`` builds a local optimizer; its own ``lr`` is the base rate.
         schedule: Rounds, local work, sampling, evaluation.
-        device: Where to train.
+        device: Where and how to train (a ``torch.device`` means the plain loop in the contiguous layout).
         seed: Run seed (client sampling and mini-batch streams).
         server: Applies the combined update (default: w + Delta).
         on_round: Called after each round with the metrics row and per-client series over all clients
@@ -130,11 +123,11 @@ def run(
     Returns:
         The final model and the metrics rows.
     """
-    model.to(device).eval()
-    x, y = data.x_train.to(device), data.y_train.to(device)
-    x_test, y_test = data.x_test.to(device), data.y_test.to(device)
+    device = as_device(device)
     has_val = data.x_val is not None and len(data.y_val) > 0
-    x_val, y_val = (data.x_val.to(device), data.y_val.to(device)) if has_val else (None, None)
+    x, y, x_test, y_test, x_val, y_val = device.prepare(
+        model, data.x_train, data.y_train, data.x_test, data.y_test, *((data.x_val, data.y_val) if has_val else (None, None)))
+    model.eval()
     server = server or ServerOptimizer()
     heterogeneity = heterogeneity or EqualWork()
     sizes = np.array([len(part) for part in clients])
@@ -148,73 +141,76 @@ def run(
     message_mb = params.numel() * params.element_size() / 1e6
     latest_accuracy = math.nan  # what accuracy-triggered aggregators (hybrid) see
     result = RunResult(params)
+    trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
+    try:
+        bar = tqdm(range(1, schedule.rounds + 1), desc="rounds", unit="round", dynamic_ncols=True)
+        for t in bar:
+            start = time.perf_counter()
+            cohort = np.sort(sampler.choice(len(clients), size=m, replace=False))
+            plan = heterogeneity.plan(t, cohort, sizes[cohort], schedule.work, seed)
+            works = [work for work in plan if work is not None]
+            cohort = cohort[[work is not None for work in plan]]  # stragglers that dropped out of the round
+            parts = [clients[i] for i in cohort]
+            # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t, made
+            # only when read (by the aggregator, or for train_loss on evaluated rounds). Bound to this round's w_t.
+            losses = LazyLosses(lambda w=params, parts=parts: cohort_losses(model, w, x, y, parts, schedule.batch_size))
+            lr = base_lr * schedule.lr_decay ** (t - 1)
+            clock = time.perf_counter()
+            trained = trainer(params, parts, cohort, lr, works, seed, t)
+            deltas = trained.deltas
+            report = CohortReport(cohort, sizes[cohort], losses, t, trained.local_losses, latest_accuracy, accuracy_source, fstar,
+                                  trained.steps, trained.coefficient_norms)
+            if aggregator.needs_previous_model and previous is not None:
+                # Same round and client keys, so the same mini-batches as the update from w_t.
+                report.previous_deltas = trainer(previous, parts, cohort, lr, works, seed, t).deltas
+            timings = {"train_wall_s": time.perf_counter() - clock}
+            previous = params
+            # The papers' client accuracy: each local model on its own held-out split, before aggregation.
+            local_accuracy = client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort]) if client_tests else None
+            clock = time.perf_counter()
+            update, alpha = aggregator.aggregate(params, deltas, report)
+            params = server.step(params, update)
+            diverged = not torch.isfinite(params).all()
+            timings["aggregate_wall_s"] = time.perf_counter() - clock - losses.wall_s  # a loss pass the aggregator read is its own column
 
-    bar = tqdm(range(1, schedule.rounds + 1), desc="rounds", unit="round", dynamic_ncols=True)
-    for t in bar:
-        start = time.perf_counter()
-        cohort = np.sort(sampler.choice(len(clients), size=m, replace=False))
-        plan = heterogeneity.plan(t, cohort, sizes[cohort], schedule.work, seed)
-        works = [work for work in plan if work is not None]
-        cohort = cohort[[work is not None for work in plan]]  # stragglers that dropped out of the round
-        parts = [clients[i] for i in cohort]
-        # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t, made
-        # only when read (by the aggregator, or for train_loss on evaluated rounds). Bound to this round's w_t.
-        losses = LazyLosses(lambda w=params, parts=parts: cohort_losses(model, w, x, y, parts, schedule.batch_size))
-        lr = base_lr * schedule.lr_decay ** (t - 1)
-        clock = time.perf_counter()
-        trained = train_cohort(model, params, x, y, parts, cohort, optimizer, lr, works, seed, t)
-        deltas = trained.deltas
-        report = CohortReport(cohort, sizes[cohort], losses, t, trained.local_losses, latest_accuracy, accuracy_source, fstar,
-                              trained.steps, trained.coefficient_norms)
-        if aggregator.needs_previous_model and previous is not None:
-            # Same round and client keys, so the same mini-batches as the update from w_t.
-            report.previous_deltas = train_cohort(model, previous, x, y, parts, cohort, optimizer, lr, works, seed, t).deltas
-        timings = {"train_wall_s": time.perf_counter() - clock}
-        previous = params
-        # The papers' client accuracy: each local model on its own held-out split, before aggregation.
-        local_accuracy = client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort]) if client_tests else None
-        clock = time.perf_counter()
-        update, alpha = aggregator.aggregate(params, deltas, report)
-        params = server.step(params, update)
-        diverged = not torch.isfinite(params).all()
-        timings["aggregate_wall_s"] = time.perf_counter() - clock - losses.wall_s  # a loss pass the aggregator read is its own column
-
-        # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
-        models = 2 if aggregator.needs_previous_model else 1
-        evaluated = not diverged and schedule.evaluates(t)
-        train_loss = math.nan
-        if losses.computed or evaluated:
-            if not np.all(np.isfinite(losses.mean)):
-                raise DivergenceError(f"non-finite training loss of the global model at round {t}")
-            train_loss = float(np.average(losses.mean, weights=sizes[cohort]))
-        timings["loss_wall_s"] = losses.wall_s
-        row = {"round": t, "train_loss": train_loss, "lr": lr,
-               "upload_mb": models * len(cohort) * message_mb, "download_mb": models * len(cohort) * message_mb,
-               "local_steps_mean": float(trained.steps.mean())}
-        row.update(dict.fromkeys(["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan))
-        if local_accuracy is not None:
-            row["client_accuracy"] = float(local_accuracy.mean())
-        row.update(aggregator.diagnostics)
-        clock = time.perf_counter()
-        if evaluated:
-            row["test_accuracy"], row["test_loss"] = evaluate(model, params, x_test, y_test)
-            if has_val:
-                row["val_accuracy"], row["val_loss"] = evaluate(model, params, x_val, y_val)
-            latest_accuracy = row[accuracy_source]
-            bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", loss=f"{row['test_loss']:.4f}")
-        timings["eval_wall_s"] = time.perf_counter() - clock
-        row.update(timings)
-        row["round_wall_s"] = time.perf_counter() - start
-        alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)
-        alpha_all[cohort], steps_all[cohort] = alpha, trained.steps
-        result.rows.append(row)
-        on_round(row, {"alpha": alpha_all, "local_steps": steps_all})  # logged before failing, so the diverging round is on record
-        if diverged:
-            raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
-        result.params = params
-        if schedule.reached(row["test_accuracy"]):
-            break
-    bar.close()
+            # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
+            models = 2 if aggregator.needs_previous_model else 1
+            evaluated = not diverged and schedule.evaluates(t)
+            train_loss = math.nan
+            if losses.computed or evaluated:
+                if not np.all(np.isfinite(losses.mean)):
+                    raise DivergenceError(f"non-finite training loss of the global model at round {t}")
+                train_loss = float(np.average(losses.mean, weights=sizes[cohort]))
+            timings["loss_wall_s"] = losses.wall_s
+            row = {"round": t, "train_loss": train_loss, "lr": lr,
+                   "upload_mb": models * len(cohort) * message_mb, "download_mb": models * len(cohort) * message_mb,
+                   "local_steps_mean": float(trained.steps.mean())}
+            row.update(dict.fromkeys(["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan))
+            if local_accuracy is not None:
+                row["client_accuracy"] = float(local_accuracy.mean())
+            row.update(aggregator.diagnostics)
+            clock = time.perf_counter()
+            if evaluated:
+                row["test_accuracy"], row["test_loss"] = evaluate(model, params, x_test, y_test)
+                if has_val:
+                    row["val_accuracy"], row["val_loss"] = evaluate(model, params, x_val, y_val)
+                latest_accuracy = row[accuracy_source]
+                bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", loss=f"{row['test_loss']:.4f}")
+            timings["eval_wall_s"] = time.perf_counter() - clock
+            row.update(timings)
+            row["round_wall_s"] = time.perf_counter() - start
+            alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)
+            alpha_all[cohort], steps_all[cohort] = alpha, trained.steps
+            result.rows.append(row)
+            on_round(row, {"alpha": alpha_all, "local_steps": steps_all})  # logged before failing, so the diverging round is on record
+            if diverged:
+                raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
+            result.params = params
+            if schedule.reached(row["test_accuracy"]):
+                break
+        bar.close()
+    finally:
+        trainer.close()
     return result
 
 

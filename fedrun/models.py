@@ -102,4 +102,5 @@ def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     """A detached copy of the model's parameters as one flat vector."""
-    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    # reshape, not view: parameters in channels_last layout are not contiguous. Logical (NCHW) order always.
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -4,6 +4,7 @@ import functools
 import math
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -75,3 +76,76 @@ def test_losses_nobody_reads_are_skipped_and_train_loss_keeps_its_meaning():
     _, softmax_rows = engine_rows(FedSoftMax(), eval_every=2)
     assert all(not math.isnan(r["train_loss"]) for r in softmax_rows)
     assert softmax_rows[1]["train_loss"] != every_rows[1]["train_loss"]  # a different model by round 2
+
+
+def test_blocks_split_the_cohort_into_contiguous_parts_of_equal_work():
+    from fedrun.backends import _blocks
+
+    # costs 1, 1, 2 | 2, 1, 1 for two workers: total 8, the first block ends where the running sum reaches 4
+    assert _blocks([1, 1, 2, 2, 1, 1], 2) == [(0, 3), (3, 6)]
+    assert _blocks([5], 3) == [(0, 1), (1, 1), (1, 1)]  # fewer clients than workers: empty blocks
+    assert _blocks([], 2) == [(0, 0), (0, 0)]
+
+
+def images(n=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def cohort_update(device, make_optimizer, dtype=torch.float32, **kwargs):
+    from fedrun.backends import Device
+    from fedrun.clients import LocalWork
+
+    torch.manual_seed(0)
+    model = CNN((3, 8, 8), 4).to(dtype)
+    x, y = images()
+    x = x.to(dtype)
+    (x,) = device.prepare(model, x)
+    from fedrun.models import flat_parameters
+
+    parts = [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)]
+    trainer = device.trainer(model, x, y, make_optimizer, passes_per_round=10**9)
+    try:
+        return trainer(flat_parameters(model), parts, np.array([3, 7, 9]), 0.05, LocalWork(4, local_epochs=2), 0, 1, **kwargs)
+    finally:
+        trainer.close()
+
+
+def test_worker_processes_equal_the_loop_in_float64():
+    from fedrun.backends import Device
+    from fedrun.optimizers import ProxSGD
+
+    for make in (functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5), functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5)):
+        loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64)
+        forked = cohort_update(Device("cpu", "contiguous", "processes", workers=2), make, torch.float64)
+        torch.testing.assert_close(forked.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(forked.local_losses.mean, loop.local_losses.mean, rtol=1e-10)
+        assert list(forked.steps) == list(loop.steps) == [6, 14, 14]
+
+
+def test_channels_last_equals_contiguous_up_to_float_noise():
+    from fedrun.backends import Device
+
+    make = functools.partial(torch.optim.SGD, lr=0.05)
+    contiguous = cohort_update(Device("cpu", "contiguous", "loop"), make)
+    channels_last = cohort_update(Device("cpu", "channels_last", "loop"), make)
+    torch.testing.assert_close(channels_last.deltas, contiguous.deltas, rtol=1e-4, atol=1e-6)
+
+
+def test_a_whole_run_with_worker_processes_and_channels_last_matches_the_plain_run():
+    from fedrun.backends import Device
+
+    x, y = images(80)
+    data = FederatedData(x, y, x[:20], y[:20], num_classes=4)
+    parts = [np.arange(k * 20, (k + 1) * 20) for k in range(4)]
+    outcome = {}
+    for name, device in (("plain", torch.device("cpu")), ("fast", Device("cpu", "channels_last", "processes", workers=2))):
+        torch.manual_seed(0)
+        rows = []
+        result = run(CNN((3, 8, 8), 4), data, parts, FedSoftMax(), SGD, Schedule(rounds=3, local_epochs=1, batch_size=5), device, 0,
+                     on_round=lambda row, per_client: rows.append(row))
+        outcome[name] = (result.params, rows)
+    torch.testing.assert_close(outcome["fast"][0], outcome["plain"][0], rtol=1e-4, atol=1e-5)
+    for fast, plain in zip(outcome["fast"][1], outcome["plain"][1]):
+        assert fast["test_accuracy"] == plain["test_accuracy"]
+        assert fast["train_loss"] == pytest.approx(plain["train_loss"], rel=1e-5)

@@ -1,0 +1,187 @@
+"""The ``device`` group: where the cohort trains, in which memory layout, and by which backend.
+
+A backend is the training seam of the round loop: ``trainer(global_params, parts, client_ids, lr, work,
+seed, round_)`` returns the cohort's ``CohortUpdate``. ``loop`` trains the clients one after another in
+this process (intra-op threads parallelise each step); ``processes`` splits the cohort over worker
+processes that run one thread each, so small per-client steps keep every core busy. A client's training
+depends only on the global model, its data and its (round, client) random stream, so both give the same
+updates up to floating-point noise (the thread count changes the order of some sums).
+"""
+
+import multiprocessing
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedrun.clients import CohortUpdate, ClientLosses, LocalWork, train_cohort
+from fedrun.errors import check
+
+# The ``auto`` backend uses worker processes when a round has at least this many sample-passes per worker:
+# below it, sending the model and updates costs more than the second core saves (scripts/bench.py).
+MIN_PASSES_PER_WORKER = 1000
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class Device:
+    """Where and how the cohort trains.
+
+    Args:
+        kind: ``cpu``, ``cuda`` (refused without CUDA) or ``auto`` (CUDA when available).
+        memory_format: ``auto`` (channels_last for image models: 2-4x faster convolutions on CPU, equal up
+            to floating-point noise), ``channels_last`` or ``contiguous``.
+        backend: ``auto``, ``loop`` or ``processes`` (see the module docstring); ``auto`` picks processes on
+            a CPU with two or more cores when each worker gets at least ``MIN_PASSES_PER_WORKER``
+            sample-passes a round, else the loop.
+        workers: Worker processes for ``processes``; null = the usable cores.
+    """
+
+    def __init__(self, kind: str = "auto", memory_format: str = "auto", backend: str = "auto", workers: int | None = None):
+        check(kind in ("cpu", "cuda", "auto"), "kind", kind, "cpu, cuda or auto")
+        if kind == "cuda":
+            check(torch.cuda.is_available(), "kind", kind, "cpu or auto: this machine has no CUDA device")
+        check(memory_format in ("auto", "channels_last", "contiguous"), "memory_format", memory_format, "auto, channels_last or contiguous")
+        check(backend in ("auto", "loop", "processes"), "backend", backend, "auto, loop or processes")
+        check(workers is None or (isinstance(workers, int) and workers >= 1), "workers", workers, "null or an integer >= 1")
+        use_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
+        check(not (use_cuda and backend == "processes"), "backend", backend, "loop or auto on CUDA (worker processes are for CPUs)")
+        check(backend != "processes" or "fork" in multiprocessing.get_all_start_methods(), "backend", backend,
+              "loop or auto on a platform without fork")
+        self.kind, self.memory_format, self.backend, self.workers = kind, memory_format, backend, workers
+        self.torch = torch.device("cuda" if use_cuda else "cpu")
+
+    def layout(self, x: torch.Tensor) -> torch.memory_format:
+        """The memory format for a model fed inputs like ``x``."""
+        if self.memory_format == "contiguous" or x.dim() != 4:
+            return torch.contiguous_format
+        return torch.channels_last
+
+    def prepare(self, model: nn.Module, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Move the model and tensors to the device, in the layout (images only). Returns the tensors."""
+        layout = self.layout(tensors[0])
+        model.to(self.torch).to(memory_format=layout)
+        return [None if t is None else t.to(self.torch).contiguous(memory_format=layout if t.dim() == 4 else torch.contiguous_format)
+                for t in tensors]
+
+    def chosen_backend(self, passes_per_round: int) -> str:
+        """``loop`` or ``processes`` for a round of this many sample-passes."""
+        if self.backend != "auto":
+            return self.backend
+        workers = self.workers or usable_cores()
+        fits = self.torch.type == "cpu" and workers >= 2 and "fork" in multiprocessing.get_all_start_methods()
+        return "processes" if fits and passes_per_round >= MIN_PASSES_PER_WORKER * workers else "loop"
+
+    def trainer(self, model, x, y, make_optimizer, passes_per_round: int):
+        """A trainer for the run (close it when done): ``LoopTrainer`` or ``ProcessTrainer``."""
+        if self.chosen_backend(passes_per_round) == "processes":
+            return ProcessTrainer(model, x, y, make_optimizer, self.workers or usable_cores())
+        return LoopTrainer(model, x, y, make_optimizer)
+
+
+def as_device(device) -> Device:
+    """A ``Device`` for a ``torch.device`` (plain loop, contiguous layout, as before) or a ``Device``."""
+    if isinstance(device, Device):
+        return device
+    return Device(kind=torch.device(device).type, memory_format="contiguous", backend="loop")
+
+
+class LoopTrainer:
+    """Train the cohort's clients one after another in this process."""
+
+    name = "loop"
+
+    def __init__(self, model, x, y, make_optimizer):
+        self.model, self.x, self.y, self.make_optimizer = model, x, y, make_optimizer
+
+    def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
+        return train_cohort(self.model, global_params, self.x, self.y, parts, client_ids, self.make_optimizer, lr, work, seed, round_, stream)
+
+    def close(self) -> None:
+        pass
+
+
+def _worker(connection, model, x, y, make_optimizer) -> None:
+    torch.set_num_threads(1)  # one thread per worker: the workers are the parallelism (and OpenMP is safe after fork)
+    while True:
+        task = connection.recv()
+        if task is None:
+            return
+        params, parts, client_ids, works, lr, seed, round_, stream = task
+        try:
+            connection.send(train_cohort(model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream))
+        except BaseException as exc:  # report to the parent instead of dying silently
+            connection.send(exc)
+
+
+class ProcessTrainer:
+    """Split the cohort over forked worker processes, each training its clients on one thread.
+
+    The dataset tensors are shared with the workers by fork (copy-on-write, never written), so memory does
+    not grow with the workers. Clients are dealt to workers in contiguous blocks of about equal work, and
+    the updates come back in cohort order.
+    """
+
+    name = "processes"
+
+    def __init__(self, model, x, y, make_optimizer, workers: int):
+        context = multiprocessing.get_context("fork")
+        self.connections, self.processes = [], []
+        for _ in range(workers):
+            parent, child = context.Pipe()
+            process = context.Process(target=_worker, args=(child, model, x, y, make_optimizer), daemon=True)
+            process.start()
+            child.close()
+            self.connections.append(parent)
+            self.processes.append(process)
+
+    def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
+        works = work if isinstance(work, list) else [work] * len(parts)
+        blocks = _blocks([passes(len(p), w) for p, w in zip(parts, works)], len(self.connections))
+        sent = []
+        for connection, (lo, hi) in zip(self.connections, blocks):
+            if lo < hi:
+                connection.send((global_params, parts[lo:hi], client_ids[lo:hi], works[lo:hi], lr, seed, round_, stream))
+                sent.append(connection)
+        results = [connection.recv() for connection in sent]
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return CohortUpdate(
+            deltas=torch.cat([r.deltas for r in results]),
+            local_losses=ClientLosses(np.concatenate([r.local_losses.mean for r in results]),
+                                      np.concatenate([r.local_losses.authors for r in results])),
+            steps=np.concatenate([r.steps for r in results]),
+            coefficient_norms=np.concatenate([r.coefficient_norms for r in results]),
+        )
+
+    def close(self) -> None:
+        for connection in self.connections:
+            try:
+                connection.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+
+
+def passes(samples: int, work: LocalWork) -> int:
+    """Sample-passes (forward and backward) of a client's local work."""
+    return work.local_steps * work.batch_size if work.local_steps is not None else work.local_epochs * samples
+
+
+def _blocks(costs: list[int], workers: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) blocks of clients with about equal total cost, one per worker (some may be empty)."""
+    cumulative, bounds, lo = np.cumsum(costs), [], 0
+    for k in range(1, workers + 1):
+        target = cumulative[-1] * k / workers if len(costs) else 0
+        hi = len(costs) if k == workers else int(np.searchsorted(cumulative, target, side="left")) + 1
+        hi = max(lo, min(hi, len(costs)))
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
