@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedrun.clients import CohortUpdate, ClientLosses, LocalWork, train_cohort
+from fedrun.clients import train_cohort
+from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import check
 
 # The ``auto`` backend uses worker processes when a round has at least this many sample-passes per worker:

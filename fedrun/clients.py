@@ -4,29 +4,19 @@
 parallelised or vectorised later without touching the round loop.
 """
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
+from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.models import flat_parameters, load_flat
 from fedrun.optimizers import coefficient_norm
 from fedrun.seeding import torch_generator
 
 EVAL_BATCH = 4096
-
-
-@dataclass(frozen=True)
-class LocalWork:
-    """How much a client trains in one round: ``local_epochs`` passes, or exactly ``local_steps`` mini-batches."""
-
-    batch_size: int
-    local_epochs: int = 1
-    local_steps: int | None = None
 
 
 def per_sample_loss(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,51 +40,6 @@ def evaluate(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.T
     """(accuracy, mean loss) of ``params`` on a split."""
     loss, correct = per_sample_loss(model, params, x, y)
     return correct.float().mean().item(), loss.mean().item()
-
-
-@dataclass
-class ClientLosses:
-    """Per-client losses in two scales.
-
-    Attributes:
-        mean: The mean loss over the client's samples.
-        authors: The scale of the loss-weighted papers' code: the sum of per-batch mean losses divided
-            by the client's sample count (about mean / 57 for 200 samples in batches of 64).
-    """
-
-    mean: np.ndarray
-    authors: np.ndarray
-
-
-class LazyLosses:
-    """Per-client losses computed on first read and cached, so a round whose aggregator never reads them
-    skips the pass over the cohort's data.
-
-    Args:
-        compute: Gives the ``ClientLosses`` (bound to the round's global model).
-    """
-
-    def __init__(self, compute: Callable[[], ClientLosses]):
-        self._compute, self._value, self.wall_s = compute, None, 0.0
-
-    @property
-    def computed(self) -> bool:
-        return self._value is not None
-
-    def _get(self) -> ClientLosses:
-        if self._value is None:
-            start = time.perf_counter()
-            self._value = self._compute()
-            self.wall_s = time.perf_counter() - start
-        return self._value
-
-    @property
-    def mean(self) -> np.ndarray:
-        return self._get().mean
-
-    @property
-    def authors(self) -> np.ndarray:
-        return self._get().authors
 
 
 def _authors_scale(losses: torch.Tensor, batch_size: int) -> float:
@@ -145,23 +90,6 @@ def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator:
                 if steps == 0:
                     return
         done += 1
-
-
-@dataclass
-class CohortUpdate:
-    """What local training of a cohort produced.
-
-    Attributes:
-        deltas: Delta_i = w_i - w, one row per cohort client.
-        local_losses: Each client's running training loss over its last local epoch.
-        steps: Local mini-batch steps each client took.
-        coefficient_norms: FedNova's ||a_i||_1 of each client's solver and steps.
-    """
-
-    deltas: torch.Tensor
-    local_losses: ClientLosses
-    steps: np.ndarray
-    coefficient_norms: np.ndarray
 
 
 def solver_coefficient_norm(optimizer: torch.optim.Optimizer, steps: int, lr: float) -> float:

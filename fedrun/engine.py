@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedrun.aggregators import Aggregator, CohortReport
+from fedrun.aggregators import Aggregator
 from fedrun.backends import Device, as_device, passes
-from fedrun.clients import FStarEstimate, LazyLosses, LocalWork, client_accuracy, cohort_losses, evaluate
+from fedrun.clients import FStarEstimate, client_accuracy, cohort_losses, evaluate
+from fedrun.cohort import Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, DivergenceError, check
 from fedrun.heterogeneity import EqualWork
@@ -151,19 +152,21 @@ def run(
             works = [work for work in plan if work is not None]
             cohort = cohort[[work is not None for work in plan]]  # stragglers that dropped out of the round
             parts = [clients[i] for i in cohort]
-            # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t, made
-            # only when read (by the aggregator, or for train_loss on evaluated rounds). Bound to this round's w_t.
-            losses = LazyLosses(lambda w=params, parts=parts: cohort_losses(model, w, x, y, parts, schedule.batch_size))
             lr = base_lr * schedule.lr_decay ** (t - 1)
             clock = time.perf_counter()
             trained = trainer(params, parts, cohort, lr, works, seed, t)
+            train_s = time.perf_counter() - clock
             deltas = trained.deltas
-            report = CohortReport(cohort, sizes[cohort], losses, t, trained.local_losses, latest_accuracy, accuracy_source, fstar,
-                                  trained.steps, trained.coefficient_norms)
-            if aggregator.needs_previous_model and previous is not None:
-                # Same round and client keys, so the same mini-batches as the update from w_t.
-                report.previous_deltas = trainer(previous, parts, cohort, lr, works, seed, t).deltas
-            timings = {"train_wall_s": time.perf_counter() - clock}
+            # What the aggregator may read; the lazy signals cost nothing unless read. Bound to this round.
+            report = RoundView(
+                cohort, sizes[cohort], round=t, accuracy=latest_accuracy, accuracy_source=accuracy_source, fstar=fstar,
+                local_losses=trained.local_losses, steps=trained.steps, coefficient_norms=trained.coefficient_norms,
+                # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t.
+                losses=Lazy(lambda w=params, parts=parts: cohort_losses(model, w, x, y, parts, schedule.batch_size)),
+                # From the previous global model on the same mini-batches (same round and client keys); MVR.
+                previous_deltas=Lazy(lambda w=previous, parts=parts, cohort=cohort, works=works, lr=lr:
+                                     None if w is None else trainer(w, parts, cohort, lr, works, seed, t).deltas),
+            )
             previous = params
             # The papers' client accuracy: each local model on its own held-out split, before aggregation.
             local_accuracy = client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort]) if client_tests else None
@@ -171,17 +174,19 @@ def run(
             update, alpha = aggregator.aggregate(params, deltas, report)
             params = server.step(params, update)
             diverged = not torch.isfinite(params).all()
-            timings["aggregate_wall_s"] = time.perf_counter() - clock - losses.wall_s  # a loss pass the aggregator read is its own column
+            signals_s = sum(report.wall_s.values())  # lazy signals read while aggregating have their own columns
+            timings = {"aggregate_wall_s": time.perf_counter() - clock - signals_s}
 
             # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
-            models = 2 if aggregator.needs_previous_model else 1
+            models = 2 if report.read("previous_deltas") else 1  # the previous model goes down, its update up
             evaluated = not diverged and schedule.evaluates(t)
             train_loss = math.nan
-            if losses.computed or evaluated:
-                if not np.all(np.isfinite(losses.mean)):
+            if report.read("losses") or evaluated:
+                if not np.all(np.isfinite(report.losses.mean)):
                     raise DivergenceError(f"non-finite training loss of the global model at round {t}")
-                train_loss = float(np.average(losses.mean, weights=sizes[cohort]))
-            timings["loss_wall_s"] = losses.wall_s
+                train_loss = float(np.average(report.losses.mean, weights=sizes[cohort]))
+            timings["loss_wall_s"] = report.wall_s.get("losses", 0.0)
+            timings["train_wall_s"] = train_s + report.wall_s.get("previous_deltas", 0.0)
             row = {"round": t, "train_loss": train_loss, "lr": lr,
                    "upload_mb": models * len(cohort) * message_mb, "download_mb": models * len(cohort) * message_mb,
                    "local_steps_mean": float(trained.steps.mean())}

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from fedrun.clients import LocalWork
+from fedrun.cohort import LocalWork
 from fedrun.errors import check
 from fedrun.seeding import numpy_rng
 

@@ -8,7 +8,7 @@ import torch
 from numpy.testing import assert_allclose
 
 from fedrun.aggregators import (
-    CohortReport,
+    RoundView,
     FedAvg,
     FedBetter,
     FedBetterK,
@@ -27,7 +27,7 @@ from fedrun.servers import ServerOptimizer
 
 def report(sizes, losses, round_=1, local=None, authors=None, accuracy=math.nan, fstar=None):
     losses = np.array(losses, float)
-    return CohortReport(
+    return RoundView(
         clients=np.arange(len(sizes)),
         sizes=np.array(sizes),
         losses=ClientLosses(losses, np.array(authors if authors is not None else losses / 10, float)),

@@ -7,7 +7,7 @@ import torch
 from numpy.testing import assert_allclose
 from torch.nn.functional import cross_entropy
 
-from fedrun.aggregators import CohortReport, FedAvg
+from fedrun.aggregators import RoundView, FedAvg
 from fedrun.clients import LocalWork, _batches, cohort_losses, train_cohort
 from fedrun.models import MLP, flat_parameters, load_flat
 from fedrun.seeding import torch_generator
@@ -46,7 +46,7 @@ def test_one_fedavg_round_is_the_sample_weighted_mean_of_client_models():
     model = MLP((1, 2, 3), 3, hidden=(4,))
     w = flat_parameters(model)
     deltas = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, LocalWork(5, 2), seed=0, round_=1).deltas
-    report = CohortReport(np.array([0, 1]), np.array([12, 28]), None, 1)
+    report = RoundView(np.array([0, 1]), np.array([12, 28]), None, 1)
     update, _ = FedAvg().aggregate(w, deltas, report)
     new = w + update
     client_models = [w + reference_update(model, w, p, c, 1) for p, c in zip(PARTS, [0, 1])]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fedrun.aggregators import FedAvg, FedSoftMax
-from fedrun.clients import LazyLosses, cohort_losses
+from fedrun.cohort import Lazy, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
 from fedrun.models import CNN, MLP
@@ -32,19 +32,19 @@ def test_cnn_relu_after_pooling_equals_the_papers_order_exactly():
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
-def test_lazy_losses_compute_once_on_first_read():
+def test_round_view_signals_are_computed_once_on_first_read():
     calls = []
 
     def compute():
         calls.append(1)
-        return cohort_losses(model, torch.nn.utils.parameters_to_vector(model.parameters()).detach(), X, Y, PARTS, 5)
+        return "losses"
 
-    torch.manual_seed(0)
-    model = MLP((1, 2, 3), 3, hidden=(4,))
-    lazy = LazyLosses(compute)
-    assert not lazy.computed and calls == []
-    first = lazy.mean
-    assert lazy.computed and np.array_equal(lazy.mean, first) and lazy.authors is not None and len(calls) == 1
+    view = RoundView(np.arange(2), np.ones(2), round=3, losses=Lazy(compute), steps=np.array([4, 5]))
+    assert not view.read("losses") and calls == []
+    assert view.losses == "losses" and view.losses == "losses" and len(calls) == 1 and view.read("losses")
+    assert list(view.steps) == [4, 5] and view.previous_deltas is None and view.round == 3
+    with pytest.raises(AttributeError, match="no signal 'gradients'"):
+        view.gradients
 
 
 torch.manual_seed(0)

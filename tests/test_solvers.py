@@ -7,7 +7,7 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 
-from fedrun.aggregators import MVR, CohortReport, FedAvg, FedNova
+from fedrun.aggregators import MVR, RoundView, FedAvg, FedNova
 from fedrun.clients import LocalWork, train_cohort
 from fedrun.heterogeneity import RandomSteps, Stragglers
 from fedrun.models import MLP, flat_parameters
@@ -161,7 +161,7 @@ def test_solver_reports_steps_and_norms():
 
 
 def report(sizes, norms, previous=None):
-    return CohortReport(np.arange(len(sizes)), np.array(sizes), None, 1, coefficient_norms=np.array(norms, float), previous_deltas=previous)
+    return RoundView(np.arange(len(sizes)), np.array(sizes), None, 1, coefficient_norms=np.array(norms, float), previous_deltas=previous)
 
 
 def test_fednova_equals_fedavg_with_equal_work_and_follows_its_formula_otherwise():
@@ -205,7 +205,7 @@ def test_two_client_quadratic_fedavg_bias_and_fednova_fixed_points(lr):
                 for _ in range(steps):
                     local = local - lr * (local - target)  # exact gradient step
                 deltas.append(local - x)
-            r = CohortReport(np.arange(2), np.ones(2), None, 1, coefficient_norms=np.array([coefficient_norm(s, lr) for s in tau]))
+            r = RoundView(np.arange(2), np.ones(2), None, 1, coefficient_norms=np.array([coefficient_norm(s, lr) for s in tau]))
             x = server.step(x, agg.aggregate(x, torch.stack(deltas), r)[0])
         assert x.item() == pytest.approx(closed[name], abs=1e-9)
     assert abs(closed["fednova"] - 0.5) < abs(closed["fedavg"] - 0.5) / 3

@@ -1,6 +1,6 @@
 """Aggregators: how the server combines a cohort's updates (weights alpha plus a server step)."""
 
-from fedrun.aggregators.base import Aggregator, CohortReport
+from fedrun.aggregators.base import Aggregator
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport, FedAsync, FedBuff, FedStaleWeight
 from fedrun.aggregators.normalised import MVR, FedNova
 from fedrun.aggregators.loss_weighted import (
@@ -14,8 +14,9 @@ from fedrun.aggregators.loss_weighted import (
     Hybrid,
     LossWeighted,
 )
+from fedrun.cohort import RoundView
 
 __all__ = [
-    "Aggregator", "AsyncAggregator", "BufferReport", "CohortReport", "FedAsync", "FedBuff", "FedStaleWeight", "FedAvg", "FedBetter", "FedBetterK", "FedMax", "FedMaxK",
+    "Aggregator", "AsyncAggregator", "BufferReport", "RoundView", "FedAsync", "FedBuff", "FedStaleWeight", "FedAvg", "FedBetter", "FedBetterK", "FedMax", "FedMaxK",
     "FedNova", "FedSoftBetter", "FedSoftMax", "Hybrid", "LossWeighted", "MVR",
 ]

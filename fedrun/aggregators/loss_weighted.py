@@ -8,14 +8,15 @@ import math
 
 import numpy as np
 
-from fedrun.aggregators.base import Aggregator, CohortReport
+from fedrun.aggregators.base import Aggregator
+from fedrun.cohort import RoundView
 from fedrun.errors import check
 
 
 class FedAvg(Aggregator):
     """FedAvg (McMahan et al. 2017): alpha_i = p_i."""
 
-    def weights(self, report: CohortReport) -> np.ndarray:
+    def weights(self, report: RoundView) -> np.ndarray:
         return self.base_weights(report)
 
 
@@ -50,7 +51,7 @@ class LossWeighted(Aggregator):
         check(loss_scale in ("mean", "authors"), "loss_scale", loss_scale, "mean or authors")
         self.fstar, self.fstar_epochs, self.loss_on, self.loss_scale = fstar, fstar_epochs, loss_on, loss_scale
 
-    def gaps(self, report: CohortReport) -> np.ndarray:
+    def gaps(self, report: RoundView) -> np.ndarray:
         """L_i = F_i - F_i* over the cohort, in the configured loss and scale."""
         losses = report.losses if self.loss_on == "global" else report.local_losses
         loss = np.asarray(getattr(losses, self.loss_scale), dtype=np.float64)
@@ -58,7 +59,7 @@ class LossWeighted(Aggregator):
             loss = loss - getattr(report.fstar(report.clients, self.fstar_epochs), self.loss_scale)
         return loss
 
-    def weights(self, report: CohortReport) -> np.ndarray:
+    def weights(self, report: RoundView) -> np.ndarray:
         return self.weigh(self.sign * self.gaps(report), self.base_weights(report), report.round)
 
     def weigh(self, score: np.ndarray, p: np.ndarray, round_: int) -> np.ndarray:
@@ -193,7 +194,7 @@ class Hybrid(Aggregator):
             # MVR's momentum) would silently run as a weighted average.
             agg = phase["aggregator"]
             check(
-                type(agg).aggregate is Aggregator.aggregate and not agg.needs_previous_model,
+                type(agg).aggregate is Aggregator.aggregate,
                 f"phases[{i}].aggregator",
                 type(agg).__name__,
                 "an aggregator that only chooses weights (fedavg, the loss-weighted family, hybrid), not one with "
@@ -205,13 +206,13 @@ class Hybrid(Aggregator):
             self.phases.append((phase["aggregator"], rounds, accuracy))
         self.current = 0
 
-    def _ended(self, report: CohortReport) -> bool:
+    def _ended(self, report: RoundView) -> bool:
         _, rounds, accuracy = self.phases[self.current]
         if rounds is not None and report.round > rounds:
             return True
         return accuracy is not None and not math.isnan(report.accuracy) and report.accuracy >= accuracy
 
-    def weights(self, report: CohortReport) -> np.ndarray:
+    def weights(self, report: RoundView) -> np.ndarray:
         while self.current < len(self.phases) - 1 and self._ended(report):
             self.current += 1
             self.tags[f"hybrid_phase_{self.current}_from_round"] = str(report.round)

@@ -3,7 +3,8 @@
 import numpy as np
 import torch
 
-from fedrun.aggregators.base import Aggregator, CohortReport
+from fedrun.aggregators.base import Aggregator
+from fedrun.cohort import RoundView
 from fedrun.errors import check
 
 
@@ -14,7 +15,7 @@ class FedNova(Aggregator):
     client does the same work with the same solver. alpha (logged) is p.
     """
 
-    def weights(self, report: CohortReport) -> np.ndarray:
+    def weights(self, report: RoundView) -> np.ndarray:
         return self.base_weights(report)
 
     def aggregate(self, global_params, deltas, report):
@@ -34,22 +35,21 @@ class MVR(Aggregator):
     m_1 = sum_i p_i Delta_i^1 and, from round 2,
     m_t = beta * sum_i p_i Delta_i^t + (1 - beta) m_{t-1} + (1 - beta) sum_i p_i (Delta_i^t - Delta_hat_i^{t-1}),
     where Delta_hat_i^{t-1} is the update client i would have made from the previous global model on the
-    same mini-batches. The server optimizer then steps along m_t. Each client uploads two updates and
-    downloads two models per round.
+    same mini-batches (reading ``previous_deltas`` makes the engine train the cohort from the previous model).
+    The server optimizer then steps along m_t. Each client uploads two updates and downloads two models per
+    round (Algorithm 2 line 2 broadcasts both models, also in round 1 where w_0 = w_1).
 
     Args:
         beta: Weight of the fresh average, in (0, 1].
         weighting: p_i (the paper averages uniformly).
     """
 
-    needs_previous_model = True
-
     def __init__(self, beta: float = 0.5, weighting: str = "uniform"):
         super().__init__(weighting)
         check(0 < beta <= 1, "beta", beta, "a number in (0, 1]")
         self.beta, self.momentum = beta, None
 
-    def weights(self, report: CohortReport) -> np.ndarray:
+    def weights(self, report: RoundView) -> np.ndarray:
         return self.base_weights(report)
 
     def aggregate(self, global_params, deltas, report):

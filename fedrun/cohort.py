@@ -1,0 +1,109 @@
+"""The data that engine, client training and aggregators share: how much a client trains, what a cohort's
+training produced, per-client losses, and the round view the server aggregates from.
+
+Nothing here trains or aggregates, so aggregators import this module, not the client-training one.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class LocalWork:
+    """How much a client trains in one round: ``local_epochs`` passes, or exactly ``local_steps`` mini-batches."""
+
+    batch_size: int
+    local_epochs: int = 1
+    local_steps: int | None = None
+
+
+@dataclass
+class ClientLosses:
+    """Per-client losses in two scales.
+
+    Attributes:
+        mean: The mean loss over the client's samples.
+        authors: The scale of the loss-weighted papers' code: the sum of per-batch mean losses divided
+            by the client's sample count (about mean / 57 for 200 samples in batches of 64).
+    """
+
+    mean: np.ndarray
+    authors: np.ndarray
+
+
+@dataclass
+class CohortUpdate:
+    """What local training of a cohort produced.
+
+    Attributes:
+        deltas: Delta_i = w_i - w, one row per cohort client.
+        local_losses: Each client's running training loss over its last local epoch.
+        steps: Local mini-batch steps each client took.
+        coefficient_norms: FedNova's ||a_i||_1 of each client's solver and steps.
+    """
+
+    deltas: torch.Tensor
+    local_losses: ClientLosses
+    steps: np.ndarray
+    coefficient_norms: np.ndarray
+
+
+class Lazy:
+    """A signal computed on first read (``RoundView`` caches the value and the time it took)."""
+
+    def __init__(self, compute: Callable[[], object]):
+        self.compute = compute
+
+
+class RoundView:
+    """What the server can know about one round's cohort. Every signal is computed on first read and cached,
+    so a signal no aggregator reads costs nothing; adding one is one entry where the engine builds the view.
+
+    Signals the engine provides:
+        losses: F_i(w_t), each client's ``ClientLosses`` under the round's global model (a pass over their data).
+        local_losses: Each client's running training loss over its last local epoch.
+        steps: Local steps each client took.
+        coefficient_norms: FedNova's ||a_i||_1 of each client's local solver.
+        previous_deltas: The updates each client makes from the previous global model on the same
+            mini-batches (training the cohort a second time; None in round 1).
+        fstar: ``fstar(client_ids, epochs)`` estimates F_i* (cached per client).
+
+    Args:
+        clients: Client ids of the cohort.
+        sizes: Number of training samples of each cohort client.
+        losses: See above (positional, like the other signals: a value, a ``Lazy`` or None).
+        round: The round, 1-based.
+        accuracy: The latest evaluated accuracy before this round (validation when the run has a validation
+            split, else test); NaN before the first evaluation.
+        accuracy_source: ``val_accuracy`` or ``test_accuracy``: which one ``accuracy`` is.
+        **signals: Further signals by name.
+    """
+
+    def __init__(self, clients: np.ndarray, sizes: np.ndarray, losses=None, round: int = 1, local_losses=None,
+                 accuracy: float = math.nan, accuracy_source: str = "test_accuracy", fstar=None, steps=None,
+                 coefficient_norms=None, previous_deltas=None, **signals):
+        self.clients, self.sizes, self.round = clients, sizes, round
+        self.accuracy, self.accuracy_source = accuracy, accuracy_source
+        self._signals = dict(losses=losses, local_losses=local_losses, fstar=fstar, steps=steps,
+                             coefficient_norms=coefficient_norms, previous_deltas=previous_deltas, **signals)
+        self.wall_s: dict[str, float] = {}  # seconds each lazy signal took, once read
+
+    def __getattr__(self, name: str):
+        signals = self.__dict__.get("_signals", {})
+        if name not in signals:
+            raise AttributeError(f"RoundView has no signal {name!r} (known: {', '.join(signals)})")
+        value = signals[name]
+        if isinstance(value, Lazy):
+            start = time.perf_counter()
+            value = signals[name] = value.compute()
+            self.wall_s[name] = time.perf_counter() - start
+        return value
+
+    def read(self, name: str) -> bool:
+        """Whether the lazy signal ``name`` was computed (read) this round."""
+        return name in self.wall_s
