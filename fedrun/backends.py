@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedrun.clients import train_cohort
+from fedrun.clients import cohort_losses, train_cohort
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import check
 
@@ -101,6 +101,10 @@ class LoopTrainer:
     def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
         return train_cohort(self.model, global_params, self.x, self.y, parts, client_ids, self.make_optimizer, lr, work, seed, round_, stream)
 
+    def losses(self, params, parts, batch_size) -> ClientLosses:
+        """F_i(params) of each client (``cohort_losses``)."""
+        return cohort_losses(self.model, params, self.x, self.y, parts, batch_size)
+
     def close(self) -> None:
         pass
 
@@ -111,9 +115,14 @@ def _worker(connection, model, x, y, make_optimizer) -> None:
         task = connection.recv()
         if task is None:
             return
-        params, parts, client_ids, works, lr, seed, round_, stream = task
+        kind, args = task
         try:
-            connection.send(train_cohort(model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream))
+            if kind == "train":
+                params, parts, client_ids, works, lr, seed, round_, stream = args
+                connection.send(train_cohort(model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream))
+            else:
+                params, parts, batch_size = args
+                connection.send(cohort_losses(model, params, x, y, parts, batch_size))
         except BaseException as exc:  # report to the parent instead of dying silently
             connection.send(exc)
 
@@ -142,15 +151,7 @@ class ProcessTrainer:
     def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
         blocks = _blocks([passes(len(p), w) for p, w in zip(parts, works)], len(self.connections))
-        sent = []
-        for connection, (lo, hi) in zip(self.connections, blocks):
-            if lo < hi:
-                connection.send((global_params, parts[lo:hi], client_ids[lo:hi], works[lo:hi], lr, seed, round_, stream))
-                sent.append(connection)
-        results = [connection.recv() for connection in sent]
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        results = self._scatter("train", blocks, lambda lo, hi: (global_params, parts[lo:hi], client_ids[lo:hi], works[lo:hi], lr, seed, round_, stream))
         return CohortUpdate(
             deltas=torch.cat([r.deltas for r in results]),
             local_losses=ClientLosses(np.concatenate([r.local_losses.mean for r in results]),
@@ -158,6 +159,24 @@ class ProcessTrainer:
             steps=np.concatenate([r.steps for r in results]),
             coefficient_norms=np.concatenate([r.coefficient_norms for r in results]),
         )
+
+    def losses(self, params, parts, batch_size) -> ClientLosses:
+        """F_i(params) of each client, the clients split over the workers by sample count."""
+        results = self._scatter("losses", _blocks([len(p) for p in parts], len(self.connections)), lambda lo, hi: (params, parts[lo:hi], batch_size))
+        return ClientLosses(np.concatenate([r.mean for r in results]), np.concatenate([r.authors for r in results]))
+
+    def _scatter(self, kind: str, blocks, arguments) -> list:
+        """Send each non-empty block its task, gather the results in block order, re-raise a worker's error."""
+        sent = []
+        for connection, (lo, hi) in zip(self.connections, blocks):
+            if lo < hi:
+                connection.send((kind, arguments(lo, hi)))
+                sent.append(connection)
+        results = [connection.recv() for connection in sent]
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     def close(self) -> None:
         for connection in self.connections:

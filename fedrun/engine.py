@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from fedrun.aggregators import Aggregator
 from fedrun.backends import Device, as_device, passes
-from fedrun.clients import FStarEstimate, client_accuracy, cohort_losses, evaluate
+from fedrun.clients import FStarEstimate, client_accuracy, evaluate
 from fedrun.cohort import Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, DivergenceError, check
@@ -162,7 +162,7 @@ def run(
                 cohort, sizes[cohort], round=t, accuracy=latest_accuracy, accuracy_source=accuracy_source, fstar=fstar,
                 local_losses=trained.local_losses, steps=trained.steps, coefficient_norms=trained.coefficient_norms,
                 # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t.
-                losses=Lazy(lambda w=params, parts=parts: cohort_losses(model, w, x, y, parts, schedule.batch_size)),
+                losses=Lazy(lambda w=params, parts=parts: trainer.losses(w, parts, schedule.batch_size)),
                 # From the previous global model on the same mini-batches (same round and client keys); MVR.
                 previous_deltas=Lazy(lambda w=previous, parts=parts, cohort=cohort, works=works, lr=lr:
                                      None if w is None else trainer(w, parts, cohort, lr, works, seed, t).deltas),

@@ -7,8 +7,9 @@ Workloads, on synthetic MNIST-shaped tensors (1x28x28, 10 classes; no files need
 - ``cross-device``: 1,000 clients x 50 samples, cohort 50, E = 1, batch 10.
 - ``10000-clients``: 10,000 clients x 50 samples, cohort 100, E = 1, batch 10.
 
-For each: fedrun's seconds per round (median after a warm-up round) split into local training, loss pass,
-aggregation, evaluation and logging (a real Tracker writing metrics.csv and MLflow to a scratch SQLite
+For each: fedrun's seconds per round (median after a warm-up round) with the backend ``device.backend=auto``
+picks, split into local training, loss pass, aggregation, evaluation and logging, and both backends' figures
+(``loop``, ``processes``) (a real Tracker writing metrics.csv and MLflow to a scratch SQLite
 store); ``naive``, the loop a researcher writes first (a state_dict loaded into the model per client,
 a DataLoader, evaluation in batches of 1000, the per-client loss pass); and the compute ``floor``: the same
 forward/backward sample-passes as one centrally trained model at the same batch size in its fastest layout
@@ -37,6 +38,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
 from fedrun.aggregators import FedAvg
+from fedrun.backends import Device
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
 from fedrun.models import CNN
@@ -62,7 +64,7 @@ def synthetic(spec: dict, seed: int = 0) -> tuple[FederatedData, list[np.ndarray
     return FederatedData(x, y, x_test, y_test, num_classes=10), clients
 
 
-def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rounds: int) -> dict:
+def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rounds: int, device: Device) -> dict:
     torch.manual_seed(0)
     model = CNN((1, 28, 28), 10)
     schedule = Schedule(rounds=rounds, local_epochs=spec["epochs"], batch_size=spec["batch"],
@@ -78,7 +80,7 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
             logging.append(time.perf_counter() - start)
             rows.append(row)
 
-        run(model, data, clients, FedAvg(), functools.partial(torch.optim.SGD, lr=LR), schedule, torch.device("cpu"), 0, on_round=on_round)
+        run(model, data, clients, FedAvg(), functools.partial(torch.optim.SGD, lr=LR), schedule, device, 0, on_round=on_round)
         tracker.finish("FINISHED")
     parts = {k: statistics.median(r[f"{k}_wall_s"] for r in rows[1:]) for k in ("train", "loss", "aggregate", "eval")}
     parts["logging"] = statistics.median(logging[1:])
@@ -155,12 +157,17 @@ def bench_floor(spec: dict, data: FederatedData) -> float:
 def one(name: str, rounds: int) -> dict:
     spec = WORKLOADS[name]
     data, clients = synthetic(spec)
-    fedrun = bench_fedrun(spec, data, clients, rounds)
+    auto = Device("cpu")
+    chosen = auto.chosen_backend(spec["cohort"] * spec["samples"] * spec["epochs"])
+    backends = {b: bench_fedrun(spec, data, clients, rounds, Device("cpu", backend=b)) for b in ("loop", "processes")}
+    fedrun = backends[chosen]
     naive = bench_naive(spec, data, clients, rounds)
     floor = bench_floor(spec, data)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"workload": name, "s_per_round": round(fedrun["s_per_round"], 4), "naive_s_per_round": round(naive, 4),
-            "floor_s_per_round": round(floor, 4), "peak_rss_mb": round(peak_mb, 1),
+            "floor_s_per_round": round(floor, 4), "peak_rss_mb": round(peak_mb, 1), "backend": chosen,
+            "loop_s_per_round": round(backends["loop"]["s_per_round"], 4),
+            "processes_s_per_round": round(backends["processes"]["s_per_round"], 4),
             "parts": {k: round(v, 4) for k, v in fedrun["parts"].items()}, "threads": torch.get_num_threads()}
 
 
@@ -182,7 +189,8 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         result = json.loads(out)
         parts = ", ".join(f"{k} {v:.3f}" for k, v in result["parts"].items())
-        print(f"{name}: fedrun {result['s_per_round']:.3f} s/round ({parts}); naive {result['naive_s_per_round']:.3f} "
+        print(f"{name}: fedrun {result['s_per_round']:.3f} s/round with backend {result['backend']} ({parts}; loop "
+              f"{result['loop_s_per_round']:.3f}, processes {result['processes_s_per_round']:.3f}); naive {result['naive_s_per_round']:.3f} "
               f"({result['s_per_round'] / result['naive_s_per_round']:.2f}x); floor {result['floor_s_per_round']:.3f} "
               f"({result['s_per_round'] / result['floor_s_per_round']:.2f}x); peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
         results.append(result)

@@ -123,6 +123,26 @@ def test_worker_processes_equal_the_loop_in_float64():
         assert list(forked.steps) == list(loop.steps) == [6, 14, 14]
 
 
+def test_worker_processes_loss_pass_equals_the_loop_in_float64():
+    from fedrun.backends import Device
+    from fedrun.models import flat_parameters
+
+    losses = {}
+    for backend in ("loop", "processes"):
+        torch.manual_seed(0)
+        model = CNN((3, 8, 8), 4).double()
+        x, y = images()
+        device = Device("cpu", "contiguous", backend, workers=2)
+        (x,) = device.prepare(model, x.double())
+        trainer = device.trainer(model, x, y, SGD, passes_per_round=10**9)
+        try:
+            losses[backend] = trainer.losses(flat_parameters(model), [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)], 4)
+        finally:
+            trainer.close()
+    np.testing.assert_allclose(losses["processes"].mean, losses["loop"].mean, rtol=1e-12)
+    np.testing.assert_allclose(losses["processes"].authors, losses["loop"].authors, rtol=1e-12)
+
+
 def test_channels_last_equals_contiguous_up_to_float_noise():
     from fedrun.backends import Device
 
