@@ -113,7 +113,11 @@ class Tracker:
     def _append(self, path: Path, row: dict) -> None:
         rows, columns = self._rows.setdefault(path, []), self._columns.setdefault(path, [])
         rows.append(row)
-        new = [key for key in row if key not in columns]
+        if len(row) == len(columns) and row.keys() == set(columns):  # the usual case, in O(columns) for wide files
+            new = []
+        else:
+            known = set(columns)
+            new = [key for key in row if key not in known]
         if not new:
             with path.open("a", newline="") as handle:
                 csv.DictWriter(handle, fieldnames=columns).writerow(row)

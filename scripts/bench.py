@@ -4,8 +4,11 @@ Workloads, on synthetic MNIST-shaped tensors (1x28x28, 10 classes; no files need
 
 - ``papers``: 50 clients x 200 samples, full participation, E = 2, batch 64, a 10,000-image test
   evaluation every round (paper 000's protocol).
-- ``cross-device``: 1,000 clients x 50 samples, cohort 50, E = 1, batch 10.
-- ``10000-clients``: 10,000 clients x 50 samples, cohort 100, E = 1, batch 10.
+- ``cross-device``: 1,000 clients x 50 samples, cohort 50, E = 1, batch 10, evaluation every 10 rounds.
+- ``10000-clients``: 10,000 clients x 50 samples, cohort 100, E = 1, batch 10, evaluation every 10 rounds.
+
+Seconds per round are the median over the rounds after a warm-up round (papers), or the mean over one
+evaluation period after it (the others), so an evaluation every 10 rounds counts a tenth.
 
 For each: fedrun's seconds per round (median after a warm-up round) with the backend ``device.backend=auto``
 picks, split into local training, loss pass, aggregation, evaluation and logging, and both backends' figures
@@ -13,7 +16,7 @@ picks, split into local training, loss pass, aggregation, evaluation and logging
 store); ``naive``, the loop a researcher writes first (a state_dict loaded into the model per client,
 a DataLoader, evaluation in batches of 1000, the per-client loss pass); and the compute ``floor``: the same
 forward/backward sample-passes as one centrally trained model at the same batch size in its fastest layout
-(contiguous or channels_last, ReLU before or after pooling), plus the evaluation's forward passes.
+(contiguous or channels_last), plus the same forward-only passes (test set and train_loss pass on evaluated rounds).
 Each workload runs in its own process so its peak RSS is its own. The last line is JSON.
 
 Usage:
@@ -45,9 +48,9 @@ from fedrun.models import CNN
 from fedrun.tracking import Tracker
 
 WORKLOADS = {
-    "papers": dict(clients=50, samples=200, cohort=50, epochs=2, batch=64, test=10_000),
-    "cross-device": dict(clients=1_000, samples=50, cohort=50, epochs=1, batch=10, test=10_000),
-    "10000-clients": dict(clients=10_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000),
+    "papers": dict(clients=50, samples=200, cohort=50, epochs=2, batch=64, test=10_000, eval_every=1),
+    "cross-device": dict(clients=1_000, samples=50, cohort=50, epochs=1, batch=10, test=10_000, eval_every=10),
+    "10000-clients": dict(clients=10_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10),
 }
 LR = 0.05
 
@@ -68,7 +71,7 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
     torch.manual_seed(0)
     model = CNN((1, 28, 28), 10)
     schedule = Schedule(rounds=rounds, local_epochs=spec["epochs"], batch_size=spec["batch"],
-                        clients_per_round=spec["cohort"] / spec["clients"])
+                        clients_per_round=spec["cohort"] / spec["clients"], eval_every=spec["eval_every"])
     rows, logging = [], []
     with tempfile.TemporaryDirectory() as scratch:
         tracker = Tracker(Path(scratch) / "run", len(clients), True, f"sqlite:///{scratch}/mlflow.db", "bench")
@@ -82,10 +85,11 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
 
         run(model, data, clients, FedAvg(), functools.partial(torch.optim.SGD, lr=LR), schedule, device, 0, on_round=on_round)
         tracker.finish("FINISHED")
-    parts = {k: statistics.median(r[f"{k}_wall_s"] for r in rows[1:]) for k in ("train", "loss", "aggregate", "eval")}
-    parts["logging"] = statistics.median(logging[1:])
+    average = statistics.median if spec["eval_every"] == 1 else statistics.fmean
+    parts = {k: average(r[f"{k}_wall_s"] for r in rows[1:]) for k in ("train", "loss", "aggregate", "eval")}
+    parts["logging"] = average(logging[1:])
     total = [r["round_wall_s"] + log for r, log in zip(rows[1:], logging[1:])]
-    return {"s_per_round": statistics.median(total), "parts": parts, "final_accuracy": rows[-1]["test_accuracy"]}
+    return {"s_per_round": average(total), "parts": parts, "final_accuracy": rows[-1]["test_accuracy"]}
 
 
 def bench_naive(spec: dict, data: FederatedData, clients: list[np.ndarray], rounds: int) -> float:
@@ -95,7 +99,7 @@ def bench_naive(spec: dict, data: FederatedData, clients: list[np.ndarray], roun
                           nn.Flatten(), nn.Linear(1600, 10))
     rng = np.random.default_rng(0)
     times = []
-    for _ in range(rounds):
+    for t in range(1, rounds + 1):
         start = time.perf_counter()
         cohort = rng.choice(len(clients), size=spec["cohort"], replace=False)
         global_state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -118,44 +122,50 @@ def bench_naive(spec: dict, data: FederatedData, clients: list[np.ndarray], roun
                 new_state[k] += v * (len(clients[c]) / total)
         model.load_state_dict(new_state)
         correct = 0
-        with torch.no_grad():
-            for xb, yb in DataLoader(TensorDataset(data.x_test, data.y_test), batch_size=1000):
-                correct += (model(xb).argmax(1) == yb).sum().item()
+        if t % spec["eval_every"] == 0 or t == rounds:
+            with torch.no_grad():
+                for xb, yb in DataLoader(TensorDataset(data.x_test, data.y_test), batch_size=1000):
+                    correct += (model(xb).argmax(1) == yb).sum().item()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return (statistics.median if spec["eval_every"] == 1 else statistics.fmean)(times[1:])
 
 
 def bench_floor(spec: dict, data: FederatedData) -> float:
-    """One central model, the same sample-passes per round at the same batch size, fastest layout; plus evaluation."""
+    """One central model, the same sample-passes per round at the same batch size, in its fastest layout;
+    plus the same forward-only passes (on an evaluated round, once every ``eval_every``: the test set, and
+    the cohort's training samples, whose loss under the round's model fedrun logs as train_loss)."""
+    return min(_floor(spec, data, memory_format) for memory_format in (torch.contiguous_format, torch.channels_last))
+
+
+def _floor(spec: dict, data: FederatedData, memory_format: torch.memory_format) -> float:
     passes = spec["cohort"] * spec["samples"] * spec["epochs"]
-    steps = -(-passes // spec["batch"])
-    best = float("inf")
-    for channels_last in (False, True):
-        torch.manual_seed(0)
-        model = CNN((1, 28, 28), 10)  # ReLU after pooling: the cheaper exact order
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
-        model = model.to(memory_format=fmt)
-        x = data.x_train[: max(passes, spec["batch"])].contiguous(memory_format=fmt)
-        y = data.y_train[: len(x)]
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        for attempt in range(2):  # the first is a warm-up
-            start = time.perf_counter()
-            for k in range(steps):
-                lo = (k * spec["batch"]) % len(x)
-                xb, yb = x[lo : lo + spec["batch"]], y[lo : lo + spec["batch"]]
-                optimizer.zero_grad(set_to_none=True)
-                cross_entropy(model(xb), yb).backward()
-                optimizer.step()
-            with torch.inference_mode():
-                for lo in range(0, len(data.y_test), 4096):
-                    model(data.x_test[lo : lo + 4096].contiguous(memory_format=fmt)).argmax(1)
-            elapsed = time.perf_counter() - start
-        best = min(best, elapsed)
-    return best
+    torch.manual_seed(0)
+    model = CNN((1, 28, 28), 10).to(memory_format=memory_format)  # ReLU after pooling: the cheaper exact order
+    x, y = data.x_train.contiguous(memory_format=memory_format), data.y_train
+    x_test = data.x_test.contiguous(memory_format=memory_format)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    timings = []
+    for _ in range(2):  # the first is a warm-up
+        start = time.perf_counter()
+        for done in range(0, passes, spec["batch"]):
+            lo = done % (len(x) - spec["batch"] + 1)  # wraps around: E epochs over the data
+            optimizer.zero_grad(set_to_none=True)
+            cross_entropy(model(x[lo : lo + spec["batch"]]), y[lo : lo + spec["batch"]]).backward()
+            optimizer.step()
+        train = time.perf_counter() - start
+        start = time.perf_counter()
+        with torch.inference_mode():  # evaluated rounds: the test set, and the cohort's data for train_loss
+            for lo in range(0, len(x_test), 256):  # the fastest chunk size for this CNN on CPU
+                model(x_test[lo : lo + 256]).argmax(1)
+            for lo in range(0, spec["cohort"] * spec["samples"], 256):
+                model(x[lo : lo + 256]).argmax(1)
+        timings.append(train + (time.perf_counter() - start) / spec["eval_every"])
+    return timings[-1]
 
 
-def one(name: str, rounds: int) -> dict:
+def one(name: str, rounds: int | None) -> dict:
     spec = WORKLOADS[name]
+    rounds = rounds or (4 if spec["eval_every"] == 1 else 1 + spec["eval_every"])
     data, clients = synthetic(spec)
     auto = Device("cpu")
     chosen = auto.chosen_backend(spec["cohort"] * spec["samples"] * spec["epochs"])
@@ -174,7 +184,7 @@ def one(name: str, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per measurement; the first is a warm-up (default 4)")
+    parser.add_argument("--rounds", type=int, help="rounds per measurement, the first a warm-up (default: 4, or 1 + one evaluation period)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -185,7 +195,7 @@ def main() -> None:
         return
     results = []
     for name in args.workloads:
-        cmd = [sys.executable, __file__, "--child", name, "--rounds", str(args.rounds)] + (["--threads", str(args.threads)] if args.threads else [])
+        cmd = [sys.executable, __file__, "--child", name] + (["--rounds", str(args.rounds)] if args.rounds else []) + (["--threads", str(args.threads)] if args.threads else [])
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         result = json.loads(out)
         parts = ", ".join(f"{k} {v:.3f}" for k, v in result["parts"].items())
