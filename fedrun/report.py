@@ -119,11 +119,12 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
         header += [f"{m} (reached)", f"{m} median"] if R_INDEX.match(m) else [m]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for _, row in table.iterrows():
-        cells = [str(row[n]) for n in names] + [str(row["runs"])]
+        runs = int(row["runs"])  # iterrows turns an all-numeric row (no group keys) into floats
+        cells = [str(row[n]) for n in names] + [str(runs)]
         for m in metrics:
             is_r = f"{m}_reached" in row
             cell = _cell(row[f"{m}_mean"], row[f"{m}_ci95"], 1 if is_r else 4)
-            cells.append(f"{cell} ({int(row[f'{m}_reached'])}/{row['runs']})" if is_r else cell)
+            cells.append(f"{cell} ({int(row[f'{m}_reached'])}/{runs})" if is_r else cell)
             if is_r:
                 cells.append(_median_cell(row[f"{m}_median"], row.get("rounds_max", math.nan), R_INDEX.match(m)["time"]))
         lines.append("| " + " | ".join(cells) + " |")

@@ -62,6 +62,14 @@ def test_summary_counts_reached_runs_and_uses_student_t():
     assert "| 4.0 ± 12.7 (2/2) | 3 |" in text and "| 6.0 (1/2) | 6 |" in text and "| - (0/2) | > 9 |" in text
 
 
+def test_a_table_without_group_keys_counts_runs_as_integers():
+    runs = frame()
+    text = markdown(summarise(runs, []), [])
+    # R60 over [3, 5, 2, 4, unreached, 6]: mean 4.0 of the five reached, t(4) 2.776 * 1.581 / sqrt(5) = 1.96;
+    # censored median: [2, 3, 4, 5, 6, inf] -> the 3rd, 4
+    assert "| 6 | 4.0 ± 2.0 (5/6) | 4 | - (0/6) | > 9 |" in text
+
+
 def test_censored_median_counts_unreached_runs_as_infinite():
     nan = math.nan
     # sorted with inf: [2, 4, inf] -> the ceil(3/2) = 2nd value, 4 (the mean over the reached runs is 3)
