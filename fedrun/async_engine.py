@@ -1,7 +1,10 @@
 """Buffered asynchronous FL on a deterministic virtual clock: a heap of (arrival time, client) events.
 
 No threads and no sleeping. Every client repeatedly pulls the newest global model (remembering its
-version), trains, and its update arrives after a compute time drawn from its own random stream. When
+version), trains, and its update arrives after a compute time drawn from its own random stream. With
+``concurrency`` k (FedBuff's), only k clients train at once: they are drawn from the population at the
+start, and as updates arrive, as many idle clients (any client not training, the arrived ones included)
+are drawn to replace them, from the engine's own random stream; only the training clients hold state. When
 the buffer holds b updates the server aggregates and the version increases. A client restarts at its
 arrival time with the newest model then available (the new one if its arrival triggered aggregation).
 Ties in arrival time are broken by client id, so the same config and seed give the same event order.
@@ -81,14 +84,17 @@ class AsyncEngine:
     Args:
         speeds: Speed groups (see ``SpeedGroup``), assigned to clients in order.
         max_time: Stop once virtual time passes this budget, or null.
+        concurrency: At most this many clients training at once (FedBuff's concurrency), or null for
+            every client always training.
     """
 
-    def __init__(self, speeds: list, max_time: float | None = None):
+    def __init__(self, speeds: list, max_time: float | None = None, concurrency: int | None = None):
         check(len(speeds) >= 1, "speeds", speeds, "a non-empty list of speed groups")
         self.groups = [SpeedGroup(**dict(g)) for g in speeds]
         check(sum(g.clients is None for g in self.groups) <= 1, "speeds", [g.name for g in self.groups], "at most one group with clients: null")
         check(max_time is None or max_time > 0, "max_time", max_time, "null or a number > 0")
-        self.max_time = max_time
+        check(concurrency is None or (isinstance(concurrency, int) and concurrency >= 1), "concurrency", concurrency, "null or an integer >= 1")
+        self.max_time, self.concurrency = max_time, concurrency
 
     def check(self, aggregator, heterogeneity) -> None:
         """Refuse, before training, what this engine cannot run."""
@@ -139,9 +145,10 @@ class AsyncEngine:
         w = flat_parameters(model)
         message_mb = w.numel() * w.element_size() / 1e6
         version, jobs, buffer = 0, np.zeros(len(clients), dtype=int), []
-        pulled = {c: (0, w) for c in range(len(clients))}  # model version and weights each client trains from
+        active = self._first(len(clients), seed)
+        pulled = {c: (0, w) for c in active}  # model version and weights each training client started from
         events = []
-        for c in range(len(clients)):
+        for c in active:
             self._start(events, c, 0.0, speed_rng, group_of)
         applied = np.zeros(len(clients))  # total alpha each client received
         result = RunResult(w)
@@ -189,12 +196,30 @@ class AsyncEngine:
                 if version == schedule.rounds or schedule.reached(row["test_accuracy"]):
                     done = True
                     break
-            for c in arrived:  # restart with the newest model at this instant, this instant's aggregations included
+            # Restart with the newest model at this instant, this instant's aggregations included: the arrived
+            # clients themselves, or as many clients drawn among those not training.
+            for c in self._next(arrived, pulled, len(clients)):
                 pulled[c] = (version, w)
                 self._start(events, c, now, speed_rng, group_of)
         bar.close()
         result.summary, result.tables = self._fairness(model, result.params, x, y, clients, client_tests, group_of, applied)
         return result
+
+    def _first(self, num_clients: int, seed: int) -> list[int]:
+        """The clients training at the start: all, or ``concurrency`` drawn from the ``concurrency`` stream."""
+        self._sampler = numpy_rng(seed, "concurrency")
+        if self.concurrency is None or self.concurrency >= num_clients:
+            return list(range(num_clients))
+        return sorted(int(c) for c in self._sampler.choice(num_clients, size=self.concurrency, replace=False))
+
+    def _next(self, arrived: list[int], pulled: dict, num_clients: int) -> list[int]:
+        """Who starts training now that ``arrived`` delivered (``pulled`` loses them and gains the result)."""
+        for c in arrived:
+            del pulled[c]
+        if self.concurrency is None or self.concurrency >= num_clients:
+            return arrived
+        idle = np.setdiff1d(np.arange(num_clients), np.fromiter(pulled, dtype=np.int64, count=len(pulled)))
+        return sorted(int(c) for c in self._sampler.choice(idle, size=len(arrived), replace=False))
 
     def _start(self, events: list, c: int, now: float, speed_rng, group_of) -> None:
         group = self.groups[group_of[c]]

@@ -181,3 +181,39 @@ def test_speed_groups_must_cover_the_clients():
         SpeedGroup("g", 1, "gamma", value=1.0)
     with pytest.raises(ConfigError, match="engine"):
         AsyncEngine(constant(1.0, 1.0, 1.0))(model(), DATA, CLIENTS, FedAvg(), SGD, Schedule(rounds=1), torch.device("cpu"), 0)
+
+
+def test_concurrency_keeps_only_that_many_clients_training():
+    # Five clients, all of constant speed 1, concurrency 2, b = 2: at every whole time t exactly the two
+    # training clients arrive, fill the buffer and start two freshly drawn clients on the new model. So
+    # aggregation t happens at virtual time t with staleness 0, and each buffer holds two distinct clients.
+    five = [np.arange(k * 6, (k + 1) * 6) for k in range(5)]
+    agg, rows = Recording(buffer_size=2), []
+    speeds = [{"name": "all", "clients": None, "distribution": "constant", "value": 1.0}]
+    AsyncEngine(speeds, concurrency=2)(model(), DATA, five, agg, SGD, Schedule(rounds=6, local_steps=1, batch_size=3),
+                                       torch.device("cpu"), 0, on_round=lambda row, alpha: rows.append(row))
+    assert [r["virtual_time"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert all(r["staleness_max"] == 0 for r in rows)
+    assert all(len(set(clients)) == 2 for _, clients, _ in agg.seen)
+    assert len({c for _, clients, _ in agg.seen for c in clients}) > 2  # the draw rotates through the population
+    # Without the limit all five train at once: five arrivals at t = 1 make two aggregations at that instant.
+    unlimited = []
+    AsyncEngine(speeds)(model(), DATA, five, Recording(buffer_size=2), SGD, Schedule(rounds=2, local_steps=1, batch_size=3),
+                        torch.device("cpu"), 0, on_round=lambda row, alpha: unlimited.append(row))
+    assert [r["virtual_time"] for r in unlimited] == [1, 1]
+
+
+def test_concurrency_draws_repeat_with_the_seed_and_cover_every_client_when_large():
+    five = [np.arange(k * 6, (k + 1) * 6) for k in range(5)]
+    speeds = [{"name": "all", "clients": None, "distribution": "uniform", "low": 1.0, "high": 2.0}]
+
+    def once(concurrency, seed=0):
+        agg = Recording(buffer_size=2)
+        AsyncEngine(speeds, concurrency=concurrency)(model(), DATA, five, agg, SGD, Schedule(rounds=5, local_steps=1, batch_size=3),
+                                                     torch.device("cpu"), seed)
+        return agg.seen
+
+    assert once(3) == once(3) and once(3) != once(3, seed=1)
+    assert once(5) == once(None)  # a limit at the population size changes nothing
+    with pytest.raises(ConfigError, match="concurrency"):
+        AsyncEngine(speeds, concurrency=0)
