@@ -145,7 +145,8 @@ class AsyncEngine:
         w = flat_parameters(model)
         message_mb = w.numel() * w.element_size() / 1e6
         version, jobs, buffer = 0, np.zeros(len(clients), dtype=int), []
-        active = self._first(len(clients), seed)
+        sampler = numpy_rng(seed, "concurrency")  # who trains next, when concurrency limits it
+        active = self._first(len(clients), sampler)
         pulled = {c: (0, w) for c in active}  # model version and weights each training client started from
         events = []
         for c in active:
@@ -198,28 +199,27 @@ class AsyncEngine:
                     break
             # Restart with the newest model at this instant, this instant's aggregations included: the arrived
             # clients themselves, or as many clients drawn among those not training.
-            for c in self._next(arrived, pulled, len(clients)):
+            for c in self._next(arrived, pulled, len(clients), sampler):
                 pulled[c] = (version, w)
                 self._start(events, c, now, speed_rng, group_of)
         bar.close()
         result.summary, result.tables = self._fairness(model, result.params, x, y, clients, client_tests, group_of, applied)
         return result
 
-    def _first(self, num_clients: int, seed: int) -> list[int]:
-        """The clients training at the start: all, or ``concurrency`` drawn from the ``concurrency`` stream."""
-        self._sampler = numpy_rng(seed, "concurrency")
+    def _first(self, num_clients: int, sampler: np.random.Generator) -> list[int]:
+        """The clients training at the start: all, or ``concurrency`` drawn by ``sampler``."""
         if self.concurrency is None or self.concurrency >= num_clients:
             return list(range(num_clients))
-        return sorted(int(c) for c in self._sampler.choice(num_clients, size=self.concurrency, replace=False))
+        return sorted(int(c) for c in sampler.choice(num_clients, size=self.concurrency, replace=False))
 
-    def _next(self, arrived: list[int], pulled: dict, num_clients: int) -> list[int]:
+    def _next(self, arrived: list[int], pulled: dict, num_clients: int, sampler: np.random.Generator) -> list[int]:
         """Who starts training now that ``arrived`` delivered (``pulled`` loses them and gains the result)."""
         for c in arrived:
             del pulled[c]
         if self.concurrency is None or self.concurrency >= num_clients:
             return arrived
         idle = np.setdiff1d(np.arange(num_clients), np.fromiter(pulled, dtype=np.int64, count=len(pulled)))
-        return sorted(int(c) for c in self._sampler.choice(idle, size=len(arrived), replace=False))
+        return sorted(int(c) for c in sampler.choice(idle, size=len(arrived), replace=False))
 
     def _start(self, events: list, c: int, now: float, speed_rng, group_of) -> None:
         group = self.groups[group_of[c]]

@@ -93,8 +93,6 @@ def as_device(device) -> Device:
 class LoopTrainer:
     """Train the cohort's clients one after another in this process."""
 
-    name = "loop"
-
     def __init__(self, model, x, y, make_optimizer):
         self.model, self.x, self.y, self.make_optimizer = model, x, y, make_optimizer
 
@@ -135,8 +133,6 @@ class ProcessTrainer:
     the updates come back in cohort order.
     """
 
-    name = "processes"
-
     def __init__(self, model, x, y, make_optimizer, workers: int):
         context = multiprocessing.get_context("fork")
         self.connections, self.processes = [], []
@@ -154,8 +150,7 @@ class ProcessTrainer:
         results = self._scatter("train", blocks, lambda lo, hi: (global_params, parts[lo:hi], client_ids[lo:hi], works[lo:hi], lr, seed, round_, stream))
         return CohortUpdate(
             deltas=torch.cat([r.deltas for r in results]),
-            local_losses=ClientLosses(np.concatenate([r.local_losses.mean for r in results]),
-                                      np.concatenate([r.local_losses.authors for r in results])),
+            local_losses=ClientLosses.concat([r.local_losses for r in results]),
             steps=np.concatenate([r.steps for r in results]),
             coefficient_norms=np.concatenate([r.coefficient_norms for r in results]),
         )
@@ -163,7 +158,7 @@ class ProcessTrainer:
     def losses(self, params, parts, batch_size) -> ClientLosses:
         """F_i(params) of each client, the clients split over the workers by sample count."""
         results = self._scatter("losses", _blocks([len(p) for p in parts], len(self.connections)), lambda lo, hi: (params, parts[lo:hi], batch_size))
-        return ClientLosses(np.concatenate([r.mean for r in results]), np.concatenate([r.authors for r in results]))
+        return ClientLosses.concat(results)
 
     def _scatter(self, kind: str, blocks, arguments) -> list:
         """Send each non-empty block its task, gather the results in block order, re-raise a worker's error."""

@@ -92,6 +92,18 @@ def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator:
         done += 1
 
 
+def _loss_closure(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, chosen: torch.Tensor):
+    """The closure solvers step with: the mean loss over the ``chosen`` samples, gradients freshly computed."""
+
+    def closure():
+        optimizer.zero_grad(set_to_none=True)
+        loss = cross_entropy(model(x[chosen]), y[chosen])
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def solver_coefficient_norm(optimizer: torch.optim.Optimizer, steps: int, lr: float) -> float:
     """||a||_1 of a local solver: its own ``coefficient_norm`` if it has one, else from its momentum and mu."""
     if hasattr(optimizer, "coefficient_norm"):
@@ -143,25 +155,11 @@ def train_cohort(
         optimizer = make_optimizer(model.parameters(), lr=lr)  # fresh state: clients keep nothing across rounds
         index = torch.as_tensor(part, device=x.device)
         if hasattr(optimizer, "start_round"):  # solvers whose step follows the round (STORM's eta_t)
-
-            def full_closure(index=index):
-                optimizer.zero_grad(set_to_none=True)
-                loss = cross_entropy(model(x[index]), y[index])
-                loss.backward()
-                return loss
-
-            optimizer.start_round(round_, full_closure)
+            optimizer.start_round(round_, _loss_closure(model, optimizer, x, y, index))  # over all the client's samples
         generator = torch_generator(seed, stream, round_, int(client))
         batch_losses, batch_sizes = [], []
         for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, generator):
-            chosen = index[batch.to(x.device)]
-
-            def closure():
-                optimizer.zero_grad(set_to_none=True)
-                loss = cross_entropy(model(x[chosen]), y[chosen])
-                loss.backward()
-                return loss
-
+            closure = _loss_closure(model, optimizer, x, y, index[batch.to(x.device)])
             batch_losses.append(optimizer.step(closure).detach())
             batch_sizes.append(len(batch))
         deltas[row] = flat_parameters(model) - global_params

@@ -35,6 +35,11 @@ class ClientLosses:
     mean: np.ndarray
     authors: np.ndarray
 
+    @staticmethod
+    def concat(parts: list["ClientLosses"]) -> "ClientLosses":
+        """The losses of consecutive groups of clients, joined in order."""
+        return ClientLosses(np.concatenate([p.mean for p in parts]), np.concatenate([p.authors for p in parts]))
+
 
 @dataclass
 class CohortUpdate:

@@ -85,12 +85,17 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
 
         run(model, data, clients, FedAvg(), functools.partial(torch.optim.SGD, lr=LR), schedule, device, 0, on_round=on_round)
         tracker.finish("FINISHED")
-    average = statistics.median if spec["eval_every"] == 1 else statistics.fmean
-    warm = spec["eval_every"]  # a whole evaluation period, so one-time kernel set-up of every shape is left out
-    parts = {k: average(r[f"{k}_wall_s"] for r in rows[warm:]) for k in ("train", "loss", "aggregate", "eval")}
-    parts["logging"] = average(logging[warm:])
-    total = [r["round_wall_s"] + log for r, log in zip(rows[warm:], logging[warm:])]
-    return {"s_per_round": average(total), "parts": parts, "final_accuracy": rows[-1]["test_accuracy"]}
+    parts = {k: per_round(spec, [r[f"{k}_wall_s"] for r in rows]) for k in ("train", "loss", "aggregate", "eval")}
+    parts["logging"] = per_round(spec, logging)
+    total = [r["round_wall_s"] + log for r, log in zip(rows, logging)]
+    return {"s_per_round": per_round(spec, total), "parts": parts, "final_accuracy": rows[-1]["test_accuracy"]}
+
+
+def per_round(spec: dict, seconds: list[float]) -> float:
+    """Seconds per round after a warm-up of one evaluation period (so one-time kernel set-up of every shape
+    is left out): the median when every round is evaluated, else the mean, so an evaluation counts its share."""
+    measured = seconds[spec["eval_every"] :]
+    return statistics.median(measured) if spec["eval_every"] == 1 else statistics.fmean(measured)
 
 
 def bench_naive(spec: dict, data: FederatedData, clients: list[np.ndarray], rounds: int) -> float:
@@ -128,7 +133,7 @@ def bench_naive(spec: dict, data: FederatedData, clients: list[np.ndarray], roun
                 for xb, yb in DataLoader(TensorDataset(data.x_test, data.y_test), batch_size=1000):
                     correct += (model(xb).argmax(1) == yb).sum().item()
         times.append(time.perf_counter() - start)
-    return (statistics.median if spec["eval_every"] == 1 else statistics.fmean)(times[spec["eval_every"]:])
+    return per_round(spec, times)
 
 
 def bench_floor(spec: dict, data: FederatedData) -> float:

@@ -2,7 +2,6 @@
 
 import functools
 import math
-from collections import deque
 
 import numpy as np
 import pytest

@@ -93,7 +93,6 @@ def images(n=60, seed=0):
 
 
 def cohort_update(device, make_optimizer, dtype=torch.float32, **kwargs):
-    from fedrun.backends import Device
     from fedrun.clients import LocalWork
 
     torch.manual_seed(0)
