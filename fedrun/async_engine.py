@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport
 from fedrun.backends import as_device
-from fedrun.clients import evaluate, per_sample_loss, train_cohort
+from fedrun.clients import per_sample_loss, train_cohort
 from fedrun.datasets import FederatedData
 from fedrun.engine import RunResult
 from fedrun.errors import ConfigError, DivergenceError, check
@@ -140,7 +140,7 @@ class AsyncEngine:
         label_sets = self._label_sets(data, clients, group_of)
         sizes = np.array([len(c) for c in clients])
         base_lr = optimizer.keywords["lr"]
-        speed_rng = [numpy_rng(seed, "speed", c) for c in range(len(clients))]
+        speed_rng = _Streams(seed, "speed")  # a client's stream is made when it first trains
 
         w = flat_parameters(model)
         message_mb = w.numel() * w.element_size() / 1e6
@@ -218,7 +218,9 @@ class AsyncEngine:
             del pulled[c]
         if self.concurrency is None or self.concurrency >= num_clients:
             return arrived
-        idle = np.setdiff1d(np.arange(num_clients), np.fromiter(pulled, dtype=np.int64, count=len(pulled)))
+        training = np.zeros(num_clients, dtype=bool)
+        training[list(pulled)] = True
+        idle = np.flatnonzero(~training)  # sorted, as the draw needs
         return sorted(int(c) for c in sampler.choice(idle, size=len(arrived), replace=False))
 
     def _start(self, events: list, c: int, now: float, speed_rng, group_of) -> None:
@@ -246,9 +248,29 @@ class AsyncEngine:
         """Weight shares per client and group, and the spread of per-client accuracy of the final model."""
         total = applied.sum() or 1.0
         held_out = client_tests or clients
-        accuracy = np.array([evaluate(model, w, x[torch.as_tensor(p, device=x.device)], y[torch.as_tensor(p, device=x.device)])[0] for p in held_out])
+        # One pass over the distinct samples (clients may share some), then each client's mean.
+        samples, position = np.unique(np.concatenate(held_out), return_inverse=True)
+        index = torch.as_tensor(samples, device=x.device)
+        _, correct = per_sample_loss(model, w, x[index], y[index])
+        correct = correct.cpu().numpy()[position]
+        counts = np.array([len(p) for p in held_out])
+        hits = np.bincount(np.repeat(np.arange(len(held_out)), counts), weights=correct, minlength=len(held_out))
+        with np.errstate(invalid="ignore"):
+            accuracy = hits / counts  # NaN for a client without samples
         table = pd.DataFrame({"client": np.arange(len(clients)), "group": [self.groups[g].name for g in group_of],
                               "weight_share": applied / total, "accuracy": accuracy})
         summary = {f"weight_share/{g.name}": float(applied[group_of == i].sum() / total) for i, g in enumerate(self.groups)}
         summary.update(client_accuracy_std=float(accuracy.std()), client_accuracy_min=float(accuracy.min()), client_accuracy_max=float(accuracy.max()))
         return summary, {"fairness.csv": table}
+
+
+class _Streams:
+    """Each client's random stream under ``seed`` and ``name``, made on first use (a list-like of generators)."""
+
+    def __init__(self, seed: int, name: str):
+        self.seed, self.name, self.made = seed, name, {}
+
+    def __getitem__(self, client: int) -> np.random.Generator:
+        if client not in self.made:
+            self.made[client] = numpy_rng(self.seed, self.name, client)
+        return self.made[client]

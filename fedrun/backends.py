@@ -3,9 +3,11 @@
 A backend is the training seam of the round loop: ``trainer(global_params, parts, client_ids, lr, work,
 seed, round_)`` returns the cohort's ``CohortUpdate``. ``loop`` trains the clients one after another in
 this process (intra-op threads parallelise each step); ``processes`` splits the cohort over worker
-processes that run one thread each, so small per-client steps keep every core busy. A client's training
-depends only on the global model, its data and its (round, client) random stream, so both give the same
-updates up to floating-point noise (the thread count changes the order of some sums).
+processes that run one thread each, so small per-client steps keep every core busy; ``vmap``
+(``fedrun.vmap``) trains the cohort together, one batched step for all clients, which is what a GPU needs.
+A client's training depends only on the global model, its data and its (round, client) random stream, so
+all three give the same updates up to floating-point noise (the thread count and batching change the
+order of some sums).
 """
 
 import multiprocessing
@@ -18,6 +20,7 @@ from torch import nn
 from fedrun.clients import cohort_losses, train_cohort
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import check
+from fedrun.vmap import VmapTrainer, vmap_supported
 
 # The ``auto`` backend uses worker processes when a round has at least this many sample-passes per worker:
 # below it, sending the model and updates costs more than the second core saves (scripts/bench.py).
@@ -35,24 +38,29 @@ class Device:
         kind: ``cpu``, ``cuda`` (refused without CUDA) or ``auto`` (CUDA when available).
         memory_format: ``auto`` (channels_last for image models: 2-4x faster convolutions on CPU, equal up
             to floating-point noise), ``channels_last`` or ``contiguous``.
-        backend: ``auto``, ``loop`` or ``processes`` (see the module docstring); ``auto`` picks processes on
-            a CPU with two or more cores when each worker gets at least ``MIN_PASSES_PER_WORKER``
-            sample-passes a round, else the loop.
+        backend: ``auto``, ``loop``, ``processes`` or ``vmap`` (see the module docstring). ``auto``: on CUDA,
+            vmap when the solver and model allow it (``fedrun.vmap.vmap_supported``), else the loop; on a CPU
+            with two or more cores, processes when each worker gets at least ``MIN_PASSES_PER_WORKER``
+            sample-passes a round, else the loop (vmap is never chosen on a CPU: scripts/bench.py measures
+            it slower there than the loop).
         workers: Worker processes for ``processes``; null = the usable cores.
+        chunk: Clients that ``vmap`` trains together; null = the whole cohort (lower it when memory runs out).
     """
 
-    def __init__(self, kind: str = "auto", memory_format: str = "auto", backend: str = "auto", workers: int | None = None):
+    def __init__(self, kind: str = "auto", memory_format: str = "auto", backend: str = "auto", workers: int | None = None,
+                 chunk: int | None = None):
         check(kind in ("cpu", "cuda", "auto"), "kind", kind, "cpu, cuda or auto")
         if kind == "cuda":
             check(torch.cuda.is_available(), "kind", kind, "cpu or auto: this machine has no CUDA device")
         check(memory_format in ("auto", "channels_last", "contiguous"), "memory_format", memory_format, "auto, channels_last or contiguous")
-        check(backend in ("auto", "loop", "processes"), "backend", backend, "auto, loop or processes")
+        check(backend in ("auto", "loop", "processes", "vmap"), "backend", backend, "auto, loop, processes or vmap")
         check(workers is None or (isinstance(workers, int) and workers >= 1), "workers", workers, "null or an integer >= 1")
+        check(chunk is None or (isinstance(chunk, int) and chunk >= 1), "chunk", chunk, "null or an integer >= 1")
         use_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
         check(not (use_cuda and backend == "processes"), "backend", backend, "loop or auto on CUDA (worker processes are for CPUs)")
         check(backend != "processes" or "fork" in multiprocessing.get_all_start_methods(), "backend", backend,
               "loop or auto on a platform without fork")
-        self.kind, self.memory_format, self.backend, self.workers = kind, memory_format, backend, workers
+        self.kind, self.memory_format, self.backend, self.workers, self.chunk = kind, memory_format, backend, workers, chunk
         self.torch = torch.device("cuda" if use_cuda else "cpu")
 
     def layout(self, x: torch.Tensor) -> torch.memory_format:
@@ -68,18 +76,23 @@ class Device:
         return [None if t is None else t.to(self.torch).contiguous(memory_format=layout if t.dim() == 4 else torch.contiguous_format)
                 for t in tensors]
 
-    def chosen_backend(self, passes_per_round: int) -> str:
-        """``loop`` or ``processes`` for a round of this many sample-passes."""
+    def chosen_backend(self, passes_per_round: int, vmap_ok: bool = False) -> str:
+        """The backend for a round of this many sample-passes (``vmap_ok``: the solver and model allow vmap)."""
         if self.backend != "auto":
             return self.backend
+        if self.torch.type == "cuda":
+            return "vmap" if vmap_ok else "loop"
         workers = self.workers or usable_cores()
         fits = self.torch.type == "cpu" and workers >= 2 and "fork" in multiprocessing.get_all_start_methods()
         return "processes" if fits and passes_per_round >= MIN_PASSES_PER_WORKER * workers else "loop"
 
     def trainer(self, model, x, y, make_optimizer, passes_per_round: int):
-        """A trainer for the run (close it when done): ``LoopTrainer`` or ``ProcessTrainer``."""
-        if self.chosen_backend(passes_per_round) == "processes":
+        """A trainer for the run (close it when done): ``LoopTrainer``, ``ProcessTrainer`` or ``VmapTrainer``."""
+        backend = self.chosen_backend(passes_per_round, vmap_supported(make_optimizer, model) is None)
+        if backend == "processes":
             return ProcessTrainer(model, x, y, make_optimizer, self.workers or usable_cores())
+        if backend == "vmap":
+            return VmapTrainer(model, x, y, make_optimizer, self.chunk)
         return LoopTrainer(model, x, y, make_optimizer)
 
 

@@ -7,7 +7,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: runs are headless
 
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
@@ -40,7 +40,7 @@ def plot_alpha_heatmap(alpha: pd.DataFrame, path: Path, title: str = "", top: in
     """Rounds x clients heatmap of alpha (0 for clients not sampled).
 
     Args:
-        alpha: One row per round: a ``round`` column and one ``client_<id>`` column per client.
+        alpha: One row per round: a ``round`` column and one ``client_<id>`` column per client shown.
         path: Where to write the PNG.
         title: Figure title.
         top: When > 0, outline the ``top`` largest alphas of each round.
@@ -57,6 +57,8 @@ def plot_alpha_heatmap(alpha: pd.DataFrame, path: Path, title: str = "", top: in
     fig.colorbar(image, ax=ax, label="alpha (aggregation weight)")
     ax.set(xlabel="client", ylabel="round", title=title or "aggregation weight per client and round")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ids = [int(c.split("_", 1)[1]) for c in alpha.columns if c != "round"]  # a subset's columns are not 0..n-1
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: str(ids[int(round(v))]) if 0 <= round(v) < len(ids) else ""))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -2,6 +2,11 @@
 
 The CSV files are appended every round, so a run that dies keeps what it measured; MLflow gets one
 batched call per round. With ``enabled: false`` only the files are written.
+
+Per-client series (``alpha.csv``, ``local_steps.csv``) are wide, a row per round and a ``client_<id>`` column
+per client (0 for clients not in the round), up to ``WIDE_CLIENTS`` clients; above that they are long, a
+row per (round, client) for the clients with a non-zero value only, so their size follows the cohorts, not
+the population.
 """
 
 import csv
@@ -16,6 +21,8 @@ from fedrun.metrics import lag1_autocorr, r_index, r_name, smoothness
 from fedrun.plots import plot_alpha_heatmap, plot_curves
 
 
+WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
+
 # Config groups whose chosen option becomes a run tag (and a grouping key in fedrun-report).
 CONFIG_GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity",
                  "device", "engine", "method", "experiment")
@@ -29,6 +36,19 @@ def resolve_uri(uri: str, start_dir: Path) -> str:
         db.parent.mkdir(parents=True, exist_ok=True)
         return prefix + str(db)
     return uri
+
+
+HEATMAP_CLIENTS = 100  # clients in the alpha heatmap of a long alpha.csv: those with the largest total alpha
+
+
+def widest(long: pd.DataFrame, name: str, clients: int) -> pd.DataFrame:
+    """The wide table (``round`` and ``client_<id>`` columns, 0 where absent) of the ``clients`` clients with
+    the largest total ``name`` in a long per-client table, in client order."""
+    top = long.groupby("client")[name].sum().nlargest(clients).index.sort_values()
+    wide = long[long["client"].isin(top)].pivot_table(index="round", columns="client", values=name, fill_value=0.0)
+    wide = wide.reindex(index=sorted(long["round"].unique()), columns=top, fill_value=0.0)
+    wide.columns = [f"client_{c}" for c in wide.columns]
+    return wide.rename_axis(None, axis=1).reset_index()
 
 
 class Tracker:
@@ -58,10 +78,10 @@ class Tracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.enabled, self.uri, self.experiment = enabled, uri, experiment
         self.alpha_series = num_clients <= max_alpha_series
+        self.wide = num_clients <= WIDE_CLIENTS
         self.r_targets = tuple(r_targets)
         self.metrics_path, self.alpha_path = self.dir / "metrics.csv", self.dir / "alpha.csv"
-        self._rows: dict[Path, list[dict]] = {}  # rows written so far, to rewrite a file when a column appears
-        self._columns: dict[Path, list[str]] = {}
+        self._columns: dict[Path, list[str]] = {}  # each CSV file's header so far
         self.run_id: str | None = None
         self.extra_summary: dict = {}
 
@@ -100,7 +120,10 @@ class Tracker:
         it to MLflow in one batch."""
         self._append(self.metrics_path, row)
         for name, values in per_client.items():
-            self._append(self.dir / f"{name}.csv", {"round": row["round"], **{f"client_{i}": v for i, v in enumerate(values)}})
+            if self.wide:
+                self._append(self.dir / f"{name}.csv", {"round": row["round"], **{f"client_{i}": v for i, v in enumerate(values)}})
+            else:
+                self._append_long(self.dir / f"{name}.csv", name, row["round"], values)
         alpha = per_client["alpha"]
         if self.enabled:
             import mlflow
@@ -111,8 +134,7 @@ class Tracker:
             mlflow.log_metrics(values, step=int(row["round"]))
 
     def _append(self, path: Path, row: dict) -> None:
-        rows, columns = self._rows.setdefault(path, []), self._columns.setdefault(path, [])
-        rows.append(row)
+        columns = self._columns.setdefault(path, [])
         if len(row) == len(columns) and row.keys() == set(columns):  # the usual case, in O(columns) for wide files
             new = []
         else:
@@ -122,12 +144,27 @@ class Tracker:
             with path.open("a", newline="") as handle:
                 csv.DictWriter(handle, fieldnames=columns).writerow(row)
             return
-        # The first row, or a column that appeared mid-run (a hybrid's next phase): write the whole file.
+        # The first row, or a column that appeared mid-run (a hybrid's next phase): rewrite the file with the
+        # wider header, its rows read back from disk (nothing is kept in memory; this happens a few times a run).
+        rows = []
+        if columns:
+            with path.open(newline="") as handle:
+                rows = list(csv.DictReader(handle))
         columns.extend(new)
         with path.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=columns)
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows(rows + [row])
+
+    def _append_long(self, path: Path, name: str, round_: int, values: np.ndarray) -> None:
+        """One (round, client, value) row per client with a non-zero value."""
+        clients = np.flatnonzero(values)
+        with path.open("a", newline="") as handle:
+            writer = csv.writer(handle)
+            if path not in self._columns:
+                self._columns[path] = ["round", "client", name]
+                writer.writerow(self._columns[path])
+            writer.writerows(zip([round_] * len(clients), clients.tolist(), values[clients].tolist()))
 
     def log_result(self, summary: dict, tables: dict) -> None:
         """Keep the engine's run-level metrics (logged at the end) and write its tables as CSV files."""
@@ -179,7 +216,8 @@ class Tracker:
             torch.save(model.state_dict(), self.dir / "model.pt")
         if metrics is not None:
             plot_curves(metrics, self.dir / "curves.png", title)
-            plot_alpha_heatmap(pd.read_csv(self.alpha_path), self.dir / "alpha_heatmap.png", title, top=10)
+            alpha = pd.read_csv(self.alpha_path)
+            plot_alpha_heatmap(alpha if self.wide else widest(alpha, "alpha", HEATMAP_CLIENTS), self.dir / "alpha_heatmap.png", title, top=10)
         pd.Series({**values, **tags}, dtype=object).to_csv(self.dir / "summary.csv", header=["value"])
         if not self.enabled or self.run_id is None:
             return

@@ -1,28 +1,37 @@
 """Seconds per round of fedrun's engine against two references measured in the same run.
 
-Workloads, on synthetic MNIST-shaped tensors (1x28x28, 10 classes; no files needed), the papers' CNN, FedAvg:
+Workloads, on synthetic tensors (no files needed), the papers' CNN (``CNN`` of fedrun.models), FedAvg:
 
-- ``papers``: 50 clients x 200 samples, full participation, E = 2, batch 64, a 10,000-image test
-  evaluation every round (paper 000's protocol).
+- ``papers``: MNIST-shaped, 50 clients x 200 samples, full participation, E = 2, batch 64, a 10,000-image
+  test evaluation every round (paper 000's protocol).
 - ``cross-device``: 1,000 clients x 50 samples, cohort 50, E = 1, batch 10, evaluation every 10 rounds.
-- ``10000-clients``: 10,000 clients x 50 samples, cohort 100, E = 1, batch 10, evaluation every 10 rounds.
+- ``1000-clients`` and ``10000-clients``: 1,000 or 10,000 clients x 50 samples, cohort 100, E = 1, batch 10,
+  evaluation every 10 rounds. Clients index a pool of 50,000 samples (client c has samples 50c .. 50c+49
+  modulo the pool), so the two differ only in the population: what grows with it is fedrun's own.
+- ``async-1000`` and ``async-10000``: FedBuff (buffer 10) on the asynchronous engine with ``concurrency=100``,
+  the same clients, compute times uniform in [1, 10]; a "round" is an aggregation.
+- ``cifar10-pfl``: pfl-research's CIFAR-10 benchmark setting (1,000 clients x 50 samples of 3x32x32, 10
+  classes, 50 per round, batch 10, E = 1), the same CNN on CIFAR-shaped inputs. For GPUs (``--device cuda``).
 
 Seconds per round are the median over the rounds after a warm-up round (papers), or the mean over the
 evaluation period after a warm-up period (the others), so an evaluation every 10 rounds counts a tenth.
 
-For each: fedrun's seconds per round with the backend ``device.backend=auto``
-picks, split into local training, loss pass, aggregation, evaluation and logging, and both backends' figures
-(``loop``, ``processes``) (a real Tracker writing metrics.csv and MLflow to a scratch SQLite
-store); ``naive``, the loop a researcher writes first (a state_dict loaded into the model per client,
-a DataLoader, evaluation in batches of 1000, the per-client loss pass); and the compute ``floor``: the same
-forward/backward sample-passes as one centrally trained model at the same batch size in its fastest layout
-(contiguous or channels_last), plus the same forward-only passes (test set and train_loss pass on evaluated rounds).
-Each workload runs in its own process so its peak RSS is its own. Every figure is measured ``--repeats``
-times, the measurements interleaved, and the fastest counts (noise on a shared machine only ever adds time).
-The last line is JSON.
+For each: fedrun's seconds per round with the backend ``device.backend=auto`` picks, split into local
+training, loss pass, aggregation, evaluation and logging (a real Tracker writing the CSV files and MLflow to a
+scratch SQLite store), and each backend's figure (CPU: ``loop``, ``processes``; CUDA: ``loop``, ``vmap``;
+``--backends`` to choose); ``naive``, the loop a researcher writes first (a state_dict loaded into the
+model per client, a DataLoader, evaluation in batches of 1000, the per-client loss pass); and the compute
+``floor``: the same forward/backward sample-passes as one centrally trained model at the same batch size in its
+fastest layout (contiguous or channels_last), plus the same forward-only passes (test set and train_loss
+pass on evaluated rounds). The asynchronous and scale workloads have no references (null).
+
+Every figure is measured in its own process, so the peak RSS (and on CUDA the peak GPU memory) of fedrun's
+is fedrun's alone; ``--repeats`` times, the measurements interleaved, and the fastest counts (noise on a
+shared machine only ever adds time). The last line is JSON.
 
 Usage:
-    python scripts/bench.py [--workloads papers cross-device 10000-clients] [--rounds 4] [--repeats 2] [--threads N]
+    python scripts/bench.py [--workloads papers cross-device 10000-clients] [--device cpu|cuda]
+                            [--backends loop processes vmap] [--rounds N] [--repeats 2] [--threads N]
 """
 
 import argparse
@@ -42,38 +51,52 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedrun.aggregators import FedAvg
+from fedrun.aggregators import FedAvg, FedBuff
+from fedrun.async_engine import AsyncEngine
 from fedrun.backends import Device
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
 from fedrun.models import CNN
 from fedrun.tracking import Tracker
 
+MNIST, CIFAR = (1, 28, 28), (3, 32, 32)
 WORKLOADS = {
     "papers": dict(clients=50, samples=200, cohort=50, epochs=2, batch=64, test=10_000, eval_every=1),
     "cross-device": dict(clients=1_000, samples=50, cohort=50, epochs=1, batch=10, test=10_000, eval_every=10),
+    "1000-clients": dict(clients=1_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10, references=False),
     "10000-clients": dict(clients=10_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10),
+    "async-1000": dict(clients=1_000, samples=50, concurrency=100, buffer=10, epochs=1, batch=10, test=10_000, eval_every=10, references=False),
+    "async-10000": dict(clients=10_000, samples=50, concurrency=100, buffer=10, epochs=1, batch=10, test=10_000, eval_every=10, references=False),
+    "cifar10-pfl": dict(clients=1_000, samples=50, cohort=50, epochs=1, batch=10, test=10_000, eval_every=10, shape=CIFAR),
 }
+DEFAULT = {"cpu": ["papers", "cross-device", "1000-clients", "10000-clients", "async-1000", "async-10000"],
+           "cuda": ["papers", "cross-device", "cifar10-pfl"]}
+BACKENDS = {"cpu": ["loop", "processes"], "cuda": ["loop", "vmap"]}
+POOL = 50_000  # distinct training samples at most; larger populations share them (see the module docstring)
 LR = 0.05
 
 
-def synthetic(spec: dict, seed: int = 0) -> tuple[FederatedData, list[np.ndarray]]:
-    """MNIST-shaped inputs whose label shifts a class pattern, so training has something to learn."""
+def synthetic(spec: dict, device: torch.device, seed: int = 0) -> tuple[FederatedData, list[np.ndarray]]:
+    """Inputs whose label shifts a class pattern, so training has something to learn; on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    n = spec["clients"] * spec["samples"]
-    patterns = torch.randn(10, 1, 28, 28, generator=g)
+    shape = spec.get("shape", MNIST)
+    n = min(POOL, spec["clients"] * spec["samples"])
+    patterns = torch.randn(10, *shape, generator=g)
     y, y_test = torch.randint(0, 10, (n,), generator=g), torch.randint(0, 10, (spec["test"],), generator=g)
-    x = torch.randn(n, 1, 28, 28, generator=g).add_(patterns[y])
-    x_test = torch.randn(spec["test"], 1, 28, 28, generator=g).add_(patterns[y_test])
-    clients = list(np.arange(n).reshape(spec["clients"], spec["samples"]))
-    return FederatedData(x, y, x_test, y_test, num_classes=10), clients
+    x, x_test = torch.randn(n, *shape, generator=g), torch.randn(spec["test"], *shape, generator=g)
+    for c in range(10):  # class by class: no temporary the size of the data
+        x[y == c] += patterns[c]
+        x_test[y_test == c] += patterns[c]
+    clients = [np.arange(c * spec["samples"], (c + 1) * spec["samples"]) % n for c in range(spec["clients"])]
+    data = FederatedData(x.to(device), y.to(device), x_test.to(device), y_test.to(device), num_classes=10)
+    return data, clients
 
 
 def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rounds: int, device: Device) -> dict:
     torch.manual_seed(0)
-    model = CNN((1, 28, 28), 10)
-    schedule = Schedule(rounds=rounds, local_epochs=spec["epochs"], batch_size=spec["batch"],
-                        clients_per_round=spec["cohort"] / spec["clients"], eval_every=spec["eval_every"])
+    model = CNN(spec.get("shape", MNIST), 10)
+    schedule = Schedule(rounds=rounds, local_epochs=spec["epochs"], batch_size=spec["batch"], eval_every=spec["eval_every"],
+                        clients_per_round=spec.get("cohort", 1) / spec["clients"])
     rows, logging = [], []
     with tempfile.TemporaryDirectory() as scratch:
         tracker = Tracker(Path(scratch) / "run", len(clients), True, f"sqlite:///{scratch}/mlflow.db", "bench")
@@ -85,9 +108,15 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
             logging.append(time.perf_counter() - start)
             rows.append(row)
 
-        run(model, data, clients, FedAvg(), functools.partial(torch.optim.SGD, lr=LR), schedule, device, 0, on_round=on_round)
+        optimizer = functools.partial(torch.optim.SGD, lr=LR)
+        if "concurrency" in spec:
+            engine = AsyncEngine([{"name": "all", "clients": None, "distribution": "uniform", "low": 1.0, "high": 10.0}],
+                                 concurrency=spec["concurrency"])
+            engine(model, data, clients, FedBuff(buffer_size=spec["buffer"]), optimizer, schedule, device, 0, on_round=on_round)
+        else:
+            run(model, data, clients, FedAvg(), optimizer, schedule, device, 0, on_round=on_round)
         tracker.finish("FINISHED")
-    parts = {k: per_round(spec, [r[f"{k}_wall_s"] for r in rows]) for k in ("train", "loss", "aggregate", "eval")}
+    parts = {k: per_round(spec, [r[f"{k}_wall_s"] for r in rows]) for k in ("train", "loss", "aggregate", "eval") if f"{k}_wall_s" in rows[0]}
     parts["logging"] = per_round(spec, logging)
     total = [r["round_wall_s"] + log for r, log in zip(rows, logging)]
     return {"s_per_round": per_round(spec, total), "parts": parts, "final_accuracy": rows[-1]["test_accuracy"]}
@@ -100,11 +129,17 @@ def per_round(spec: dict, seconds: list[float]) -> float:
     return statistics.median(measured) if spec["eval_every"] == 1 else statistics.fmean(measured)
 
 
+def naive_model(shape) -> nn.Module:
+    side = (shape[1] - 2) // 2
+    return nn.Sequential(nn.Conv2d(shape[0], 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(64 * ((side - 2) // 2) ** 2, 10))
+
+
 def bench_naive(spec: dict, data: FederatedData, clients: list[np.ndarray], rounds: int) -> float:
     """The plain loop: state_dict per client, DataLoader, per-client loss pass, evaluation in batches of 1000."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-                          nn.Flatten(), nn.Linear(1600, 10))
+    device = data.x_train.device
+    model = naive_model(spec.get("shape", MNIST)).to(device)
     rng = np.random.default_rng(0)
     times = []
     for t in range(1, rounds + 1):
@@ -114,7 +149,7 @@ def bench_naive(spec: dict, data: FederatedData, clients: list[np.ndarray], roun
         new_state = {k: torch.zeros_like(v) for k, v in global_state.items()}
         total = sum(len(clients[c]) for c in cohort)
         for c in cohort:
-            index = torch.as_tensor(clients[c])
+            index = torch.as_tensor(clients[c], device=device)
             dataset = TensorDataset(data.x_train[index], data.y_train[index])
             model.load_state_dict(global_state)
             with torch.no_grad():  # the loss pass: each client's loss of the global model
@@ -134,6 +169,7 @@ def bench_naive(spec: dict, data: FederatedData, clients: list[np.ndarray], roun
             with torch.no_grad():
                 for xb, yb in DataLoader(TensorDataset(data.x_test, data.y_test), batch_size=1000):
                     correct += (model(xb).argmax(1) == yb).sum().item()
+        _sync(device)
         times.append(time.perf_counter() - start)
     return per_round(spec, times)
 
@@ -148,7 +184,8 @@ def bench_floor(spec: dict, data: FederatedData) -> float:
 def _floor(spec: dict, data: FederatedData, memory_format: torch.memory_format) -> float:
     passes = spec["cohort"] * spec["samples"] * spec["epochs"]
     torch.manual_seed(0)
-    model = CNN((1, 28, 28), 10).to(memory_format=memory_format)  # ReLU after pooling: the cheaper exact order
+    device = data.x_train.device
+    model = CNN(spec.get("shape", MNIST), 10).to(device).to(memory_format=memory_format)  # ReLU after pooling: the cheaper exact order
     x, y = data.x_train.contiguous(memory_format=memory_format), data.y_train
     x_test = data.x_test.contiguous(memory_format=memory_format)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -160,6 +197,7 @@ def _floor(spec: dict, data: FederatedData, memory_format: torch.memory_format) 
             optimizer.zero_grad(set_to_none=True)
             cross_entropy(model(x[lo : lo + spec["batch"]]), y[lo : lo + spec["batch"]]).backward()
             optimizer.step()
+        _sync(device)
         train = time.perf_counter() - start
         start = time.perf_counter()
         with torch.inference_mode():  # evaluated rounds: the test set, and the cohort's data for train_loss
@@ -167,57 +205,106 @@ def _floor(spec: dict, data: FederatedData, memory_format: torch.memory_format) 
                 model(x_test[lo : lo + 256]).argmax(1)
             for lo in range(0, spec["cohort"] * spec["samples"], 256):
                 model(x[lo : lo + 256]).argmax(1)
+        _sync(device)
         timings.append(train + (time.perf_counter() - start) / spec["eval_every"])
     return timings[-1]
 
 
-def one(name: str, rounds: int | None, repeats: int) -> dict:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(name: str, what: str, kind: str, rounds: int | None) -> dict:
+    """One figure of one workload in this process: a backend's run, ``naive`` or ``floor``."""
     spec = WORKLOADS[name]
     rounds = rounds or (4 if spec["eval_every"] == 1 else 2 * spec["eval_every"])
-    data, clients = synthetic(spec)
-    auto = Device("cpu")
-    chosen = auto.chosen_backend(spec["cohort"] * spec["samples"] * spec["epochs"])
-    runs = {"loop": [], "processes": [], "naive": [], "floor": []}
-    for _ in range(repeats):  # interleaved, so a slow phase of a shared machine hits every figure alike
-        for backend in ("loop", "processes"):
-            runs[backend].append(bench_fedrun(spec, data, clients, rounds, Device("cpu", backend=backend)))
-        runs["naive"].append(bench_naive(spec, data, clients, rounds))
-        runs["floor"].append(bench_floor(spec, data))
-    backends = {b: min(runs[b], key=lambda r: r["s_per_round"]) for b in ("loop", "processes")}
-    fedrun = backends[chosen]
-    naive, floor = min(runs["naive"]), min(runs["floor"])
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"workload": name, "s_per_round": round(fedrun["s_per_round"], 4), "naive_s_per_round": round(naive, 4),
-            "floor_s_per_round": round(floor, 4), "peak_rss_mb": round(peak_mb, 1), "backend": chosen,
-            "loop_s_per_round": round(backends["loop"]["s_per_round"], 4),
-            "processes_s_per_round": round(backends["processes"]["s_per_round"], 4),
-            "parts": {k: round(v, 4) for k, v in fedrun["parts"].items()}, "threads": torch.get_num_threads()}
+    device = Device(kind, backend=what if what not in ("naive", "floor") else "auto")
+    data, clients = synthetic(spec, device.torch)
+    if device.torch.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if what == "naive":
+        result = {"s_per_round": bench_naive(spec, data, clients, rounds)}
+    elif what == "floor":
+        result = {"s_per_round": bench_floor(spec, data)}
+    else:
+        result = bench_fedrun(spec, data, clients, rounds, device)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if device.torch.type == "cuda":
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return result
+
+
+def workload(name: str, kind: str, backends: list[str], args) -> dict:
+    """Every figure of a workload, each in a child process, ``args.repeats`` times interleaved; the fastest counts."""
+    spec = WORKLOADS[name]
+    if "concurrency" in spec:
+        backends = ["loop"]  # the asynchronous engine trains one arriving client at a time
+    whats = backends + (["naive", "floor"] if spec.get("references", True) and "concurrency" not in spec else [])
+    runs = {what: [] for what in whats}
+    for _ in range(args.repeats):  # interleaved, so a slow phase of a shared machine hits every figure alike
+        for what in whats:
+            cmd = [sys.executable, __file__, "--child", name, what, "--device", kind]
+            cmd += (["--rounds", str(args.rounds)] if args.rounds else []) + (["--threads", str(args.threads)] if args.threads else [])
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"{name} / {what} failed:\n{out.stderr[-3000:]}")
+            runs[what].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    best = {what: min(results, key=lambda r: r["s_per_round"]) for what, results in runs.items()}
+    passes = spec.get("cohort", spec.get("concurrency", 1)) * spec["samples"] * spec["epochs"]
+    chosen = Device(kind).chosen_backend(passes, vmap_ok=True)
+    chosen = chosen if chosen in backends else backends[0]
+    fedrun = best[chosen]
+    result = {"workload": name, "device": kind, "s_per_round": round(fedrun["s_per_round"], 4),
+              "naive_s_per_round": round(best["naive"]["s_per_round"], 4) if "naive" in best else None,
+              "floor_s_per_round": round(best["floor"]["s_per_round"], 4) if "floor" in best else None,
+              "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs[chosen]), 1), "backend": chosen,
+              "parts": {k: round(v, 4) for k, v in fedrun["parts"].items()}, "final_accuracy": fedrun["final_accuracy"]}
+    for backend in backends:
+        result[f"{backend}_s_per_round"] = round(best[backend]["s_per_round"], 4)
+        if "peak_gpu_mb" in best[backend]:
+            result[f"{backend}_peak_gpu_mb"] = round(max(r["peak_gpu_mb"] for r in runs[backend]), 1)
+    return result
+
+
+def describe(result: dict) -> str:
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in result["parts"].items())
+    others = ", ".join(f"{k[: -len('_s_per_round')]} {v:.3f}" for k, v in result.items()
+                       if k.endswith("_s_per_round") and k not in ("naive_s_per_round", "floor_s_per_round"))
+    line = f"{result['workload']}: fedrun {result['s_per_round']:.3f} s/round with backend {result['backend']} ({parts}; {others})"
+    for reference in ("naive", "floor"):
+        value = result[f"{reference}_s_per_round"]
+        if value is not None:
+            line += f"; {reference} {value:.3f} ({result['s_per_round'] / value:.2f}x)"
+    gpu = ", ".join(f"{k[: -len('_peak_gpu_mb')]} {v:.0f} MB" for k, v in result.items() if k.endswith("_peak_gpu_mb"))
+    return line + f"; peak RSS {result['peak_rss_mb']:.0f} MB" + (f"; peak GPU memory {gpu}" if gpu else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="default: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in DEFAULT.items()))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--backends", nargs="+", choices=["loop", "processes", "vmap"], help="default: loop processes on cpu, loop vmap on cuda")
     parser.add_argument("--rounds", type=int, help="rounds per measurement, the first eval_every of them a warm-up (default: 4, or two evaluation periods)")
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each figure, interleaved; the fastest counts (default: 2)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.child:  # one workload in this process, so its peak RSS is its own
-        print(json.dumps(one(args.child, args.rounds, args.repeats)))
+    if args.child:
+        print(json.dumps(measure(*args.child, args.device, args.rounds)))
         return
     results = []
-    for name in args.workloads:
-        cmd = [sys.executable, __file__, "--child", name, "--repeats", str(args.repeats)] + (["--rounds", str(args.rounds)] if args.rounds else []) + (["--threads", str(args.threads)] if args.threads else [])
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-        result = json.loads(out)
-        parts = ", ".join(f"{k} {v:.3f}" for k, v in result["parts"].items())
-        print(f"{name}: fedrun {result['s_per_round']:.3f} s/round with backend {result['backend']} ({parts}; loop "
-              f"{result['loop_s_per_round']:.3f}, processes {result['processes_s_per_round']:.3f}); naive {result['naive_s_per_round']:.3f} "
-              f"({result['s_per_round'] / result['naive_s_per_round']:.2f}x); floor {result['floor_s_per_round']:.3f} "
-              f"({result['s_per_round'] / result['floor_s_per_round']:.2f}x); peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
+    for name in args.workloads or DEFAULT[args.device]:
+        result = workload(name, args.device, args.backends or BACKENDS[args.device], args)
+        print(describe(result), flush=True)
         results.append(result)
+    for small, large in (("1000-clients", "10000-clients"), ("async-1000", "async-10000")):
+        found = {r["workload"]: r for r in results}
+        if small in found and large in found:
+            print(f"{large} / {small}: {found[large]['s_per_round'] / found[small]['s_per_round']:.2f}x seconds per round, "
+                  f"{found[large]['peak_rss_mb'] / found[small]['peak_rss_mb']:.2f}x peak RSS", flush=True)
     print(json.dumps(results))
 
 

@@ -216,3 +216,21 @@ def test_concurrency_draws_repeat_with_the_seed_and_cover_every_client_when_larg
     assert once(5) == once(None)  # a limit at the population size changes nothing
     with pytest.raises(ConfigError, match="concurrency"):
         AsyncEngine(speeds, concurrency=0)
+
+
+def test_fairness_in_one_pass_equals_each_client_evaluated_alone():
+    from fedrun.clients import evaluate
+    from fedrun.models import MLP, flat_parameters
+
+    torch.manual_seed(0)
+    model = MLP((1, 2, 3), 3, hidden=(4,))
+    x, y = torch.randn(30, 1, 2, 3), torch.randint(0, 3, (30,))
+    clients = [np.arange(0, 10), np.arange(5, 15), np.array([29, 3, 3]), np.arange(15, 30)]  # overlapping, repeated samples
+    engine = AsyncEngine([{"name": "fast", "clients": 2, "distribution": "constant", "value": 1.0},
+                          {"name": "slow", "clients": None, "distribution": "constant", "value": 2.0}])
+    w = flat_parameters(model)
+    applied = np.array([0.5, 0.25, 0.25, 0.0])
+    summary, tables = engine._fairness(model, w, x, y, clients, None, engine.assign(4), applied)
+    alone = np.array([evaluate(model, w, x[torch.as_tensor(c)], y[torch.as_tensor(c)])[0] for c in clients])
+    np.testing.assert_allclose(tables["fairness.csv"]["accuracy"], alone, rtol=1e-6)  # evaluate() means in float32
+    assert summary["weight_share/fast"] == 0.75 and summary["client_accuracy_std"] == pytest.approx(alone.std(), rel=1e-6)

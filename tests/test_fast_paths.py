@@ -13,6 +13,7 @@ from fedrun.cohort import Lazy, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
 from fedrun.models import CNN, MLP
+from fedrun.optimizers import ProxSGD
 
 
 def test_cnn_relu_after_pooling_equals_the_papers_order_exactly():
@@ -92,7 +93,7 @@ def images(n=60, seed=0):
     return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
-def cohort_update(device, make_optimizer, dtype=torch.float32, **kwargs):
+def cohort_update(device, make_optimizer, dtype=torch.float32, work_override=None, **kwargs):
     from fedrun.clients import LocalWork
 
     torch.manual_seed(0)
@@ -105,7 +106,7 @@ def cohort_update(device, make_optimizer, dtype=torch.float32, **kwargs):
     parts = [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)]
     trainer = device.trainer(model, x, y, make_optimizer, passes_per_round=10**9)
     try:
-        return trainer(flat_parameters(model), parts, np.array([3, 7, 9]), 0.05, LocalWork(4, local_epochs=2), 0, 1, **kwargs)
+        return trainer(flat_parameters(model), parts, np.array([3, 7, 9]), 0.05, work_override or LocalWork(4, local_epochs=2), 0, 1, **kwargs)
     finally:
         trainer.close()
 
@@ -168,3 +169,86 @@ def test_a_whole_run_with_worker_processes_and_channels_last_matches_the_plain_r
     for fast, plain in zip(outcome["fast"][1], outcome["plain"][1]):
         assert fast["test_accuracy"] == plain["test_accuracy"]
         assert fast["train_loss"] == pytest.approx(plain["train_loss"], rel=1e-5)
+
+
+VMAP_SOLVERS = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.05),
+    "momentum": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "dampening": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5, dampening=0.3),
+    "prox": functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("solver", list(VMAP_SOLVERS))
+def test_vmap_cohort_equals_the_loop_in_float64_with_unequal_clients(solver):
+    from fedrun.backends import Device
+
+    # Clients of 10, 25 and 25 samples in batches of 4 for two epochs: 3 + 7 + 7 batches per epoch, the last
+    # of each epoch short (2, 1 and 1 samples), so padding, masks and finished clients are all exercised.
+    make = VMAP_SOLVERS[solver]
+    loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64)
+    for chunk in (None, 2):
+        together = cohort_update(Device("cpu", "contiguous", "vmap", chunk=chunk), make, torch.float64)
+        torch.testing.assert_close(together.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(together.local_losses.mean, loop.local_losses.mean, rtol=1e-10)
+        np.testing.assert_allclose(together.local_losses.authors, loop.local_losses.authors, rtol=1e-10)
+        np.testing.assert_allclose(together.coefficient_norms, loop.coefficient_norms, rtol=1e-12)
+        assert list(together.steps) == list(loop.steps) == [6, 14, 14]
+    assert loop.deltas.abs().max() > 1e-3  # the clients moved: the comparison is not between zeros
+
+
+def test_vmap_nesterov_and_per_client_work_equal_the_loop():
+    from fedrun.backends import Device
+    from fedrun.cohort import LocalWork
+
+    make = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5, nesterov=True)
+    works = [LocalWork(4, local_steps=5), LocalWork(4, local_epochs=1), LocalWork(3, local_epochs=2)]  # stragglers do less
+    loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64, work_override=works)
+    together = cohort_update(Device("cpu", "contiguous", "vmap"), make, torch.float64, work_override=works)
+    torch.testing.assert_close(together.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
+    assert list(together.steps) == list(loop.steps) == [5, 7, 18]
+
+
+def test_vmap_refuses_solvers_and_models_without_a_closed_form_in_one_line():
+    from fedrun.backends import Device
+    from fedrun.errors import ConfigError
+    from fedrun.optimizers import STORM
+
+    with pytest.raises(ConfigError, match=r"device.backend='vmap' is invalid: allowed is loop or processes for this optimizer"):
+        cohort_update(Device("cpu", "contiguous", "vmap"), functools.partial(STORM, lr=0.05), torch.float64)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.Dropout(0.5))
+    from fedrun.vmap import VmapTrainer
+
+    with pytest.raises(ConfigError, match="models with buffers or dropout"):
+        VmapTrainer(model, X.flatten(1), Y, SGD)
+
+
+def test_auto_backend_picks_vmap_on_cuda_only_when_it_can():
+    from fedrun.backends import Device
+
+    device = Device("cpu")
+    assert device.chosen_backend(10**9, vmap_ok=True) != "vmap"  # never on a CPU
+    device.torch = torch.device("cuda")  # the rule only (this machine may have no GPU)
+    assert device.chosen_backend(10, vmap_ok=True) == "vmap"
+    assert device.chosen_backend(10, vmap_ok=False) == "loop"
+
+
+def test_a_whole_run_with_vmap_matches_the_loop_in_float64():
+    from fedrun.backends import Device
+    from fedrun.optimizers import ProxSGD
+
+    x, y = images(80)
+    data = FederatedData(x.double(), y, x[:20].double(), y[:20], num_classes=4)
+    parts = [np.arange(0, 15), np.arange(15, 40), np.arange(40, 52), np.arange(52, 80)]
+    outcome = {}
+    for backend in ("loop", "vmap"):
+        torch.manual_seed(0)
+        rows = []
+        result = run(CNN((3, 8, 8), 4).double(), data, parts, FedSoftMax(), functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5),
+                     Schedule(rounds=3, local_epochs=2, batch_size=4, clients_per_round=0.75), Device("cpu", "contiguous", backend), 0,
+                     on_round=lambda row, per_client: rows.append(row))
+        outcome[backend] = (result.params, rows)
+    torch.testing.assert_close(outcome["vmap"][0], outcome["loop"][0], rtol=1e-10, atol=1e-12)
+    for together, loop in zip(outcome["vmap"][1], outcome["loop"][1]):
+        assert together["test_accuracy"] == loop["test_accuracy"]
+        assert together["train_loss"] == pytest.approx(loop["train_loss"], rel=1e-10)

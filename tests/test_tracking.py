@@ -1,0 +1,46 @@
+"""The tracker's files: wide and long per-client series, columns that appear mid-run (no MLflow here)."""
+
+import numpy as np
+import pandas as pd
+
+import fedrun.tracking as tracking
+from fedrun.tracking import Tracker, widest
+
+
+def test_wide_per_client_files_have_a_column_per_client(tmp_path):
+    tracker = Tracker(tmp_path, 3, False, "", "x")
+    tracker.log_round({"round": 1, "test_accuracy": 0.5, "round_wall_s": 1.0}, {"alpha": np.array([0.25, 0.0, 0.75])})
+    tracker.log_round({"round": 2, "test_accuracy": 0.6, "round_wall_s": 1.0}, {"alpha": np.array([0.0, 1.0, 0.0])})
+    alpha = pd.read_csv(tmp_path / "alpha.csv")
+    assert list(alpha.columns) == ["round", "client_0", "client_1", "client_2"]
+    assert alpha.to_numpy().tolist() == [[1, 0.25, 0.0, 0.75], [2, 0.0, 1.0, 0.0]]
+
+
+def test_long_per_client_files_keep_only_the_round_s_clients_and_the_heatmap_shows_the_heaviest(tmp_path, monkeypatch):
+    monkeypatch.setattr(tracking, "WIDE_CLIENTS", 2)
+    monkeypatch.setattr(tracking, "HEATMAP_CLIENTS", 2)
+    tracker = Tracker(tmp_path, 5, False, "", "x")
+    tracker.log_round({"round": 1, "test_accuracy": 0.5, "test_loss": 1.0, "round_wall_s": 1.0},
+                      {"alpha": np.array([0.0, 0.25, 0.0, 0.75, 0.0]), "local_steps": np.array([0, 4, 0, 6, 0])})
+    tracker.log_round({"round": 2, "test_accuracy": 0.6, "test_loss": 0.9, "round_wall_s": 1.0},
+                      {"alpha": np.array([0.5, 0.0, 0.0, 0.0, 0.5]), "local_steps": np.array([5, 0, 0, 0, 5])})
+    alpha = pd.read_csv(tmp_path / "alpha.csv")
+    assert list(alpha.columns) == ["round", "client", "alpha"]
+    assert alpha.to_numpy().tolist() == [[1, 1, 0.25], [1, 3, 0.75], [2, 0, 0.5], [2, 4, 0.5]]
+    assert pd.read_csv(tmp_path / "local_steps.csv").to_numpy().tolist() == [[1, 1, 4], [1, 3, 6], [2, 0, 5], [2, 4, 5]]
+    # Totals: client 3 0.75, clients 0 and 4 0.5 (tie: the first by id), client 1 0.25 -> clients 0 and 3 shown.
+    wide = widest(alpha, "alpha", 2)
+    assert list(wide.columns) == ["round", "client_0", "client_3"]
+    assert wide.to_numpy().tolist() == [[1, 0.0, 0.75], [2, 0.5, 0.0]]
+    tracker.finish("FINISHED", title="long")
+    assert (tmp_path / "alpha_heatmap.png").stat().st_size > 0
+
+
+def test_a_column_that_appears_mid_run_rewrites_the_file_with_every_earlier_row(tmp_path):
+    tracker = Tracker(tmp_path, 1, False, "", "x")
+    tracker.log_round({"round": 1, "loss": 0.5}, {"alpha": np.array([1.0])})
+    tracker.log_round({"round": 2, "loss": 0.4, "phase": 1.0}, {"alpha": np.array([1.0])})
+    tracker.log_round({"round": 3, "loss": 0.3, "phase": 2.0}, {"alpha": np.array([1.0])})
+    metrics = pd.read_csv(tmp_path / "metrics.csv")
+    assert list(metrics.columns) == ["round", "loss", "phase"]
+    assert metrics["loss"].tolist() == [0.5, 0.4, 0.3] and metrics["phase"].fillna(-1).tolist() == [-1, 1.0, 2.0]
