@@ -88,7 +88,8 @@ class Device:
 
     def trainer(self, model, x, y, make_optimizer, passes_per_round: int):
         """A trainer for the run (close it when done): ``LoopTrainer``, ``ProcessTrainer`` or ``VmapTrainer``."""
-        backend = self.chosen_backend(passes_per_round, vmap_supported(make_optimizer, model) is None)
+        vmap_ok = self.torch.type == "cuda" and self.backend == "auto" and vmap_supported(make_optimizer, model) is None
+        backend = self.chosen_backend(passes_per_round, vmap_ok)
         if backend == "processes":
             return ProcessTrainer(model, x, y, make_optimizer, self.workers or usable_cores())
         if backend == "vmap":

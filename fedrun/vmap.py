@@ -77,7 +77,7 @@ class SGDRule:
 
 def vmap_supported(make_optimizer, model: nn.Module) -> str | None:
     """Why the ``vmap`` backend cannot train with this solver and model, or None when it can."""
-    if SGDRule.of(make_optimizer, make_optimizer.keywords.get("lr", 0.1)) is None:
+    if SGDRule.of(make_optimizer, getattr(make_optimizer, "keywords", {}).get("lr", 0.1)) is None:
         return "loop or processes for this optimizer (vmap has the closed-form update of sgd and prox only)"
     if any(True for _ in model.buffers()) or any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
         return "loop or processes for models with buffers or dropout (batch norm statistics and random masks are per call)"
