@@ -32,6 +32,7 @@ from fedrun.models import flat_parameters
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
 
+FAIRNESS_PIECE = 8192  # samples per piece of the end-of-run per-client accuracy pass
 DISTRIBUTIONS = {"constant": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std", "min"), "lognormal": ("mean", "sigma")}
 
 
@@ -250,9 +251,8 @@ class AsyncEngine:
         held_out = client_tests or clients
         # One pass over the distinct samples (clients may share some), then each client's mean.
         samples, position = np.unique(np.concatenate(held_out), return_inverse=True)
-        index = torch.as_tensor(samples, device=x.device)
-        _, correct = per_sample_loss(model, w, x[index], y[index])
-        correct = correct.cpu().numpy()[position]
+        correct = np.concatenate([per_sample_loss(model, w, x[index], y[index])[1].cpu().numpy()  # in pieces: no copy of all the data
+                                  for index in torch.as_tensor(samples, device=x.device).split(FAIRNESS_PIECE)])[position]
         counts = np.array([len(p) for p in held_out])
         hits = np.bincount(np.repeat(np.arange(len(held_out)), counts), weights=correct, minlength=len(held_out))
         with np.errstate(invalid="ignore"):
