@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport
 from fedrun.backends import as_device
+from fedrun.checkpoint import Checkpoint
 from fedrun.clients import per_sample_loss, train_cohort
 from fedrun.datasets import FederatedData
 from fedrun.engine import RunResult
@@ -126,6 +127,7 @@ class AsyncEngine:
         on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
         client_tests: list[np.ndarray] | None = None,
         heterogeneity=None,
+        checkpoint: Checkpoint | None = None,
     ):
         """Simulate until ``schedule.rounds`` aggregations (server versions) or ``max_time``.
 
@@ -154,7 +156,14 @@ class AsyncEngine:
             self._start(events, c, 0.0, speed_rng, group_of)
         applied = np.zeros(len(clients))  # total alpha each client received
         result = RunResult(w)
-        bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True)
+        saved = checkpoint.restored() if checkpoint else None
+        if saved is not None:  # the whole simulation as it was at the end of the instant of aggregation saved["round"]
+            w, version, jobs, buffer, pulled, events = saved["w"], saved["version"], saved["jobs"], saved["buffer"], saved["pulled"], saved["events"]
+            sampler, speed_rng, applied = saved["sampler"], saved["speed_rng"], saved["applied"]
+            vars(aggregator).update(saved["aggregator"])
+            vars(server).update(saved["server"])
+            result = RunResult(w, rows=saved["rows"])
+        bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True, initial=version)
         start, done = time.perf_counter(), False
         while events and not done:
             now = events[0][0]
@@ -203,6 +212,11 @@ class AsyncEngine:
             for c in self._next(arrived, pulled, len(clients), sampler):
                 pulled[c] = (version, w)
                 self._start(events, c, now, speed_rng, group_of)
+            if checkpoint and result.rows and result.rows[-1]["round"] > checkpoint.saved_round:  # aggregated at this instant
+                checkpoint.after_round(version, result.rows[-1]["round_wall_s"], done, lambda: {
+                    "round": version, "engine": "async", "finished": done, "w": w, "version": version, "jobs": jobs,
+                    "buffer": buffer, "pulled": pulled, "events": events, "sampler": sampler, "speed_rng": speed_rng,
+                    "applied": applied, "aggregator": vars(aggregator), "server": vars(server), "rows": result.rows})
         bar.close()
         result.summary, result.tables = self._fairness(model, result.params, x, y, clients, client_tests, group_of, applied)
         return result

@@ -3,6 +3,7 @@
 This is the only module that touches Hydra or OmegaConf; everything below it takes plain objects.
 """
 
+import signal
 import subprocess
 import sys
 import typing
@@ -15,6 +16,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from fedrun.checkpoint import FILE, Checkpoint, Stopped, StopSignals
 from fedrun.errors import ConfigError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
@@ -106,11 +108,36 @@ def git_commit() -> str:
         return "unknown"
 
 
+def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
+    """For ``resume=<output dir>``: the config that run was started with, and its checkpoint to resume from.
+
+    Any other override is refused: the run continues exactly as it started (its results must equal an
+    uninterrupted run's)."""
+    directory = Path(hydra_cfg.runtime.cwd, cfg.resume).resolve()
+    if not (directory / FILE).is_file() or not (directory / "config.yaml").is_file():
+        raise ConfigError("resume", cfg.resume, f"the output dir of a run with a checkpoint ({directory / FILE} not found)")
+    others = [o for o in hydra_cfg.overrides.task if not o.startswith("resume=")]
+    if others:
+        raise ConfigError("resume", cfg.resume, f"no other overrides (the run continues with {directory / 'config.yaml'}); got {' '.join(others)}")
+    saved = OmegaConf.load(directory / "config.yaml")
+    saved.resume = str(directory)
+    checkpoint = Checkpoint(directory, saved.checkpoint.every, resume=True)
+    if checkpoint.restored()["finished"]:
+        raise ConfigError("resume", cfg.resume, f"a run that did not finish (this one finished at round {checkpoint.saved_round})")
+    return saved, checkpoint
+
+
 @hydra.main(config_path="pkg://fedrun.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """Run one job; returns the final test accuracy (Hydra sweepers can use it)."""
     hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
+        if cfg.resume:
+            cfg, checkpoint = resumed_config(cfg, hydra_cfg)
+            output_dir = checkpoint.path.parent
+        else:
+            checkpoint = Checkpoint(output_dir, cfg.checkpoint.every)
         parts = setup(cfg)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"fedrun: error: {exc}", file=sys.stderr)
@@ -120,13 +147,13 @@ def main(cfg: DictConfig) -> float | None:
     tags = {
         **choices,
         "seed": str(cfg.seed),
-        "output_dir": hydra_cfg.runtime.output_dir,
+        "output_dir": str(output_dir),
         "git_commit": git_commit(),
         "torch_version": torch.__version__,
         "num_clients": str(len(parts["clients"])),
     }
     tracker = Tracker(
-        output_dir=Path(hydra_cfg.runtime.output_dir),
+        output_dir=output_dir,
         num_clients=len(parts["clients"]),
         enabled=cfg.tracking.enabled,
         uri=resolve_uri(cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)),
@@ -134,36 +161,49 @@ def main(cfg: DictConfig) -> float | None:
         max_alpha_series=cfg.tracking.max_alpha_series,
         r_targets=tuple(cfg.metrics.r_targets),
     )
-    tracker.log_partition(parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"])
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
     title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset", "method")) + f" seed={cfg.seed}"
-    run_name = hydra_cfg.job.override_dirname or "defaults"
-    tracker.start(flatten(resolved), tags, run_name)
+    if checkpoint.resume:  # the same files and MLflow run, from the round after the checkpoint
+        tracker.rewind(checkpoint.saved_round)
+        tracker.start({}, {}, "", run_id=checkpoint.restored()["extra"].get("mlflow_run_id"))
+        print(f"fedrun: resuming {output_dir} after round {checkpoint.saved_round}", file=sys.stderr)
+    else:
+        tracker.log_partition(parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"])
+        OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
+        tracker.start(flatten(OmegaConf.to_container(cfg, resolve=True)), tags, hydra_cfg.job.override_dirname or "defaults")
+    if checkpoint.resume:
+        title = checkpoint.restored()["extra"].get("title", title)  # this invocation's choices are the defaults
+    checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
 
-    status, reason, model, final = "FAILED", None, parts["model"], None
+    status, reason, model, final, stopped = "FAILED", None, parts["model"], None, None
     try:
-        result = parts["engine"](
-            model=model,
-            data=parts["data"],
-            clients=parts["clients"],
-            aggregator=parts["aggregator"],
-            optimizer=parts["optimizer"],
-            schedule=parts["schedule"],
-            device=parts["device"],
-            seed=cfg.seed,
-            server=parts["server"],
-            on_round=tracker.log_round,
-            client_tests=parts["client_tests"],
-            heterogeneity=parts["heterogeneity"],
-        )
+        with StopSignals(checkpoint):
+            result = parts["engine"](
+                model=model,
+                data=parts["data"],
+                clients=parts["clients"],
+                aggregator=parts["aggregator"],
+                optimizer=parts["optimizer"],
+                schedule=parts["schedule"],
+                device=parts["device"],
+                seed=cfg.seed,
+                server=parts["server"],
+                on_round=tracker.log_round,
+                client_tests=parts["client_tests"],
+                heterogeneity=parts["heterogeneity"],
+                checkpoint=checkpoint,
+            )
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()
         tracker.log_result(result.summary, result.tables)
         return result.rows[-1]["test_accuracy"]
+    except Stopped as exc:
+        status, reason, stopped = "KILLED", str(exc), exc
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise
     finally:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
         tracker.finish(status, model=final, reason=reason, title=title, tags=parts["aggregator"].tags)
+    print(f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
+          f"  fedrun resume={output_dir}", file=sys.stderr)
+    sys.exit(128 + signal.Signals[stopped.signal_name].value)

@@ -191,13 +191,13 @@ class FStarEstimate:
     def __init__(self, model, initial_params, x, y, clients, make_optimizer, batch_size: int, seed: int):
         self.model, self.w0, self.x, self.y, self.clients = model, initial_params.clone(), x, y, clients
         self.make_optimizer, self.batch_size, self.seed = make_optimizer, batch_size, seed
-        self._cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self.cache: dict[tuple[int, int], tuple[float, float]] = {}
 
     def __call__(self, client_ids: np.ndarray, epochs: int) -> ClientLosses:
         for client in client_ids:
-            if (int(client), epochs) not in self._cache:
-                self._cache[int(client), epochs] = self._estimate(int(client), epochs)
-        values = np.array([self._cache[int(c), epochs] for c in client_ids])
+            if (int(client), epochs) not in self.cache:
+                self.cache[int(client), epochs] = self._estimate(int(client), epochs)
+        values = np.array([self.cache[int(c), epochs] for c in client_ids])
         return ClientLosses(values[:, 0], values[:, 1])
 
     def _estimate(self, client: int, epochs: int) -> tuple[float, float]:

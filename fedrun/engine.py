@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from fedrun.aggregators import Aggregator
 from fedrun.backends import Device, as_device, passes
+from fedrun.checkpoint import Checkpoint
 from fedrun.clients import FStarEstimate, client_accuracy, evaluate
 from fedrun.cohort import Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
@@ -102,6 +103,7 @@ def run(
     on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
     client_tests: list[np.ndarray] | None = None,
     heterogeneity: EqualWork | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> RunResult:
     """Run synchronous federated training.
 
@@ -120,6 +122,7 @@ def run(
         client_tests: Each client's own held-out samples (indices into train), or None. When given, the
             mean accuracy of the cohort's local models on them is logged as ``client_accuracy``.
         heterogeneity: How much local work each cohort client does (default: the schedule's).
+        checkpoint: Where and when to checkpoint, and whether to resume from its file (see fedrun.checkpoint).
 
     Returns:
         The final model and the metrics rows.
@@ -142,9 +145,18 @@ def run(
     message_mb = params.numel() * params.element_size() / 1e6
     latest_accuracy = math.nan  # what accuracy-triggered aggregators (hybrid) see
     result = RunResult(params)
+    first = 1
+    saved = checkpoint.restored() if checkpoint else None
+    if saved is not None:  # everything the loop carries between rounds, as it was after round saved["round"]
+        first = saved["round"] + 1
+        params, previous, latest_accuracy, sampler = saved["params"], saved["previous"], saved["latest_accuracy"], saved["sampler"]
+        vars(aggregator).update(saved["aggregator"])
+        vars(server).update(saved["server"])
+        fstar.cache.update(saved["fstar"])
+        result = RunResult(params, rows=saved["rows"])
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
     try:
-        bar = tqdm(range(1, schedule.rounds + 1), desc="rounds", unit="round", dynamic_ncols=True)
+        bar = tqdm(range(first, schedule.rounds + 1), desc="rounds", unit="round", dynamic_ncols=True, initial=first - 1, total=schedule.rounds)
         for t in bar:
             start = time.perf_counter()
             cohort = np.sort(sampler.choice(len(clients), size=m, replace=False))
@@ -211,7 +223,13 @@ def run(
             if diverged:
                 raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
             result.params = params
-            if schedule.reached(row["test_accuracy"]):
+            last = t == schedule.rounds or schedule.reached(row["test_accuracy"])
+            if checkpoint:
+                checkpoint.after_round(t, row["round_wall_s"], last, lambda: {
+                    "round": t, "engine": "sync", "finished": last, "params": params, "previous": previous,
+                    "latest_accuracy": latest_accuracy, "sampler": sampler, "aggregator": vars(aggregator),
+                    "server": vars(server), "fstar": fstar.cache, "rows": result.rows})
+            if last:
                 break
         bar.close()
     finally:

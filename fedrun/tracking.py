@@ -21,6 +21,7 @@ from fedrun.metrics import lag1_autocorr, r_index, r_name, smoothness
 from fedrun.plots import plot_alpha_heatmap, plot_curves
 
 
+PER_CLIENT = ("alpha", "local_steps")  # the per-client series the engines report (``<name>.csv``)
 WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
 
 # Config groups whose chosen option becomes a run tag (and a grouping key in fedrun-report).
@@ -85,13 +86,17 @@ class Tracker:
         self.run_id: str | None = None
         self.extra_summary: dict = {}
 
-    def start(self, params: dict, tags: dict, run_name: str) -> None:
-        """Open the MLflow run (when enabled) and log the flattened config and tags."""
+    def start(self, params: dict, tags: dict, run_name: str, run_id: str | None = None) -> None:
+        """Open the MLflow run (when enabled) and log the flattened config and tags; with ``run_id``, reopen
+        that run (a resumed one: its params and tags are already there)."""
         if not self.enabled:
             return
         import mlflow
 
         mlflow.set_tracking_uri(self.uri)
+        if run_id is not None:
+            self.run_id = mlflow.start_run(run_id=run_id, log_system_metrics=False).info.run_id
+            return
         experiment = mlflow.get_experiment_by_name(self.experiment)
         if experiment is None:
             # A local store keeps artifacts beside the database, never in a stray ./mlruns.
@@ -104,6 +109,24 @@ class Tracker:
         self.run_id = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, log_system_metrics=False).info.run_id
         mlflow.log_params(params)
         mlflow.set_tags(tags)
+
+    def rewind(self, round_: int) -> None:
+        """Keep only the rows of rounds <= ``round_`` in the per-round CSV files (those a killed run wrote after
+        its last checkpoint are measured again), and continue appending to them."""
+        for path in [self.metrics_path] + [self.dir / f"{name}.csv" for name in PER_CLIENT]:
+            if not path.exists():
+                continue
+            with path.open(newline="") as handle:
+                reader = csv.reader(handle)
+                header = next(reader, None)
+                rows = [row for row in reader if header and float(row[header.index("round")]) <= round_]
+            if header is None:
+                continue
+            with path.open("w", newline="") as handle:
+                writer = csv.writer(handle)
+                writer.writerow(header)
+                writer.writerows(rows)
+            self._columns[path] = header
 
     def log_partition(self, clients: list[np.ndarray], labels: np.ndarray, num_classes: int, held_out: list[np.ndarray] | None = None) -> None:
         """Write ``partition.csv``: per client its training samples, held-out samples (when any) and count per label."""

@@ -1,0 +1,125 @@
+"""Checkpoints and clean stops: what lets a killed run continue exactly where it was.
+
+An engine hands ``Checkpoint.save`` everything its loop carries between rounds (the global model, the
+server optimizer and aggregator objects with their state, every stateful random generator, the metrics
+rows so far, an asynchronous run's event heap and buffer); ``load`` gives it back. Mini-batch order,
+heterogeneity and client speeds come from streams keyed by (round, client), so they need no state.
+
+Writes are atomic: a temporary file in the same directory, flushed and fsynced, then renamed over the
+previous checkpoint (and the directory fsynced), so a kill during a write leaves the previous checkpoint.
+
+A ``StopSignals`` context turns the first SIGTERM or SIGINT into a request the engine honours after the
+current round (checkpoint, then ``Stopped``); a second one stops at once.
+"""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from fedrun.errors import check
+
+FILE = "checkpoint.pt"
+SLOW_ROUND_S = 10.0  # the default: a checkpoint every round when rounds take longer than this, else every 10
+
+
+class Stopped(Exception):
+    """The run stopped at a signal's request after a checkpoint (``round`` is the last one completed)."""
+
+    def __init__(self, signal_name: str, round_: int):
+        self.signal_name, self.round = signal_name, round_
+        super().__init__(f"stopped by {signal_name} after round {round_}")
+
+
+class Checkpoint:
+    """Where and how often an engine checkpoints.
+
+    Args:
+        directory: The run's output directory (the file is ``checkpoint.pt`` in it).
+        every: Rounds (aggregations) between checkpoints; null = every round when a round takes over 10 s,
+            else every 10. A checkpoint is also written at the end and when a stop is requested.
+        resume: Start from the checkpoint in ``directory``.
+    """
+
+    def __init__(self, directory: Path, every: int | None = None, resume: bool = False):
+        check(every is None or (isinstance(every, int) and every >= 1), "checkpoint.every", every, "null or an integer >= 1")
+        self.path, self.every, self.resume = Path(directory) / FILE, every, resume
+        self.stop_requested: str | None = None  # the name of the signal that asked for a stop
+        self.saved_round = 0
+        self.extra: dict = {}  # saved with every state (the CLI keeps the MLflow run id here)
+        self._state: dict | None = None
+
+    def restored(self) -> dict | None:
+        """The saved state when resuming (read once), else None."""
+        if not self.resume:
+            return None
+        if self._state is None:
+            self._state = torch.load(self.path, weights_only=False)
+            self.saved_round = self._state["round"]
+        return self._state
+
+    def due(self, round_: int, round_wall_s: float, last: bool = False) -> bool:
+        """Whether to checkpoint after ``round_`` (which may have jumped several rounds since the last call)."""
+        if last or self.stop_requested:
+            return True
+        every = self.every if self.every is not None else (1 if round_wall_s > SLOW_ROUND_S else 10)
+        return round_ // every > self.saved_round // every
+
+    def save(self, state: dict) -> None:
+        """Write ``state`` (with its ``round``) atomically."""
+        temporary = self.path.with_name(f".{FILE}.{os.getpid()}.tmp")
+        with open(temporary, "wb") as handle:
+            torch.save({**state, "extra": self.extra}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        self.saved_round = state["round"]
+
+    def after_round(self, round_: int, round_wall_s: float, last: bool, state) -> None:
+        """Checkpoint when due (``state()`` builds the state), then raise ``Stopped`` if a stop was requested."""
+        if self.due(round_, round_wall_s, last):
+            self.save(state())
+        if self.stop_requested and not last:
+            raise Stopped(self.stop_requested, round_)
+
+
+class StopSignals:
+    """While active, the first SIGTERM or SIGINT sets ``checkpoint.stop_requested``; a second one acts at once
+    (SIGINT raises KeyboardInterrupt, SIGTERM terminates). Only in the main thread; elsewhere it does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint, self.previous = checkpoint, {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.checkpoint.stop_requested:  # the second signal: stop now
+            self.__exit__()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+            time.sleep(1)
+            return
+        self.checkpoint.stop_requested = name
+        print(f"\nfedrun: {name} received: stopping after this round with a checkpoint (send it again to stop at once)", flush=True)
+
+    def __enter__(self) -> "StopSignals":
+        try:
+            for signum in self.SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._handle)
+        except ValueError:  # not the main thread
+            self.previous = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}

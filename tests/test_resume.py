@@ -1,0 +1,137 @@
+"""Checkpoints, kill-and-resume through the real CLI, clean stops on signals."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import FEDRUN, mlflow_runs
+from fedrun.checkpoint import FILE, Checkpoint
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_torn_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    checkpoint = Checkpoint(tmp_path, every=1)
+    checkpoint.save({"round": 1, "params": torch.ones(3)})
+
+    def torn(state, handle):  # the process dies half-way through writing the next one
+        handle.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", torn)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save({"round": 2, "params": torch.zeros(3)})
+    monkeypatch.undo()
+    state = Checkpoint(tmp_path, resume=True).restored()
+    assert state["round"] == 1 and torch.equal(state["params"], torch.ones(3))
+
+
+def test_checkpoints_are_due_every_n_rounds_at_the_end_and_on_a_stop(tmp_path):
+    def saved_at(checkpoint, rounds, round_wall_s=0.1):
+        saved = []
+        for t in rounds:
+            if checkpoint.due(t, round_wall_s):
+                checkpoint.saved_round = t  # what save() records
+                saved.append(t)
+        return saved
+
+    assert saved_at(Checkpoint(tmp_path, every=3), range(1, 10)) == [3, 6, 9]
+    assert saved_at(Checkpoint(tmp_path, every=3), [2, 5, 7, 8, 10]) == [5, 7, 10]  # asynchronous instants jump past 3, 6, 9
+    assert Checkpoint(tmp_path, every=3).due(4, 0.1, last=True)
+    assert saved_at(Checkpoint(tmp_path), range(1, 21)) == [10, 20]
+    assert saved_at(Checkpoint(tmp_path), range(1, 4), round_wall_s=11.0) == [1, 2, 3]  # slow rounds: every round
+
+
+def start(cwd, out, store, *args):
+    cmd = [FEDRUN, *args, f"hydra.run.dir={out}", f"tracking.uri=sqlite:///{store}", "tracking.experiment=resume", "device=cpu"]
+    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+
+
+def rows_written(out: Path) -> int:
+    try:
+        return len(pd.read_csv(out / "metrics.csv"))
+    except (FileNotFoundError, pd.errors.EmptyDataError):
+        return 0
+
+
+def kill_after(process, out: Path, rounds: int, sig=signal.SIGKILL) -> None:
+    """Send ``sig`` once ``rounds`` rows are in metrics.csv (the run goes on meanwhile: the kill lands anywhere)."""
+    deadline = time.time() + 300
+    while rows_written(out) < rounds:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    process.send_signal(sig)
+
+
+def deterministic(out: Path) -> pd.DataFrame:
+    metrics = pd.read_csv(out / "metrics.csv")
+    return metrics[[c for c in metrics.columns if not c.endswith("_wall_s")]]
+
+
+CASES = {
+    # every stateful part of the synchronous engine: FedOpt moments, MVR's momentum and previous model, F* estimates
+    "sync": ["aggregator=mvr", "server=adam", "schedule.rounds=8", "partition.num_clients=6"],
+    "hybrid_fstar": ["aggregator=hybrid", "+aggregator.phases.0.aggregator.fstar=estimate", "aggregator.phases.0.until_round=5",
+                     "schedule.rounds=8", "partition.num_clients=6", "schedule.clients_per_round=0.5"],
+    # the asynchronous event heap, buffer, pulled versions and FedStaleWeight's staleness windows
+    "async": ["aggregator=fedstaleweight", "engine.concurrency=3", "schedule.rounds=8", "partition.num_clients=6"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_path, store, case):
+    args = [*CASES[case], "checkpoint.every=2"]
+    whole = start(tmp_path, tmp_path / "whole", store, *args)
+    assert whole.wait() == 0, whole.communicate()[1][-3000:]
+    killed = start(tmp_path, tmp_path / "killed", store, *args)
+    kill_after(killed, tmp_path / "killed", 3)  # after round 3 at the earliest: a checkpoint of round 2, rows beyond it
+    assert killed.wait() == -signal.SIGKILL
+    saved, written = Checkpoint(tmp_path / "killed", resume=True).restored()["round"], rows_written(tmp_path / "killed")
+    assert 2 <= saved <= written < 8  # the rows after the checkpoint are measured again
+    resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'killed'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stderr
+    pd.testing.assert_frame_equal(deterministic(tmp_path / "killed"), deterministic(tmp_path / "whole"))
+    for name in ("alpha.csv",):
+        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "killed" / name), pd.read_csv(tmp_path / "whole" / name))
+    client, runs = mlflow_runs(store, "resume")
+    run = next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "killed"))
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "test_accuracy")][-1] == 8
+
+
+def test_sigterm_stops_after_the_round_as_killed_with_artifacts_and_a_resume_command(tmp_path, store):
+    args = ["aggregator=fedsoftmax", "schedule.rounds=30", "partition.num_clients=6", "checkpoint.every=100"]
+    stopped = start(tmp_path, tmp_path / "run", store, *args)
+    kill_after(stopped, tmp_path / "run", 2, signal.SIGTERM)
+    _, err = stopped.communicate(timeout=120)
+    assert stopped.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert f"fedrun resume={tmp_path / 'run'}" in err and "Traceback" not in err
+    done = rows_written(tmp_path / "run")
+    assert Checkpoint(tmp_path / "run", resume=True).restored()["round"] == done < 30  # checkpointed at the stop
+    assert {"summary.csv", "curves.png", "alpha_heatmap.png", FILE} <= {p.name for p in (tmp_path / "run").iterdir()}
+    client, runs = mlflow_runs(store, "resume")
+    run = next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "run"))
+    assert run.info.status == "KILLED" and "SIGTERM" in run.data.tags["failure_reason"]
+    assert "summary.csv" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert rows_written(tmp_path / "run") == 30
+    _, runs = mlflow_runs(store, "resume")
+    assert next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "run")).info.status == "FINISHED"
+
+
+def test_resume_refuses_other_overrides_and_missing_checkpoints_in_one_line(tmp_path):
+    done = subprocess.run([FEDRUN, f"resume={tmp_path}"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("fedrun: error: resume=")
+    (tmp_path / FILE).write_bytes(b"")
+    (tmp_path / "config.yaml").write_text("seed: 0\n")
+    done = subprocess.run([FEDRUN, f"resume={tmp_path}", "optimizer.lr=0.5"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2 and "no other overrides" in done.stderr and "optimizer.lr=0.5" in done.stderr
