@@ -12,6 +12,7 @@ order of some sums).
 
 import multiprocessing
 import os
+import signal
 
 import numpy as np
 import torch
@@ -123,8 +124,13 @@ class LoopTrainer:
 
 def _worker(connection, model, x, y, make_optimizer) -> None:
     torch.set_num_threads(1)  # one thread per worker: the workers are the parallelism (and OpenMP is safe after fork)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the parent decides when to stop (a clean stop needs its workers)
+        signal.signal(signum, signal.SIG_IGN)
     while True:
-        task = connection.recv()
+        try:
+            task = connection.recv()
+        except EOFError:  # the parent is gone (killed): nothing left to do
+            return
         if task is None:
             return
         kind, args = task

@@ -135,3 +135,21 @@ def test_resume_refuses_other_overrides_and_missing_checkpoints_in_one_line(tmp_
     (tmp_path / "config.yaml").write_text("seed: 0\n")
     done = subprocess.run([FEDRUN, f"resume={tmp_path}", "optimizer.lr=0.5"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 2 and "no other overrides" in done.stderr and "optimizer.lr=0.5" in done.stderr
+
+
+def test_sigterm_to_the_whole_process_group_with_worker_processes_stops_cleanly(tmp_path, store):
+    """As SLURM does at the time limit: every process of the job gets SIGTERM, the forked workers included."""
+    cmd = [FEDRUN, "device=cpu", "schedule.rounds=30", "partition.num_clients=6", "checkpoint.every=100", "device.backend=processes",
+           "device.workers=2", f"hydra.run.dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{store}", "tracking.experiment=resume", "device=cpu"]
+    process = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while rows_written(tmp_path / "run") < 2:
+        assert process.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and f"fedrun resume={tmp_path / 'run'}" in err
+    resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert rows_written(tmp_path / "run") == 30
