@@ -24,6 +24,9 @@ from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.tracking import CONFIG_GROUPS, Tracker, resolve_uri
 
 
+# ``${fedrun.either:a,b}``: a unless it is null or empty, else b (the run dir of ``resume=<dir>`` is that dir).
+OmegaConf.register_new_resolver("fedrun.either", lambda value, default: value if value else default, replace=True)
+
 
 def build(group: str, node: DictConfig, **runtime):
     """``instantiate(node, **runtime)``, turning constructor errors into one-line ConfigErrors for ``group``."""
