@@ -3,6 +3,8 @@
 This is the only module that touches Hydra or OmegaConf; everything below it takes plain objects.
 """
 
+import inspect
+import re
 import signal
 import subprocess
 import sys
@@ -17,11 +19,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.checkpoint import FILE, Checkpoint, Stopped, StopSignals
-from fedrun.errors import ConfigError
+from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
 from fedrun.seeding import numpy_rng, torch_seed
-from fedrun.tracking import CONFIG_GROUPS, Tracker, resolve_uri
+from fedrun.tracking import CONFIG_GROUPS, Tracker, preflight, resolve_uri
 
 
 # ``${fedrun.either:a,b}``: a unless it is null or empty, else b (the run dir of ``resume=<dir>`` is that dir).
@@ -40,17 +42,27 @@ def build(group: str, node: DictConfig, **runtime):
 
 
 def _explain(group: str, node: DictConfig, cause: BaseException) -> ConfigError:
-    """A ConfigError naming the key whose value has the wrong type for the constructor, when one does."""
+    """A ConfigError naming the one key the constructor's error is about: an unknown key, a value of the wrong
+    type, or the value its message quotes (torch's "Invalid learning rate: -0.1")."""
     target = node.get("_target_")
+    constructor = None
     try:
-        hints = typing.get_type_hints(getattr(hydra.utils.get_object(target), "__init__"))
+        constructor = getattr(hydra.utils.get_object(target), "__init__")
+        hints = typing.get_type_hints(constructor)
     except Exception:  # a target without usable annotations: fall back to the constructor's own message
         hints = {}
-    for key, value in node.items():
+    arguments = {k: v for k, v in OmegaConf.to_container(node).items() if not k.startswith("_")}
+    unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
+    if unknown and unknown.group(1) in arguments:
+        known = [name for name in inspect.signature(constructor).parameters if name not in ("self", "params", "args", "kwargs")] if constructor else []
+        return ConfigError(f"{group}.{unknown.group(1)}", arguments[unknown.group(1)], f"a key of {group} ({', '.join(known)})" if known else f"a key of {target}")
+    for key, value in arguments.items():
         types = typing.get_args(hints.get(key)) or (hints.get(key),)
         if (int in types or float in types) and isinstance(value, (str, bool)):
             return ConfigError(f"{group}.{key}", value, "a number" if float in types else "an integer")
-    arguments = {k: v for k, v in OmegaConf.to_container(node).items() if not k.startswith("_")}
+    quoted = [key for key, value in arguments.items() if isinstance(value, (int, float)) and re.search(rf"(?<![\w.-]){re.escape(str(value))}(?![\w.])", str(cause))]
+    if len(quoted) == 1:
+        return ConfigError(f"{group}.{quoted[0]}", arguments[quoted[0]], f"a value {target} accepts ({cause})")
     return ConfigError(group, arguments, f"valid arguments for {target} ({cause})")
 
 
@@ -69,9 +81,7 @@ def setup(cfg: DictConfig) -> dict:
         raise exc.within("optimizer") from None
     except (ValueError, TypeError) as exc:
         raise _explain("optimizer", cfg.optimizer, exc) from None
-    for target in cfg.metrics.r_targets:
-        if not 0 < target <= 1:
-            raise ConfigError("metrics.r_targets", list(cfg.metrics.r_targets), "accuracies in (0, 1]")
+    check_run_keys(cfg)
 
     data = objects["dataset"].load(seed)
     try:
@@ -87,6 +97,22 @@ def setup(cfg: DictConfig) -> dict:
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
+
+
+def check_run_keys(cfg: DictConfig) -> None:
+    """The root-level keys that no constructor checks."""
+    targets = cfg.metrics.r_targets
+    if not OmegaConf.is_list(targets) or not all(isinstance(t, (int, float)) and 0 < t <= 1 for t in targets):
+        raise ConfigError("metrics.r_targets", OmegaConf.to_container(targets) if OmegaConf.is_config(targets) else targets, "a list of accuracies in (0, 1]")
+    tracking = cfg.tracking
+    if not isinstance(tracking.enabled, bool):
+        raise ConfigError("tracking.enabled", tracking.enabled, "true or false")
+    if not isinstance(tracking.uri, str) or not tracking.uri:
+        raise ConfigError("tracking.uri", tracking.uri, "an MLflow tracking URI (sqlite:///path.db, http://host:port, ...)")
+    if not isinstance(tracking.experiment, str) or not tracking.experiment:
+        raise ConfigError("tracking.experiment", tracking.experiment, "a non-empty experiment name")
+    if not isinstance(tracking.max_alpha_series, int) or isinstance(tracking.max_alpha_series, bool) or tracking.max_alpha_series < 0:
+        raise ConfigError("tracking.max_alpha_series", tracking.max_alpha_series, "an integer >= 0")
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
@@ -141,6 +167,9 @@ def main(cfg: DictConfig) -> float | None:
             output_dir = checkpoint.path.parent
         else:
             checkpoint = Checkpoint(output_dir, cfg.checkpoint.every)
+        check_run_keys(cfg)
+        if cfg.tracking.enabled:  # an unreachable store fails now, in one line, not after loading and training
+            preflight(resolve_uri(cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)))
         parts = setup(cfg)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"fedrun: error: {exc}", file=sys.stderr)
@@ -177,7 +206,7 @@ def main(cfg: DictConfig) -> float | None:
         title = checkpoint.restored()["extra"].get("title", title)  # this invocation's choices are the defaults
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
 
-    status, reason, model, final, stopped = "FAILED", None, parts["model"], None, None
+    status, reason, model, final, stopped, diverged = "FAILED", None, parts["model"], None, None, None
     try:
         with StopSignals(checkpoint):
             result = parts["engine"](
@@ -201,12 +230,18 @@ def main(cfg: DictConfig) -> float | None:
         return result.rows[-1]["test_accuracy"]
     except Stopped as exc:
         status, reason, stopped = "KILLED", str(exc), exc
+    except DivergenceError as exc:
+        reason, diverged = f"DivergenceError: {exc}", exc
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise
     finally:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
         tracker.finish(status, model=final, reason=reason, title=title, tags=parts["aggregator"].tags)
+    if diverged is not None:
+        print(f"fedrun: error: training diverged: {diverged}; the run is marked FAILED and keeps the metrics of the "
+              f"rounds before ({output_dir})", file=sys.stderr)
+        sys.exit(1)
     print(f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
           f"  fedrun resume={output_dir}", file=sys.stderr)
     sys.exit(128 + signal.Signals[stopped.signal_name].value)

@@ -195,7 +195,7 @@ def run(
             train_loss = math.nan
             if report.read("losses") or evaluated:
                 if not np.all(np.isfinite(report.losses.mean)):
-                    raise DivergenceError(f"non-finite training loss of the global model at round {t}")
+                    raise DivergenceError(f"non-finite training loss of the global model at round {t} (lr={lr:g})")
                 train_loss = float(np.average(report.losses.mean, weights=sizes[cohort]))
             timings["loss_wall_s"] = report.wall_s.get("losses", 0.0)
             timings["train_wall_s"] = train_s + report.wall_s.get("previous_deltas", 0.0)

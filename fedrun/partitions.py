@@ -59,6 +59,7 @@ class Partition:
         return np.arange(len(labels))
 
     def _pool_size(self, available: int) -> int:
+        check(self.num_clients <= available, "num_clients", self.num_clients, f"at most {available}, the samples there are to split")
         if self.samples_per_client is None:
             return available
         wanted = self.num_clients * self.samples_per_client
@@ -152,6 +153,9 @@ class Shards(Partition):
 
     def _pool_size(self, available):
         num_shards = self.num_clients * self.shards_per_client
+        most = available // self.shards_per_client
+        check(self.num_clients <= most, "num_clients", self.num_clients,
+              f"at most {most}: {available} samples give at most that many clients {self.shards_per_client} shards each")
         if self.shard_source == "dataset" and self.shard_size is not None:
             check(
                 num_shards * self.shard_size <= available,

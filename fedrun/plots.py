@@ -28,7 +28,8 @@ def plot_curves(metrics: pd.DataFrame, path: Path, title: str = "") -> Path:
     for ax in (acc_ax, loss_ax):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a run that failed before its first evaluation has no curves
+            ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

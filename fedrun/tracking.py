@@ -11,12 +11,16 @@ the population.
 
 import csv
 import math
+import os
+import sys
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
+from fedrun.errors import ConfigError
 from fedrun.metrics import lag1_autocorr, r_index, r_name, smoothness
 from fedrun.plots import plot_alpha_heatmap, plot_curves
 
@@ -37,6 +41,30 @@ def resolve_uri(uri: str, start_dir: Path) -> str:
         db.parent.mkdir(parents=True, exist_ok=True)
         return prefix + str(db)
     return uri
+
+
+PREFLIGHT_TIMEOUT_S = 10
+# MLflow retries an unreachable server for minutes by default; a run that loses its server mid-run should
+# stall for seconds, not minutes, before it goes on with the files alone (the user's own settings win).
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+
+
+def preflight(uri: str) -> None:
+    """Raise a one-line ConfigError for ``tracking.uri`` unless its store answers (within about 10 s)."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PREFLIGHT_TIMEOUT_S).read()
+        except (OSError, ValueError) as exc:
+            raise ConfigError("tracking.uri", uri, f"a reachable MLflow server ({getattr(exc, 'reason', exc)}); "
+                              "or tracking.enabled=false and fedrun-import later") from None
+        return
+    import mlflow
+
+    try:
+        mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as exc:  # a scheme MLflow does not know, a database it cannot open
+        raise ConfigError("tracking.uri", uri, f"a tracking URI MLflow can open ({str(exc).splitlines()[0][:200]})") from None
 
 
 HEATMAP_CLIENTS = 100  # clients in the alpha heatmap of a long alpha.csv: those with the largest total alpha
@@ -85,6 +113,7 @@ class Tracker:
         self._columns: dict[Path, list[str]] = {}  # each CSV file's header so far
         self.run_id: str | None = None
         self.extra_summary: dict = {}
+        self.lost: str | None = None  # why MLflow stopped taking this run's data mid-run, if it did
 
     def start(self, params: dict, tags: dict, run_name: str, run_id: str | None = None) -> None:
         """Open the MLflow run (when enabled) and log the flattened config and tags; with ``run_id``, reopen
@@ -109,6 +138,11 @@ class Tracker:
         self.run_id = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, log_system_metrics=False).info.run_id
         mlflow.log_params(params)
         mlflow.set_tags(tags)
+
+    def _lost(self, exc: Exception) -> None:
+        self.lost = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}" if str(exc) else type(exc).__name__
+        print(f"\nfedrun: warning: MLflow stopped taking this run's data ({self.lost}); training goes on and every round "
+              f"goes to {self.metrics_path}. Afterwards: fedrun-import {self.dir}", file=sys.stderr, flush=True)
 
     def rewind(self, round_: int) -> None:
         """Keep only the rows of rounds <= ``round_`` in the per-round CSV files (those a killed run wrote after
@@ -148,13 +182,16 @@ class Tracker:
             else:
                 self._append_long(self.dir / f"{name}.csv", name, row["round"], values)
         alpha = per_client["alpha"]
-        if self.enabled:
+        if self.enabled and self.lost is None:
             import mlflow
 
             values = {k: float(v) for k, v in row.items() if k != "round" and not math.isnan(float(v))}
             if self.alpha_series:
                 values.update({f"alpha/client_{i}": float(a) for i, a in enumerate(alpha)})
-            mlflow.log_metrics(values, step=int(row["round"]))
+            try:
+                mlflow.log_metrics(values, step=int(row["round"]))
+            except Exception as exc:  # the store went away: keep training, the files have every round
+                self._lost(exc)
 
     def _append(self, path: Path, row: dict) -> None:
         columns = self._columns.setdefault(path, [])
@@ -247,10 +284,17 @@ class Tracker:
         import mlflow
 
         try:
-            if values:
-                mlflow.log_metrics({k: float(v) for k, v in values.items()})
-            if tags:
-                mlflow.set_tags(tags)
-            mlflow.log_artifacts(str(self.dir))
+            if self.lost is None:
+                if values:
+                    mlflow.log_metrics({k: float(v) for k, v in values.items()})
+                if tags:
+                    mlflow.set_tags(tags)
+                mlflow.log_artifacts(str(self.dir))
+        except Exception as exc:
+            self._lost(exc)
         finally:
-            mlflow.end_run(status=status)
+            try:
+                mlflow.end_run(status=status)
+            except Exception as exc:
+                if self.lost is None:
+                    self._lost(exc)

@@ -1,4 +1,5 @@
-"""Checkpoints, kill-and-resume through the real CLI, clean stops on signals."""
+"""Never lose a run: checkpoints, kill-and-resume through the real CLI, clean stops on signals, tracking
+outages, fedrun-import, one-line errors."""
 
 import os
 import signal
@@ -153,3 +154,65 @@ def test_sigterm_to_the_whole_process_group_with_worker_processes_stops_cleanly(
     resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert rows_written(tmp_path / "run") == 30
+
+
+def test_an_unreachable_tracking_server_fails_in_one_line_within_15_seconds(tmp_path):
+    started = time.time()
+    done = subprocess.run([FEDRUN, "tracking.uri=http://127.0.0.1:9", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert time.time() - started < 15
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("fedrun: error: tracking.uri='http://127.0.0.1:9' is invalid")
+    assert not (tmp_path / "run" / "metrics.csv").exists()  # nothing loaded or trained
+
+
+def test_a_store_lost_mid_run_keeps_training_and_fedrun_import_brings_the_run_back(tmp_path):
+    store = tmp_path / "lost.db"
+    out = tmp_path / "run"
+    process = start(tmp_path, out, store, "schedule.rounds=25", "partition.num_clients=6")
+    deadline = time.time() + 300
+    while rows_written(out) < 2:
+        assert process.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    store.unlink()  # the database is gone: MLflow's next write fails
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    assert "MLflow stopped taking this run's data" in err and f"fedrun-import {out}" in err
+    assert rows_written(out) == 25  # every round is in the files
+    imported = tmp_path / "imported.db"
+    done = subprocess.run([str(Path(FEDRUN).parent / "fedrun-import"), str(out), f"--uri=sqlite:///{imported}"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client, [run] = mlflow_runs(imported, "resume")
+    metrics = pd.read_csv(out / "metrics.csv")
+    history = client.get_metric_history(run.info.run_id, "test_accuracy")
+    assert [m.step for m in history] == metrics["round"].tolist()
+    assert [m.value for m in history] == pytest.approx(metrics["test_accuracy"].tolist())
+    assert run.info.status == "FINISHED" and run.data.params["schedule.rounds"] == "25"
+    assert len(client.get_metric_history(run.info.run_id, "alpha/client_0")) == 25
+    assert "metrics.csv" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_fedrun_import_of_an_untracked_run_has_every_metric(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run([FEDRUN, "schedule.rounds=4", "partition.num_clients=5", "tracking.enabled=false", f"hydra.run.dir={out}",
+                           "schedule.eval_every=2"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    store = tmp_path / "store.db"
+    done = subprocess.run([str(Path(FEDRUN).parent / "fedrun-import"), str(out), f"--uri=sqlite:///{store}", "--experiment=imported"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client, [run] = mlflow_runs(store, "imported")
+    metrics = pd.read_csv(out / "metrics.csv")
+    for column in metrics.columns.drop("round"):
+        expected = metrics[["round", column]].dropna()
+        history = client.get_metric_history(run.info.run_id, column)
+        assert [(m.step, m.value) for m in history] == [(int(r), pytest.approx(v)) for r, v in expected.itertuples(index=False)], column
+    assert run.data.metrics["rounds_run"] == 4 and run.info.status == "FINISHED"
+
+
+def test_diverging_run_prints_one_line_without_a_traceback(tmp_path):
+    done = subprocess.run([FEDRUN, "optimizer.lr=1e6", "schedule.rounds=5", "partition.num_clients=5", "tracking.enabled=false",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("fedrun: error: training diverged: non-finite") and "round 1" in last and "lr=1e+06" in last and "FAILED" in last
