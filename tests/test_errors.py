@@ -1,0 +1,75 @@
+"""Every bad value stops the run before training with one line that names its key (table-driven)."""
+
+import pytest
+
+from fedrun.checkpoint import Checkpoint
+from fedrun.cli import check_run_keys, setup
+from fedrun.errors import ConfigError
+
+# (overrides, the key the one-line message must name)
+BAD = [
+    (["seed=-1"], "seed"),
+    (["seed=abc"], "seed"),
+    (["dataset.test_fraction=1.5"], "dataset.test_fraction"),
+    (["dataset.val_fraction=-0.1"], "dataset.val_fraction"),
+    (["dataset.client_test_fraction=1"], "dataset.client_test_fraction"),
+    (["partition.num_clients=0"], "partition.num_clients"),
+    (["partition.num_clients=100000"], "partition.num_clients"),
+    (["partition=shards", "partition.num_clients=100000"], "partition.num_clients"),
+    (["partition=shards", "partition.shards_per_client=0"], "partition.shards_per_client"),
+    (["partition=dirichlet", "partition.alpha=0"], "partition.alpha"),
+    (["partition.samples_per_client=100000"], "partition.samples_per_client"),
+    (["partition.unbalanced=-1"], "partition.unbalanced"),
+    (["model=cnn", "model.padding=-1"], "model.padding"),
+    (["model=mlp", "model.hidden=[0]"], "model.hidden"),
+    (["aggregator=fedsoftmax", "aggregator.temperature=-1"], "aggregator.temperature"),
+    (["aggregator=fedsoftmax", "aggregator.anneal=cosine"], "aggregator.anneal"),
+    (["aggregator=fedsoftmax", "aggregator.fstar=best"], "aggregator.fstar"),
+    (["aggregator=fedsoftmax", "+aggregator.temprature=2"], "aggregator.temprature"),
+    (["aggregator=mvr", "aggregator.beta=2"], "aggregator.beta"),
+    (["aggregator=fedstaleweight", "aggregator.form=eq9"], "aggregator.form"),
+    (["aggregator=fedasync", "aggregator.mixing=0"], "aggregator.mixing"),
+    (["optimizer.lr=-0.1"], "optimizer.lr"),
+    (["optimizer.lr=abc"], "optimizer.lr"),
+    (["optimizer.momentum=-1"], "optimizer.momentum"),
+    (["+optimizer.foo=1"], "optimizer.foo"),
+    (["optimizer=prox", "optimizer.mu=-1"], "optimizer.mu"),
+    (["optimizer=storm", "optimizer.beta=2"], "optimizer.beta"),
+    (["server=adam", "server.v0=one"], "server.v0"),
+    (["server=momentum", "server.beta=1.5"], "server.beta"),
+    (["schedule.rounds=0"], "schedule.rounds"),
+    (["schedule.batch_size=0"], "schedule.batch_size"),
+    (["schedule.clients_per_round=0"], "schedule.clients_per_round"),
+    (["schedule.eval_every=0"], "schedule.eval_every"),
+    (["schedule.stop_at_accuracy=2"], "schedule.stop_at_accuracy"),
+    (["heterogeneity=random_steps", "heterogeneity.low=0"], "heterogeneity.low"),
+    (["heterogeneity=stragglers", "heterogeneity.mode=sleep"], "heterogeneity.mode"),
+    (["device.kind=tpu"], "device.kind"),
+    (["device.backend=threads"], "device.backend"),
+    (["device.chunk=0"], "device.chunk"),
+    (["aggregator=fedbuff", "engine.concurrency=0"], "engine.concurrency"),
+    (["aggregator=fedbuff", "engine.max_time=-1"], "engine.max_time"),
+    (["tracking.max_alpha_series=-1"], "tracking.max_alpha_series"),
+    (["tracking.experiment="], "tracking.experiment"),
+    (["metrics.r_targets=[0.6,1.5]"], "metrics.r_targets"),
+    (["checkpoint.every=0"], "checkpoint.every"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_value_names_its_key_in_one_line(compose_config, tmp_path, overrides, key):
+    cfg = compose_config(*overrides, "dataset=digits")
+    with pytest.raises(ConfigError) as info:
+        Checkpoint(tmp_path, cfg.checkpoint.every)
+        check_run_keys(cfg)
+        setup(cfg)
+    line = f"fedrun: error: {info.value}"
+    assert info.value.key == key, line
+    assert line.startswith(f"fedrun: error: {key}=") and "\n" not in line and " is invalid: allowed is " in line
+
+
+def test_the_table_covers_every_group():
+    groups = {key.split(".")[0] for _, key in BAD}
+    assert {"seed", "dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity",
+            "device", "engine", "tracking", "metrics", "checkpoint"} <= groups
+    assert len(BAD) >= 30
