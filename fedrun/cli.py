@@ -15,6 +15,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -156,6 +157,21 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
     return saved, checkpoint
 
 
+class JobFailed(Exception):
+    """A sweep job that failed (its one-line reason already printed): the sweep's other jobs still run."""
+
+
+def fail(hydra_cfg, line: str, code: int) -> typing.NoReturn:
+    """Print the one-line reason; exit with ``code``, or in a sweep fail only this job (Hydra runs the rest and
+    reports the failed jobs' overrides at the end)."""
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        line = line.replace("fedrun: error: ", f"fedrun: error: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}): ", 1)
+        print(line, file=sys.stderr)
+        raise JobFailed(line)
+    print(line, file=sys.stderr)
+    sys.exit(code)
+
+
 @hydra.main(config_path="pkg://fedrun.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """Run one job; returns the final test accuracy (Hydra sweepers can use it)."""
@@ -172,8 +188,7 @@ def main(cfg: DictConfig) -> float | None:
             preflight(resolve_uri(cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)))
         parts = setup(cfg)
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"fedrun: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(hydra_cfg, f"fedrun: error: {exc}", 2)
 
     choices = {group: hydra_cfg.runtime.choices[group] for group in CONFIG_GROUPS if hydra_cfg.runtime.choices.get(group)}
     tags = {
@@ -239,9 +254,8 @@ def main(cfg: DictConfig) -> float | None:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
         tracker.finish(status, model=final, reason=reason, title=title, tags=parts["aggregator"].tags)
     if diverged is not None:
-        print(f"fedrun: error: training diverged: {diverged}; the run is marked FAILED and keeps the metrics of the "
-              f"rounds before ({output_dir})", file=sys.stderr)
-        sys.exit(1)
+        fail(hydra_cfg, f"fedrun: error: training diverged: {diverged}; the run is marked FAILED and keeps the metrics of "
+             f"the rounds before ({output_dir})", 1)
     print(f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
           f"  fedrun resume={output_dir}", file=sys.stderr)
     sys.exit(128 + signal.Signals[stopped.signal_name].value)

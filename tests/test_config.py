@@ -78,7 +78,7 @@ def test_working_combinations_build(compose_config, overrides):
         (["dataset=synthetic", "partition=natural", "model=cnn"], "model=", "mlp or logistic"),
         (["dataset=synthetic", "partition=iid", "model=mlp"], "partition=", "natural"),
         (["partition=natural"], "partition=", "does not come split"),
-        (["optimizer.lr=-1"], "optimizer=", "learning rate"),
+        (["optimizer.lr=-1"], "optimizer.lr=-1", "learning rate"),  # the key, never a dump of the group
         (["seed=-1"], "seed=-1", ">= 0"),
         (["aggregator=fedbuff", "engine=sync"], "engine='sync'", "async for FedBuff"),
         (["aggregator=fedbuff", "heterogeneity=stragglers"], "heterogeneity='Stragglers'", "none with engine=async"),

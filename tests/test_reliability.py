@@ -216,3 +216,16 @@ def test_diverging_run_prints_one_line_without_a_traceback(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("fedrun: error: training diverged: non-finite") and "round 1" in last and "lr=1e+06" in last and "FAILED" in last
+
+
+def test_a_sweep_with_a_diverging_job_finishes_the_others_and_names_the_failed_overrides(tmp_path, store):
+    done = subprocess.run([FEDRUN, "-m", "optimizer.lr=0.05,1e6,0.1", "schedule.rounds=3", "partition.num_clients=5",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}", f"tracking.uri=sqlite:///{store}", "tracking.experiment=sweep_fail",
+                           "device=cpu"], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    assert done.returncode == 1
+    [line] = [line for line in done.stderr.splitlines() if line.startswith("fedrun: error: job 1 (")]
+    assert "optimizer.lr=1000000.0" in line and "training diverged" in line
+    for job in (0, 1, 2):  # the job after the failed one ran too
+        assert rows_written(tmp_path / "sweep" / str(job)) >= 1
+    _, runs = mlflow_runs(store, "sweep_fail")
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED", "FINISHED"]
