@@ -172,13 +172,36 @@ def fail(hydra_cfg, line: str, code: int) -> typing.NoReturn:
     sys.exit(code)
 
 
+def sweep_job(cfg: DictConfig, job_dir: Path) -> float | None:
+    """For ``-m ... resume=<multirun dir>``: this job's final accuracy when it had finished, else None (it resumes
+    from its checkpoint, or runs from the start when it never reached one). A job whose config differs from the
+    one it was started with is refused: the sweep must be the same one."""
+    if not (job_dir / FILE).is_file():
+        return None
+    saved = OmegaConf.load(job_dir / "config.yaml")
+    mine = OmegaConf.to_container(cfg, resolve=True)
+    mine["resume"] = saved.get("resume")
+    if mine != OmegaConf.to_container(saved, resolve=True):
+        changed = sorted(k for k, v in flatten(mine).items() if flatten(OmegaConf.to_container(saved)).get(k) != v)
+        raise ConfigError("resume", cfg.resume, f"the same sweep (job dir {job_dir} was started with other values of {', '.join(changed)})")
+    state = Checkpoint(job_dir, resume=True).restored()
+    return state["rows"][-1]["test_accuracy"] if state["finished"] else None
+
+
 @hydra.main(config_path="pkg://fedrun.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """Run one job; returns the final test accuracy (Hydra sweepers can use it)."""
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        if cfg.resume:
+        if cfg.resume and hydra_cfg.mode == RunMode.MULTIRUN:  # this job of an earlier sweep, in its own dir
+            done = sweep_job(cfg, output_dir)
+            if done is not None:
+                print(f"fedrun: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}) had finished: skipped", file=sys.stderr)
+                return done
+            checkpoint = Checkpoint(output_dir, cfg.checkpoint.every, resume=(output_dir / FILE).is_file())
+            cfg.resume = None  # what the job's config.yaml says: it is the sweep's job, not a resume of something else
+        elif cfg.resume:
             cfg, checkpoint = resumed_config(cfg, hydra_cfg)
             output_dir = checkpoint.path.parent
         else:
@@ -210,8 +233,9 @@ def main(cfg: DictConfig) -> float | None:
     )
     title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset", "method")) + f" seed={cfg.seed}"
     if checkpoint.resume:  # the same files and MLflow run, from the round after the checkpoint
+        saved = checkpoint.restored()
         tracker.rewind(checkpoint.saved_round)
-        tracker.start({}, {}, "", run_id=checkpoint.restored()["extra"].get("mlflow_run_id"))
+        tracker.start({}, {}, "", run_id=saved["extra"].get("mlflow_run_id"))
         print(f"fedrun: resuming {output_dir} after round {checkpoint.saved_round}", file=sys.stderr)
     else:
         tracker.log_partition(parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"])

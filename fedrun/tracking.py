@@ -219,7 +219,7 @@ class Tracker:
     def _append_long(self, path: Path, name: str, round_: int, values: np.ndarray) -> None:
         """One (round, client, value) row per client with a non-zero value."""
         clients = np.flatnonzero(values)
-        with path.open("a", newline="") as handle:
+        with path.open("a" if path in self._columns else "w", newline="") as handle:  # a new file, or a rerun's
             writer = csv.writer(handle)
             if path not in self._columns:
                 self._columns[path] = ["round", "client", name]

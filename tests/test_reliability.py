@@ -229,3 +229,24 @@ def test_a_sweep_with_a_diverging_job_finishes_the_others_and_names_the_failed_o
         assert rows_written(tmp_path / "sweep" / str(job)) >= 1
     _, runs = mlflow_runs(store, "sweep_fail")
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED", "FINISHED"]
+
+
+def test_a_killed_sweep_resumes_skipping_finished_jobs_and_equals_an_uninterrupted_one(tmp_path, store):
+    sweep = ["-m", "seed=0,1,2", "schedule.rounds=6", "partition.num_clients=5", "checkpoint.every=2"]
+    common = [f"tracking.uri=sqlite:///{store}", "tracking.experiment=sweep_resume", "device=cpu"]
+    whole = subprocess.run([FEDRUN, *sweep, f"hydra.sweep.dir={tmp_path / 'whole'}", *common], cwd=tmp_path, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = subprocess.Popen([FEDRUN, *sweep, f"hydra.sweep.dir={tmp_path / 'killed'}", *common], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kill_after(killed, tmp_path / "killed" / "1", 3)  # job 0 done, job 1 part-way, job 2 never started
+    killed.wait()
+    assert not (tmp_path / "killed" / "2").exists()
+    resumed = subprocess.run([FEDRUN, *sweep, f"resume={tmp_path / 'killed'}", *common], cwd=tmp_path, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "job 0 (" in resumed.stderr and "had finished: skipped" in resumed.stderr
+    assert f"resuming {tmp_path / 'killed' / '1'} after round" in resumed.stderr
+    for job in ("0", "1", "2"):
+        pd.testing.assert_frame_equal(deterministic(tmp_path / "killed" / job), deterministic(tmp_path / "whole" / job))
+    changed = subprocess.run([FEDRUN, "-m", "seed=0,1,2", "schedule.rounds=7", "partition.num_clients=5", "checkpoint.every=2",
+                              f"resume={tmp_path / 'killed'}", *common], cwd=tmp_path, capture_output=True, text=True)
+    assert changed.returncode == 1 and "the same sweep" in changed.stderr and "schedule.rounds" in changed.stderr
