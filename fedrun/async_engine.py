@@ -26,8 +26,8 @@ from fedrun.backends import as_device
 from fedrun.checkpoint import Checkpoint
 from fedrun.clients import per_sample_loss, train_cohort
 from fedrun.datasets import FederatedData
-from fedrun.engine import RunResult
-from fedrun.errors import ConfigError, DivergenceError, check
+from fedrun.engine import RunResult, record
+from fedrun.errors import ConfigError, check
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.seeding import numpy_rng
@@ -193,19 +193,11 @@ class AsyncEngine:
                        "upload_mb": len(ids) * message_mb, "download_mb": len(ids) * message_mb}
                 row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
                 row.update(aggregator.diagnostics)
-                diverged = not torch.isfinite(w).all()
-                if not diverged and schedule.evaluates(version):
-                    row.update(self._evaluate(model, w, x_test, y_test, label_sets))
-                    bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", t=f"{now:.1f}")
-                row["round_wall_s"], start = time.perf_counter() - start, time.perf_counter()
-                result.rows.append(row)
-                on_round(row, {"alpha": alpha_all})
+                done = record(row, w, not torch.isfinite(w).all(), lr, schedule, lambda p: self._evaluate(model, p, x_test, y_test, label_sets),
+                              result, on_round, {"alpha": alpha_all}, bar, start)
+                start = time.perf_counter()
                 bar.update()
-                if diverged:
-                    raise DivergenceError(f"non-finite global model after aggregation {version} (lr={lr:g})")
-                result.params = w
-                if version == schedule.rounds or schedule.reached(row["test_accuracy"]):
-                    done = True
+                if done:
                     break
             # Restart with the newest model at this instant, this instant's aggregations included: the arrived
             # clients themselves, or as many clients drawn among those not training.

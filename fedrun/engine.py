@@ -155,6 +155,13 @@ def run(
         fstar.cache.update(saved["fstar"])
         result = RunResult(params, rows=saved["rows"])
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
+
+    def measure(w: torch.Tensor) -> dict:
+        columns = dict(zip(("test_accuracy", "test_loss"), evaluate(model, w, x_test, y_test)))
+        if has_val:
+            columns.update(zip(("val_accuracy", "val_loss"), evaluate(model, w, x_val, y_val)))
+        return columns
+
     try:
         bar = tqdm(range(first, schedule.rounds + 1), desc="rounds", unit="round", dynamic_ncols=True, initial=first - 1, total=schedule.rounds)
         for t in bar:
@@ -206,24 +213,12 @@ def run(
             if local_accuracy is not None:
                 row["client_accuracy"] = float(local_accuracy.mean())
             row.update(aggregator.diagnostics)
-            clock = time.perf_counter()
-            if evaluated:
-                row["test_accuracy"], row["test_loss"] = evaluate(model, params, x_test, y_test)
-                if has_val:
-                    row["val_accuracy"], row["val_loss"] = evaluate(model, params, x_val, y_val)
-                latest_accuracy = row[accuracy_source]
-                bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", loss=f"{row['test_loss']:.4f}")
-            timings["eval_wall_s"] = time.perf_counter() - clock
             row.update(timings)
-            row["round_wall_s"] = time.perf_counter() - start
             alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)
             alpha_all[cohort], steps_all[cohort] = alpha, trained.steps
-            result.rows.append(row)
-            on_round(row, {"alpha": alpha_all, "local_steps": steps_all})  # logged before failing, so the diverging round is on record
-            if diverged:
-                raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
-            result.params = params
-            last = t == schedule.rounds or schedule.reached(row["test_accuracy"])
+            last = record(row, params, diverged, lr, schedule, measure, result, on_round, {"alpha": alpha_all, "local_steps": steps_all}, bar, start)
+            if schedule.evaluates(t):
+                latest_accuracy = row[accuracy_source]
             if checkpoint:
                 checkpoint.after_round(t, row["round_wall_s"], last, lambda: {
                     "round": t, "engine": "sync", "finished": last, "params": params, "previous": previous,
@@ -235,6 +230,31 @@ def run(
     finally:
         trainer.close()
     return result
+
+
+def record(row: dict, params: torch.Tensor, diverged: bool, lr: float, schedule: Schedule, measure: Callable[[torch.Tensor], dict],
+           result: RunResult, on_round: Callable[[dict, dict], None], per_client: dict, bar, started: float) -> bool:
+    """Finish and report one aggregation's row, the same way for both engines.
+
+    Evaluates the new global model when the schedule says so (``measure(params)`` gives the columns, which
+    ``row`` already holds as NaN: every row has every column so metrics.csv can be appended to), times the
+    round, keeps the row and hands it to ``on_round`` before refusing a non-finite model (so the diverging
+    aggregation is on record). Returns whether the run ends here (the last aggregation, or the target
+    accuracy reached).
+    """
+    t = row["round"]
+    clock = time.perf_counter()
+    if not diverged and schedule.evaluates(t):
+        row.update(measure(params))
+        bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", loss=f"{row['test_loss']:.4f}")
+    row["eval_wall_s"] = time.perf_counter() - clock
+    row["round_wall_s"] = time.perf_counter() - started
+    result.rows.append(row)
+    on_round(row, per_client)
+    if diverged:
+        raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
+    result.params = params
+    return t == schedule.rounds or schedule.reached(row["test_accuracy"])
 
 
 class SyncEngine:

@@ -1,9 +1,10 @@
-"""Measurements over whole runs: pure functions of accuracy curves."""
+"""Measurements over whole runs: pure functions of accuracy curves and metrics rows."""
 
 import math
 from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd
 
 
 def r_name(target: float) -> str:
@@ -69,3 +70,28 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, f
         return float(x[0]), math.nan
     half = t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
     return float(x.mean()), float(half)
+
+
+def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, dict]:
+    """Metrics and tags that summarise a run from its rows so far: rounds and time, final and best test
+    accuracy, the R-index of each target (for the clients' local models too, and in virtual time for an
+    asynchronous run; the tag ``R90=not_reached`` when a target was not reached), and the curve's stability.
+    NaN values are left out."""
+    values, tags = {"rounds_run": len(metrics), "total_wall_s": float(metrics["round_wall_s"].sum())}, {}
+    accuracy = metrics["test_accuracy"].dropna()
+    if len(accuracy):
+        values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
+    values["smoothness"] = smoothness(metrics["test_accuracy"])
+    values["lag1_autocorr"] = lag1_autocorr(metrics["test_accuracy"])
+    for column, prefix in (("test_accuracy", ""), ("client_accuracy", "client_")):
+        if column not in metrics:
+            continue
+        for target in r_targets:
+            reached = r_index(metrics["round"], metrics[column], target)
+            if reached is None:
+                tags[prefix + r_name(target)] = "not_reached"
+                continue
+            values[prefix + r_name(target)] = reached
+            if "virtual_time" in metrics:  # asynchronous runs: the R-index in virtual time too
+                values[prefix + r_name(target) + "_time"] = float(metrics.loc[metrics["round"] == reached, "virtual_time"].iloc[0])
+    return {k: v for k, v in values.items() if not math.isnan(v)}, tags

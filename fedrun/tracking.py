@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from fedrun.errors import ConfigError
-from fedrun.metrics import lag1_autocorr, r_index, r_name, smoothness
+from fedrun.metrics import summarise
 from fedrun.plots import plot_alpha_heatmap, plot_curves
 
 
@@ -114,6 +114,7 @@ class Tracker:
         self.run_id: str | None = None
         self.extra_summary: dict = {}
         self.lost: str | None = None  # why MLflow stopped taking this run's data mid-run, if it did
+        self.rows: list[dict] = []  # the metrics rows so far (the summary is computed from them)
 
     def start(self, params: dict, tags: dict, run_name: str, run_id: str | None = None) -> None:
         """Open the MLflow run (when enabled) and log the flattened config and tags; with ``run_id``, reopen
@@ -161,6 +162,8 @@ class Tracker:
                 writer.writerow(header)
                 writer.writerows(rows)
             self._columns[path] = header
+        if self.metrics_path.exists():
+            self.rows = pd.read_csv(self.metrics_path).to_dict("records")
 
     def log_partition(self, clients: list[np.ndarray], labels: np.ndarray, num_classes: int, held_out: list[np.ndarray] | None = None) -> None:
         """Write ``partition.csv``: per client its training samples, held-out samples (when any) and count per label."""
@@ -176,6 +179,7 @@ class Tracker:
         """Append the round to the CSV files (``metrics.csv``, ``<name>.csv`` per per-client series) and send
         it to MLflow in one batch."""
         self._append(self.metrics_path, row)
+        self.rows.append(dict(row))
         for name, values in per_client.items():
             if self.wide:
                 self._append(self.dir / f"{name}.csv", {"round": row["round"], **{f"client_{i}": v for i, v in enumerate(values)}})
@@ -232,29 +236,6 @@ class Tracker:
         for name, table in tables.items():
             table.to_csv(self.dir / name, index=False)
 
-    def summary(self, metrics: pd.DataFrame) -> tuple[dict, dict]:
-        """Metrics and tags that summarise the run so far (``metrics.csv`` as a frame): R-indices,
-        accuracy, stability of the curve."""
-        values, tags = {"rounds_run": len(metrics), "total_wall_s": float(metrics["round_wall_s"].sum())}, {}
-        accuracy = metrics["test_accuracy"].dropna()
-        if len(accuracy):
-            values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
-        values.update(self.extra_summary)
-        values["smoothness"] = smoothness(metrics["test_accuracy"])
-        values["lag1_autocorr"] = lag1_autocorr(metrics["test_accuracy"])
-        for column, prefix in (("test_accuracy", ""), ("client_accuracy", "client_")):
-            if column not in metrics:
-                continue
-            for target in self.r_targets:
-                reached = r_index(metrics["round"], metrics[column], target)
-                if reached is None:
-                    tags[prefix + r_name(target)] = "not_reached"
-                    continue
-                values[prefix + r_name(target)] = reached
-                if "virtual_time" in metrics:  # asynchronous runs: the R-index in virtual time too
-                    values[prefix + r_name(target) + "_time"] = float(metrics.loc[metrics["round"] == reached, "virtual_time"].iloc[0])
-        return {k: v for k, v in values.items() if not math.isnan(v)}, tags
-
     def finish(
         self, status: str, model: torch.nn.Module | None = None, reason: str | None = None, title: str = "", tags: dict | None = None
     ) -> None:
@@ -267,8 +248,9 @@ class Tracker:
             title: Plot title.
             tags: Further run-level tags (e.g. from the aggregator).
         """
-        metrics = pd.read_csv(self.metrics_path) if self.metrics_path.exists() else None
-        values, summary_tags = self.summary(metrics) if metrics is not None else ({}, {})
+        metrics = pd.DataFrame(self.rows) if self.rows else None
+        values, summary_tags = summarise(metrics, self.r_targets) if metrics is not None else ({}, {})
+        values.update({k: v for k, v in self.extra_summary.items() if not math.isnan(v)})
         tags = {**summary_tags, **(tags or {})}
         if reason:
             tags["failure_reason"] = reason[:5000]

@@ -51,3 +51,19 @@ def test_schedule_evaluation_and_stop_decisions():
     assert [t for t in range(1, 11) if schedule.evaluates(t)] == [4, 8, 10]
     assert schedule.reached(0.9) and not schedule.reached(0.89) and not schedule.reached(math.nan)
     assert not Schedule(stop_at_accuracy=None).reached(1.0)
+
+
+def test_summary_from_rows_in_memory():
+    import pandas as pd
+
+    from fedrun.metrics import summarise
+
+    rows = pd.DataFrame({"round": [1, 2, 3, 4], "test_accuracy": [0.5, math.nan, 0.7, 0.65], "round_wall_s": [1.0, 2.0, 1.5, 0.5],
+                         "virtual_time": [2.0, 4.5, 7.0, 9.0]})
+    values, tags = summarise(rows, (0.6, 0.9))
+    assert values["rounds_run"] == 4 and values["total_wall_s"] == 5.0
+    assert values["final_test_accuracy"] == 0.65 and values["best_test_accuracy"] == 0.7
+    assert values["R60"] == 3 and values["R60_time"] == 7.0 and tags == {"R90": "not_reached"}
+    # evaluated changes: +0.2, -0.05 -> smoothness = std / mean|d| = 0.125 / 0.125
+    assert values["smoothness"] == pytest.approx(1.0)
+    assert "lag1_autocorr" not in values  # too short a curve: NaN, left out
