@@ -277,6 +277,9 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
         tracker.finish(status, model=final, reason=reason, title=title, tags=parts["aggregator"].tags)
+        if tracker.lost:
+            print(f"fedrun: MLflow missed part of this run ({tracker.lost}); {output_dir} has all of it. Import it with:\n"
+                  f"  fedrun-import {output_dir}", file=sys.stderr)
     if diverged is not None:
         fail(hydra_cfg, f"fedrun: error: training diverged: {diverged}; the run is marked FAILED and keeps the metrics of "
              f"the rounds before ({output_dir})", 1)
