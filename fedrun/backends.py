@@ -46,10 +46,12 @@ class Device:
             it slower there than the loop).
         workers: Worker processes for ``processes``; null = the usable cores.
         chunk: Clients that ``vmap`` trains together; null = the whole cohort (lower it when memory runs out).
+        threads: torch intra-op threads of this job; null = the cores it may use (``use_cores``): all of them,
+            or cores / jobs in a parallel sweep, so parallel jobs never oversubscribe the machine.
     """
 
     def __init__(self, kind: str = "auto", memory_format: str = "auto", backend: str = "auto", workers: int | None = None,
-                 chunk: int | None = None):
+                 chunk: int | None = None, threads: int | None = None):
         check(kind in ("cpu", "cuda", "auto"), "kind", kind, "cpu, cuda or auto")
         if kind == "cuda":
             check(torch.cuda.is_available(), "kind", kind, "cpu or auto: this machine has no CUDA device")
@@ -57,12 +59,21 @@ class Device:
         check(backend in ("auto", "loop", "processes", "vmap"), "backend", backend, "auto, loop, processes or vmap")
         check(workers is None or (isinstance(workers, int) and workers >= 1), "workers", workers, "null or an integer >= 1")
         check(chunk is None or (isinstance(chunk, int) and chunk >= 1), "chunk", chunk, "null or an integer >= 1")
+        check(threads is None or (isinstance(threads, int) and threads >= 1), "threads", threads, "null or an integer >= 1")
         use_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
         check(not (use_cuda and backend == "processes"), "backend", backend, "loop or auto on CUDA (worker processes are for CPUs)")
         check(backend != "processes" or "fork" in multiprocessing.get_all_start_methods(), "backend", backend,
               "loop or auto on a platform without fork")
         self.kind, self.memory_format, self.backend, self.workers, self.chunk = kind, memory_format, backend, workers, chunk
+        self.threads, self.cores = threads, None  # cores: what this job may use, once ``use_cores`` says
         self.torch = torch.device("cuda" if use_cuda else "cpu")
+
+    def use_cores(self, cores: int) -> int:
+        """Limit this job to ``cores`` cores: its intra-op threads (unless ``threads`` says) and its default
+        worker processes. Returns the threads set."""
+        self.cores = max(1, cores)
+        torch.set_num_threads(self.threads or self.cores)
+        return torch.get_num_threads()
 
     def layout(self, x: torch.Tensor) -> torch.memory_format:
         """The memory format for a model fed inputs like ``x``."""
@@ -83,7 +94,7 @@ class Device:
             return self.backend
         if self.torch.type == "cuda":
             return "vmap" if vmap_ok else "loop"
-        workers = self.workers or usable_cores()
+        workers = self.workers or self.cores or usable_cores()
         fits = self.torch.type == "cpu" and workers >= 2 and "fork" in multiprocessing.get_all_start_methods()
         return "processes" if fits and passes_per_round >= MIN_PASSES_PER_WORKER * workers else "loop"
 
@@ -92,7 +103,7 @@ class Device:
         vmap_ok = self.torch.type == "cuda" and self.backend == "auto" and vmap_supported(make_optimizer, model) is None
         backend = self.chosen_backend(passes_per_round, vmap_ok)
         if backend == "processes":
-            return ProcessTrainer(model, x, y, make_optimizer, self.workers or usable_cores())
+            return ProcessTrainer(model, x, y, make_optimizer, self.workers or self.cores or usable_cores())
         if backend == "vmap":
             return VmapTrainer(model, x, y, make_optimizer, self.chunk)
         return LoopTrainer(model, x, y, make_optimizer)

@@ -15,10 +15,12 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from fedrun.backends import usable_cores
 from fedrun.checkpoint import FILE, Checkpoint, Stopped, StopSignals
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
@@ -172,6 +174,27 @@ def fail(hydra_cfg, line: str, code: int) -> typing.NoReturn:
     sys.exit(code)
 
 
+def job_cores(n_jobs: int | None) -> int:
+    """The cores a job may use: all of them, or cores / concurrent jobs under a parallel launcher (joblib's
+    ``n_jobs``; negative counts from the core count as joblib does)."""
+    cores = usable_cores()
+    if not isinstance(n_jobs, int) or n_jobs == 0:
+        return cores
+    jobs = n_jobs if n_jobs > 0 else max(1, cores + 1 + n_jobs)
+    return max(1, cores // jobs)
+
+
+class OpenStoreFirst(Callback):
+    """Hydra callback: before a sweep launches its jobs, open (create and migrate) the SQLite tracking store
+    once, so parallel jobs never race to create its tables or the experiment."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if config.tracking.enabled:
+            uri = resolve_uri(config.tracking.uri, Path.cwd())
+            preflight(uri)
+            Tracker.experiment_id(uri, config.tracking.experiment)
+
+
 def sweep_job(cfg: DictConfig, job_dir: Path) -> float | None:
     """For ``-m ... resume=<multirun dir>``: this job's final accuracy when it had finished, else None (it resumes
     from its checkpoint, or runs from the start when it never reached one). A job whose config differs from the
@@ -221,6 +244,8 @@ def main(cfg: DictConfig) -> float | None:
         "git_commit": git_commit(),
         "torch_version": torch.__version__,
         "num_clients": str(len(parts["clients"])),
+        "torch_threads": str(parts["device"].use_cores(job_cores(
+            OmegaConf.select(hydra_cfg, "launcher.n_jobs") if hydra_cfg.mode == RunMode.MULTIRUN else None))),
     }
     tracker = Tracker(
         output_dir=output_dir,

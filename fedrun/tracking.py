@@ -13,6 +13,7 @@ import csv
 import math
 import os
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -65,6 +66,18 @@ def preflight(uri: str) -> None:
         mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as exc:  # a scheme MLflow does not know, a database it cannot open
         raise ConfigError("tracking.uri", uri, f"a tracking URI MLflow can open ({str(exc).splitlines()[0][:200]})") from None
+
+
+def retried(call, attempts: int = 8):
+    """``call()``, retried with backoff while SQLite says the database is locked (parallel jobs sharing one store
+    write at the same moment; MLflow's advice for SQLite is to serialise or retry writes)."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except Exception as exc:
+            if "database is locked" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * 2**attempt)
 
 
 HEATMAP_CLIENTS = 100  # clients in the alpha heatmap of a long alpha.csv: those with the largest total alpha
@@ -125,20 +138,30 @@ class Tracker:
 
         mlflow.set_tracking_uri(self.uri)
         if run_id is not None:
-            self.run_id = mlflow.start_run(run_id=run_id, log_system_metrics=False).info.run_id
+            self.run_id = retried(lambda: mlflow.start_run(run_id=run_id, log_system_metrics=False)).info.run_id
             return
-        experiment = mlflow.get_experiment_by_name(self.experiment)
-        if experiment is None:
+        experiment_id = self.experiment_id(self.uri, self.experiment)
+        self.run_id = retried(lambda: mlflow.start_run(experiment_id=experiment_id, run_name=run_name, log_system_metrics=False)).info.run_id
+        retried(lambda: mlflow.log_params(params))
+        retried(lambda: mlflow.set_tags(tags))
+
+    @staticmethod
+    def experiment_id(uri: str, name: str) -> str:
+        """The experiment's id, created if needed (by whichever parallel job gets there first)."""
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        for _ in range(2):
+            experiment = retried(lambda: client.get_experiment_by_name(name))
+            if experiment is not None:
+                return experiment.experiment_id
             # A local store keeps artifacts beside the database, never in a stray ./mlruns.
-            location = None
-            if self.uri.startswith("sqlite:///"):
-                location = (Path(self.uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-            experiment_id = mlflow.create_experiment(self.experiment, artifact_location=location)
-        else:
-            experiment_id = experiment.experiment_id
-        self.run_id = mlflow.start_run(experiment_id=experiment_id, run_name=run_name, log_system_metrics=False).info.run_id
-        mlflow.log_params(params)
-        mlflow.set_tags(tags)
+            location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
+            try:
+                return client.create_experiment(name, artifact_location=location)
+            except Exception:  # another job created it meanwhile: read it back
+                continue
+        raise RuntimeError(f"cannot create or find MLflow experiment {name!r} in {uri}")
 
     def _lost(self, exc: Exception) -> None:
         self.lost = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}" if str(exc) else type(exc).__name__
@@ -193,7 +216,7 @@ class Tracker:
             if self.alpha_series:
                 values.update({f"alpha/client_{i}": float(a) for i, a in enumerate(alpha)})
             try:
-                mlflow.log_metrics(values, step=int(row["round"]))
+                retried(lambda: mlflow.log_metrics(values, step=int(row["round"])))
             except Exception as exc:  # the store went away: keep training, the files have every round
                 self._lost(exc)
 

@@ -1,0 +1,41 @@
+"""Sweeps on every core: the joblib launcher, threads per job, one SQLite store shared by parallel jobs."""
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import FEDRUN, mlflow_runs
+from fedrun.backends import usable_cores
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_four_job_joblib_sweep_logs_four_runs_into_one_new_sqlite_store(tmp_path):
+    store = tmp_path / "fresh.db"  # new: the jobs would race to create its tables and the experiment
+    done = subprocess.run([FEDRUN, "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=0,1,2,3", "schedule.rounds=4",
+                           "partition.num_clients=5", f"tracking.uri=sqlite:///{store}", "tracking.experiment=joblib", "device=cpu",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "database is locked" not in done.stderr
+    _, runs = mlflow_runs(store, "joblib")
+    assert sorted(r.data.tags["seed"] for r in runs) == ["0", "1", "2", "3"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert {r.data.tags["torch_threads"] for r in runs} == {str(max(1, usable_cores() // 2))}  # cores / jobs: no oversubscription
+
+
+def test_device_threads_overrides_the_share_and_is_recorded(fedrun, store):
+    fedrun("device.threads=1", "schedule.rounds=1", "partition.num_clients=5", experiment="threads")
+    _, [run] = mlflow_runs(store, "threads")
+    assert run.data.tags["torch_threads"] == "1" and run.data.params["device.threads"] == "1"
+
+
+def test_cores_per_job_follow_joblib_n_jobs():
+    from fedrun.cli import job_cores
+
+    cores = usable_cores()
+    assert job_cores(None) == cores  # a single run, or the basic launcher's one job at a time
+    assert job_cores(2) == max(1, cores // 2)
+    assert job_cores(-1) == 1  # joblib's -1: as many jobs as cores
+    assert job_cores(64) == 1
