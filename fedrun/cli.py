@@ -174,6 +174,19 @@ def fail(hydra_cfg, line: str, code: int) -> typing.NoReturn:
     sys.exit(code)
 
 
+def run_name(choices: dict, overrides, seed: int) -> str:
+    """A short run name that says what the run is and what differs: the aggregator, partition and dataset
+    chosen, each overridden value by its last key (paths and tracking keys left out), and the seed; e.g.
+    ``fedsoftmax shards mnist temperature=0.1 seed=2``. The whole override string is the tag ``overrides``."""
+    words = [choices.get(group) for group in ("aggregator", "partition", "dataset") if choices.get(group)]
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if "." not in key or key.startswith(("tracking.", "hydra.")) or "/" in value or key == "resume":
+            continue  # group choices are in the words already; paths say nothing about the run
+        words.append(f"{key.rsplit('.', 1)[-1]}={value}")
+    return " ".join(words + [f"seed={seed}"])[:250]
+
+
 def job_cores(n_jobs: int | None) -> int:
     """The cores a job may use: all of them, or cores / concurrent jobs under a parallel launcher (joblib's
     ``n_jobs``; negative counts from the core count as joblib does)."""
@@ -265,7 +278,8 @@ def main(cfg: DictConfig) -> float | None:
     else:
         tracker.log_partition(parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"])
         OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
-        tracker.start(flatten(OmegaConf.to_container(cfg, resolve=True)), tags, hydra_cfg.job.override_dirname or "defaults")
+        tags["overrides"] = hydra_cfg.job.override_dirname or "(defaults)"
+        tracker.start(flatten(OmegaConf.to_container(cfg, resolve=True)), tags, run_name(choices, hydra_cfg.overrides.task, cfg.seed))
     if checkpoint.resume:
         title = checkpoint.restored()["extra"].get("title", title)  # this invocation's choices are the defaults
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)

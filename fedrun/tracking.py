@@ -26,6 +26,8 @@ from fedrun.metrics import summarise
 from fedrun.plots import plot_alpha_heatmap, plot_curves
 
 
+# MLflow 3 opens an experiment without this tag as a GenAI one (traces, token usage); fedrun's are model training.
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 PER_CLIENT = ("alpha", "local_steps")  # the per-client series the engines report (``<name>.csv``)
 WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
 
@@ -154,11 +156,13 @@ class Tracker:
         for _ in range(2):
             experiment = retried(lambda: client.get_experiment_by_name(name))
             if experiment is not None:
+                if experiment.tags.get(KIND_TAG) != KIND:  # made by an older fedrun, or by hand
+                    retried(lambda: client.set_experiment_tag(experiment.experiment_id, KIND_TAG, KIND))
                 return experiment.experiment_id
             # A local store keeps artifacts beside the database, never in a stray ./mlruns.
             location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
             try:
-                return client.create_experiment(name, artifact_location=location)
+                return client.create_experiment(name, artifact_location=location, tags={KIND_TAG: KIND})
             except Exception:  # another job created it meanwhile: read it back
                 continue
         raise RuntimeError(f"cannot create or find MLflow experiment {name!r} in {uri}")

@@ -39,3 +39,13 @@ def test_cores_per_job_follow_joblib_n_jobs():
     assert job_cores(2) == max(1, cores // 2)
     assert job_cores(-1) == 1  # joblib's -1: as many jobs as cores
     assert job_cores(64) == 1
+
+
+def test_runs_have_short_names_the_overrides_as_a_tag_and_a_model_training_experiment(fedrun, store):
+    fedrun("aggregator=fedsoftmax", "aggregator.temperature=0.5", "partition=shards", "schedule.rounds=1", "partition.num_clients=5",
+           "seed=3", experiment="names")
+    client, [run] = mlflow_runs(store, "names")
+    assert run.info.run_name == "fedsoftmax shards digits temperature=0.5 rounds=1 num_clients=5 seed=3"
+    assert run.data.tags["overrides"] == ("aggregator.temperature=0.5,aggregator=fedsoftmax,device=cpu,partition.num_clients=5,"
+                                          "partition=shards,schedule.rounds=1,seed=3")
+    assert client.get_experiment_by_name("names").tags["mlflow.experimentKind"] == "custom_model_development"
