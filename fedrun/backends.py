@@ -133,7 +133,9 @@ class LoopTrainer:
         pass
 
 
-def _worker(connection, model, x, y, make_optimizer) -> None:
+def _worker(connection, inherited, model, x, y, make_optimizer) -> None:
+    for end in inherited:  # the parent's ends, copied by fork: closed, so a dead parent means EOF here
+        end.close()
     torch.set_num_threads(1)  # one thread per worker: the workers are the parallelism (and OpenMP is safe after fork)
     for signum in (signal.SIGINT, signal.SIGTERM):  # the parent decides when to stop (a clean stop needs its workers)
         signal.signal(signum, signal.SIG_IGN)
@@ -169,7 +171,7 @@ class ProcessTrainer:
         self.connections, self.processes = [], []
         for _ in range(workers):
             parent, child = context.Pipe()
-            process = context.Process(target=_worker, args=(child, model, x, y, make_optimizer), daemon=True)
+            process = context.Process(target=_worker, args=(child, self.connections + [parent], model, x, y, make_optimizer), daemon=True)
             process.start()
             child.close()
             self.connections.append(parent)

@@ -78,7 +78,7 @@ def deterministic(out: Path) -> pd.DataFrame:
 
 CASES = {
     # every stateful part of the synchronous engine: FedOpt moments, MVR's momentum and previous model, F* estimates
-    "sync": ["aggregator=mvr", "server=adam", "schedule.rounds=8", "partition.num_clients=6"],
+    "sync": ["aggregator=mvr", "server=adam", "schedule.rounds=8", "partition.num_clients=6", "device.backend=processes", "device.workers=2"],
     "hybrid_fstar": ["aggregator=hybrid", "+aggregator.phases.0.aggregator.fstar=estimate", "aggregator.phases.0.until_round=5",
                      "schedule.rounds=8", "partition.num_clients=6", "schedule.clients_per_round=0.5"],
     # the asynchronous event heap, buffer, pulled versions and FedStaleWeight's staleness windows
@@ -94,6 +94,10 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     killed = start(tmp_path, tmp_path / "killed", store, *args)
     kill_after(killed, tmp_path / "killed", 3)  # after round 3 at the earliest: a checkpoint of round 2, rows beyond it
     assert killed.wait() == -signal.SIGKILL
+    deadline = time.time() + 15  # its worker processes see the parent gone and exit: nothing is left behind
+    while subprocess.run(["pgrep", "-f", str(tmp_path / "killed")], capture_output=True).returncode == 0:
+        assert time.time() < deadline, "processes of the killed run are still alive"
+        time.sleep(0.1)
     saved, written = Checkpoint(tmp_path / "killed", resume=True).restored()["round"], rows_written(tmp_path / "killed")
     assert 2 <= saved <= written < 8  # the rows after the checkpoint are measured again
     resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'killed'}"], cwd=tmp_path, capture_output=True, text=True)
