@@ -26,7 +26,7 @@ from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
 from fedrun.seeding import numpy_rng, torch_seed
-from fedrun.tracking import CONFIG_GROUPS, Tracker, preflight, resolve_uri
+from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
 
 
 # ``${fedrun.either:a,b}``: a unless it is null or empty, else b (the run dir of ``resume=<dir>`` is that dir).
@@ -118,16 +118,6 @@ def check_run_keys(cfg: DictConfig) -> None:
         raise ConfigError("tracking.max_alpha_series", tracking.max_alpha_series, "an integer >= 0")
 
 
-def flatten(config: dict, prefix: str = "") -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
-    flat = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
 
 
 def git_commit() -> str:
@@ -218,7 +208,8 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | None:
     mine = OmegaConf.to_container(cfg, resolve=True)
     mine["resume"] = saved.get("resume")
     if mine != OmegaConf.to_container(saved, resolve=True):
-        changed = sorted(k for k, v in flatten(mine).items() if flatten(OmegaConf.to_container(saved)).get(k) != v)
+        before = flatten(OmegaConf.to_container(saved))
+        changed = sorted(k for k, v in flatten(mine).items() if before.get(k) != v)
         raise ConfigError("resume", cfg.resume, f"the same sweep (job dir {job_dir} was started with other values of {', '.join(changed)})")
     state = Checkpoint(job_dir, resume=True).restored()
     return state["rows"][-1]["test_accuracy"] if state["finished"] else None
@@ -274,14 +265,13 @@ def main(cfg: DictConfig) -> float | None:
         saved = checkpoint.restored()
         tracker.rewind(checkpoint.saved_round)
         tracker.start({}, {}, "", run_id=saved["extra"].get("mlflow_run_id"))
+        title = saved["extra"].get("title", title)  # this invocation's choices are the defaults
         print(f"fedrun: resuming {output_dir} after round {checkpoint.saved_round}", file=sys.stderr)
     else:
         tracker.log_partition(parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"])
         OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
         tags["overrides"] = hydra_cfg.job.override_dirname or "(defaults)"
         tracker.start(flatten(OmegaConf.to_container(cfg, resolve=True)), tags, run_name(choices, hydra_cfg.overrides.task, cfg.seed))
-    if checkpoint.resume:
-        title = checkpoint.restored()["extra"].get("title", title)  # this invocation's choices are the defaults
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
 
     status, reason, model, final, stopped, diverged = "FAILED", None, parts["model"], None, None, None

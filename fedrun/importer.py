@@ -22,19 +22,10 @@ import yaml
 
 from fedrun.checkpoint import FILE
 from fedrun.errors import ConfigError
-from fedrun.tracking import preflight, resolve_uri
+from fedrun.tracking import flatten, preflight, resolve_uri
 
 BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics per call
 
-
-def flatten(config: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def finished(directory: Path, config: dict, rounds_written: int) -> bool:

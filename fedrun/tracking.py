@@ -36,6 +36,18 @@ CONFIG_GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "se
                  "device", "engine", "method", "experiment")
 
 
+def flatten(config: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
 def resolve_uri(uri: str, start_dir: Path) -> str:
     """Make a relative ``sqlite:///`` URI absolute against the directory fedrun was started in."""
     prefix = "sqlite:///"

@@ -152,19 +152,25 @@ def test_channels_last_equals_contiguous_up_to_float_noise():
     torch.testing.assert_close(channels_last.deltas, contiguous.deltas, rtol=1e-4, atol=1e-6)
 
 
+def whole_runs(devices: dict, make_model, data, parts, optimizer, schedule) -> dict:
+    """{name: (final params, metrics rows)} of the same FedSoftMax run (same seed and initial model) on each device."""
+    outcome = {}
+    for name, device in devices.items():
+        torch.manual_seed(0)
+        rows = []
+        result = run(make_model(), data, parts, FedSoftMax(), optimizer, schedule, device, 0, on_round=lambda row, per_client: rows.append(row))
+        outcome[name] = (result.params, rows)
+    return outcome
+
+
 def test_a_whole_run_with_worker_processes_and_channels_last_matches_the_plain_run():
     from fedrun.backends import Device
 
     x, y = images(80)
     data = FederatedData(x, y, x[:20], y[:20], num_classes=4)
     parts = [np.arange(k * 20, (k + 1) * 20) for k in range(4)]
-    outcome = {}
-    for name, device in (("plain", torch.device("cpu")), ("fast", Device("cpu", "channels_last", "processes", workers=2))):
-        torch.manual_seed(0)
-        rows = []
-        result = run(CNN((3, 8, 8), 4), data, parts, FedSoftMax(), SGD, Schedule(rounds=3, local_epochs=1, batch_size=5), device, 0,
-                     on_round=lambda row, per_client: rows.append(row))
-        outcome[name] = (result.params, rows)
+    outcome = whole_runs({"plain": torch.device("cpu"), "fast": Device("cpu", "channels_last", "processes", workers=2)},
+                         lambda: CNN((3, 8, 8), 4), data, parts, SGD, Schedule(rounds=3, local_epochs=1, batch_size=5))
     torch.testing.assert_close(outcome["fast"][0], outcome["plain"][0], rtol=1e-4, atol=1e-5)
     for fast, plain in zip(outcome["fast"][1], outcome["plain"][1]):
         assert fast["test_accuracy"] == plain["test_accuracy"]
@@ -240,14 +246,9 @@ def test_a_whole_run_with_vmap_matches_the_loop_in_float64():
     x, y = images(80)
     data = FederatedData(x.double(), y, x[:20].double(), y[:20], num_classes=4)
     parts = [np.arange(0, 15), np.arange(15, 40), np.arange(40, 52), np.arange(52, 80)]
-    outcome = {}
-    for backend in ("loop", "vmap"):
-        torch.manual_seed(0)
-        rows = []
-        result = run(CNN((3, 8, 8), 4).double(), data, parts, FedSoftMax(), functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5),
-                     Schedule(rounds=3, local_epochs=2, batch_size=4, clients_per_round=0.75), Device("cpu", "contiguous", backend), 0,
-                     on_round=lambda row, per_client: rows.append(row))
-        outcome[backend] = (result.params, rows)
+    outcome = whole_runs({backend: Device("cpu", "contiguous", backend) for backend in ("loop", "vmap")}, lambda: CNN((3, 8, 8), 4).double(),
+                         data, parts, functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5),
+                         Schedule(rounds=3, local_epochs=2, batch_size=4, clients_per_round=0.75))
     torch.testing.assert_close(outcome["vmap"][0], outcome["loop"][0], rtol=1e-10, atol=1e-12)
     for together, loop in zip(outcome["vmap"][1], outcome["loop"][1]):
         assert together["test_accuracy"] == loop["test_accuracy"]
