@@ -10,6 +10,7 @@ all three give the same updates up to floating-point noise (the thread count and
 order of some sums).
 """
 
+import copy
 import multiprocessing
 import os
 import signal
@@ -136,6 +137,7 @@ class LoopTrainer:
 def _worker(connection, inherited, model, x, y, make_optimizer) -> None:
     for end in inherited:  # the parent's ends, copied by fork: closed, so a dead parent means EOF here
         end.close()
+    model = copy.deepcopy(model)  # its own workspace: a model pickled to a forkserver worker shares the parent's memory
     torch.set_num_threads(1)  # one thread per worker: the workers are the parallelism (and OpenMP is safe after fork)
     for signum in (signal.SIGINT, signal.SIGTERM):  # the parent decides when to stop (a clean stop needs its workers)
         signal.signal(signum, signal.SIG_IGN)
@@ -159,19 +161,25 @@ def _worker(connection, inherited, model, x, y, make_optimizer) -> None:
 
 
 class ProcessTrainer:
-    """Split the cohort over forked worker processes, each training its clients on one thread.
+    """Split the cohort over worker processes, each training its clients on one thread.
 
-    The dataset tensors are shared with the workers by fork (copy-on-write, never written), so memory does
-    not grow with the workers. Clients are dealt to workers in contiguous blocks of about equal work, and
+    The dataset tensors are shared with the workers by fork (copy-on-write, never written), or through shared
+    memory where ``worker_start_method`` says forkserver, so memory does not grow with the workers. Clients are dealt to workers in contiguous blocks of about equal work, and
     the updates come back in cohort order.
     """
 
-    def __init__(self, model, x, y, make_optimizer, workers: int):
-        context = multiprocessing.get_context("fork")
+    def __init__(self, model, x, y, make_optimizer, workers: int, start_method: str | None = None):
+        start_method = start_method or worker_start_method()
+        context = multiprocessing.get_context(start_method)
+        if start_method != "fork":  # the tensors travel by pickling: into shared memory once, not copied per worker
+            import torch.multiprocessing  # noqa: F401  (registers the shared-memory pickling of tensors)
+
+            x, y = x.share_memory_(), y.share_memory_()
         self.connections, self.processes = [], []
         for _ in range(workers):
             parent, child = context.Pipe()
-            process = context.Process(target=_worker, args=(child, self.connections + [parent], model, x, y, make_optimizer), daemon=True)
+            inherited = self.connections + [parent] if start_method == "fork" else []  # only fork copies the parent's ends
+            process = context.Process(target=_worker, args=(child, inherited, model, x, y, make_optimizer), daemon=True)
             process.start()
             child.close()
             self.connections.append(parent)
@@ -216,6 +224,16 @@ class ProcessTrainer:
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
+
+
+def worker_start_method() -> str:
+    """``fork`` (workers up at once, the dataset shared copy-on-write), or ``forkserver`` where an accelerator is
+    visible: once autograd has run in a process that sees a GPU, autograd refuses to run in its forked children
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing", seen on an H100
+    machine in a sweep's second job and in the tests), so there the workers start from a clean server process
+    and get the tensors through shared memory."""
+    accelerator = torch.cuda.is_available() or (hasattr(torch.backends, "mps") and torch.backends.mps.is_available())
+    return "forkserver" if accelerator else "fork"
 
 
 def passes(samples: int, work: LocalWork) -> int:

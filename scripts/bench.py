@@ -18,7 +18,7 @@ evaluation period after a warm-up period (the others), so an evaluation every 10
 
 For each: fedrun's seconds per round with the backend ``device.backend=auto`` picks, split into local
 training, loss pass, aggregation, evaluation and logging (a real Tracker writing the CSV files and MLflow to a
-scratch SQLite store), and each backend's figure (CPU: ``loop``, ``processes``; CUDA: ``loop``, ``vmap``;
+scratch SQLite store, or the CSV files alone where mlflow is not installed), and each backend's figure (CPU: ``loop``, ``processes``; CUDA: ``loop``, ``vmap``;
 ``--backends`` to choose); ``naive``, the loop a researcher writes first (a state_dict loaded into the
 model per client, a DataLoader, evaluation in batches of 1000, the per-client loss pass); and the compute
 ``floor``: the same forward/backward sample-passes as one centrally trained model at the same batch size in its
@@ -36,6 +36,7 @@ Usage:
 
 import argparse
 import functools
+import importlib.util
 import json
 import resource
 import statistics
@@ -74,6 +75,7 @@ DEFAULT = {"cpu": ["papers", "cross-device", "1000-clients", "10000-clients", "a
 BACKENDS = {"cpu": ["loop", "processes"], "cuda": ["loop", "vmap"]}
 POOL = 50_000  # distinct training samples at most; larger populations share them (see the module docstring)
 LR = 0.05
+MLFLOW = importlib.util.find_spec("mlflow") is not None  # without it (a bare GPU machine), logging is the CSV files alone
 
 
 def synthetic(spec: dict, device: torch.device, seed: int = 0) -> tuple[FederatedData, list[np.ndarray]]:
@@ -99,7 +101,7 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
                         clients_per_round=spec.get("cohort", 1) / spec["clients"])
     rows, logging = [], []
     with tempfile.TemporaryDirectory() as scratch:
-        tracker = Tracker(Path(scratch) / "run", len(clients), True, f"sqlite:///{scratch}/mlflow.db", "bench")
+        tracker = Tracker(Path(scratch) / "run", len(clients), MLFLOW, f"sqlite:///{scratch}/mlflow.db", "bench")
         tracker.start({}, {}, "bench")
 
         def on_round(row, per_client):
@@ -277,7 +279,8 @@ def describe(result: dict) -> str:
         if value is not None:
             line += f"; {reference} {value:.3f} ({result['s_per_round'] / value:.2f}x)"
     gpu = ", ".join(f"{k[: -len('_peak_gpu_mb')]} {v:.0f} MB" for k, v in result.items() if k.endswith("_peak_gpu_mb"))
-    return line + f"; peak RSS {result['peak_rss_mb']:.0f} MB" + (f"; peak GPU memory {gpu}" if gpu else "")
+    line += f"; peak RSS {result['peak_rss_mb']:.0f} MB" + (f"; peak GPU memory {gpu}" if gpu else "")
+    return line + ("" if MLFLOW else " (mlflow not installed: logging is the CSV files only)")
 
 
 def main() -> None:

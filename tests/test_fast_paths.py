@@ -100,7 +100,7 @@ def cohort_update(device, make_optimizer, dtype=torch.float32, work_override=Non
     model = CNN((3, 8, 8), 4).to(dtype)
     x, y = images()
     x = x.to(dtype)
-    (x,) = device.prepare(model, x)
+    x, y = device.prepare(model, x, y)
     from fedrun.models import flat_parameters
 
     parts = [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)]
@@ -121,6 +121,27 @@ def test_worker_processes_equal_the_loop_in_float64():
         torch.testing.assert_close(forked.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(forked.local_losses.mean, loop.local_losses.mean, rtol=1e-10)
         assert list(forked.steps) == list(loop.steps) == [6, 14, 14]
+
+
+def test_workers_started_by_forkserver_equal_the_loop_in_float64():
+    # The start method used where a GPU is visible (fork breaks autograd there): tensors through shared memory.
+    from fedrun.backends import Device, ProcessTrainer
+    from fedrun.clients import LocalWork
+    from fedrun.models import flat_parameters
+
+    make = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5)
+    loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64)
+    torch.manual_seed(0)
+    model = CNN((3, 8, 8), 4).double()
+    x, y = images()
+    trainer = ProcessTrainer(model, x.double(), y, make, workers=2, start_method="forkserver")
+    try:
+        served = trainer(flat_parameters(model), [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)], np.array([3, 7, 9]), 0.05,
+                         LocalWork(4, local_epochs=2), 0, 1)
+    finally:
+        trainer.close()
+    torch.testing.assert_close(served.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
+    assert list(served.steps) == list(loop.steps) == [6, 14, 14]
 
 
 def test_worker_processes_loss_pass_equals_the_loop_in_float64():
@@ -253,3 +274,41 @@ def test_a_whole_run_with_vmap_matches_the_loop_in_float64():
     for together, loop in zip(outcome["vmap"][1], outcome["loop"][1]):
         assert together["test_accuracy"] == loop["test_accuracy"]
         assert together["train_loss"] == pytest.approx(loop["train_loss"], rel=1e-10)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("solver", list(VMAP_SOLVERS))
+def test_on_cuda_vmap_and_the_loop_equal_the_cpu_loop_in_float64(solver):
+    from fedrun.backends import Device
+
+    make = VMAP_SOLVERS[solver]
+    cpu = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64)
+    for backend in ("loop", "vmap"):
+        for chunk in (None, 2):
+            cuda = cohort_update(Device("cuda", "contiguous", backend, chunk=chunk), make, torch.float64)
+            assert cuda.deltas.device.type == "cuda"
+            torch.testing.assert_close(cuda.deltas.cpu(), cpu.deltas, rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(cuda.local_losses.mean, cpu.local_losses.mean, rtol=1e-10)
+            np.testing.assert_allclose(cuda.local_losses.authors, cpu.local_losses.authors, rtol=1e-10)
+            assert list(cuda.steps) == list(cpu.steps) == [6, 14, 14]
+
+
+@needs_cuda
+def test_on_cuda_a_whole_run_with_vmap_and_channels_last_matches_the_cpu_run():
+    from fedrun.backends import Device
+
+    x, y = images(80)
+    data = FederatedData(x.double(), y, x[:20].double(), y[:20], num_classes=4)
+    parts = [np.arange(0, 15), np.arange(15, 40), np.arange(40, 52), np.arange(52, 80)]
+    devices = {"cpu": Device("cpu", "contiguous", "loop"), "cuda-loop": Device("cuda", "contiguous", "loop"),
+               "cuda-vmap": Device("cuda", "channels_last", "vmap")}
+    outcome = whole_runs(devices, lambda: CNN((3, 8, 8), 4).double(), data, parts, functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5),
+                         Schedule(rounds=3, local_epochs=2, batch_size=4, clients_per_round=0.75))
+    for name in ("cuda-loop", "cuda-vmap"):
+        torch.testing.assert_close(outcome[name][0].cpu(), outcome["cpu"][0], rtol=1e-10, atol=1e-12)
+        for cuda, cpu in zip(outcome[name][1], outcome["cpu"][1]):
+            assert cuda["test_accuracy"] == cpu["test_accuracy"]
+            assert cuda["train_loss"] == pytest.approx(cpu["train_loss"], rel=1e-10)
