@@ -127,15 +127,7 @@ class VmapTrainer:
                    for part, client, job in zip(parts, client_ids, works)]
         steps = np.array([len(b) for b in batches])
         most, width = int(steps.max(initial=0)), max(job.batch_size for job in works)
-        # index[i, k, j]: the j-th sample of client i's k-th mini-batch (its first sample where padded).
-        index = torch.zeros(clients, most, width, dtype=torch.long)
-        mask = torch.zeros(clients, most, width, dtype=global_params.dtype)
-        for i, (part, client_batches) in enumerate(zip(parts, batches)):
-            part = torch.as_tensor(part)
-            for k, batch in enumerate(client_batches):
-                index[i, k, : len(batch)] = part[batch]
-                index[i, k, len(batch) :] = part[0]
-                mask[i, k, : len(batch)] = 1
+        index, mask = _padded_index(parts, batches, steps, most, width, global_params.dtype)
         sizes = mask.sum(2)
         index, mask, counts = index.to(device), mask.to(device), sizes.clamp(min=1).to(device)
         active = torch.as_tensor(steps[:, None] > np.arange(most)[None, :], device=device)
@@ -176,6 +168,26 @@ class VmapTrainer:
 
     def close(self) -> None:
         pass
+
+
+def _padded_index(parts, batches, steps: np.ndarray, most: int, width: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """index[i, k, j]: the j-th sample of client i's k-th mini-batch, its first sample where padded; mask 1
+    where real. Built in a few whole-cohort operations (a loop over every mini-batch cost ~5 ms a round)."""
+    index = torch.zeros(len(parts), most, width, dtype=torch.long)
+    mask = torch.zeros(len(parts), most, width, dtype=dtype)
+    flat = [batch for client_batches in batches for batch in client_batches]
+    if not flat:
+        return index, mask
+    local = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True)  # [batches, longest], padded with 0: the client's first sample
+    local = torch.nn.functional.pad(local, (0, width - local.shape[1]))
+    lengths = torch.tensor([len(batch) for batch in flat])
+    clients = torch.as_tensor(np.repeat(np.arange(len(parts)), steps))
+    ks = torch.as_tensor(np.concatenate([np.arange(s) for s in steps]))
+    starts = torch.as_tensor(np.concatenate([[0], np.cumsum([len(p) for p in parts])[:-1]]))
+    samples = torch.as_tensor(np.concatenate(parts))
+    index[clients, ks] = samples[starts[clients, None] + local]
+    mask[clients, ks] = (torch.arange(width)[None, :] < lengths[:, None]).to(dtype)
+    return index, mask
 
 
 def _where(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
