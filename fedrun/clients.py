@@ -16,7 +16,10 @@ from fedrun.models import flat_parameters, load_flat
 from fedrun.optimizers import coefficient_norm
 from fedrun.seeding import torch_generator
 
-EVAL_BATCH = 256  # inference chunks: small enough to stay in cache (4x faster than 4096 for the CNN on CPU)
+# Inference chunks. On a CPU, small enough that the activations stay in cache: for the papers' CNN on 12,500
+# MNIST images with 2 threads, 64 took 0.26 s against 0.27 (128), 0.39 (256) and 1.12 (1024). On a GPU,
+# large enough to keep the launches few.
+EVAL_BATCH = {"cpu": 64, "cuda": 1024}
 
 
 def per_sample_loss(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,9 +31,10 @@ def per_sample_loss(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: 
 
 def _per_sample_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     losses, correct = [], []
-    for start in range(0, len(y), EVAL_BATCH):
-        logits = model(x[start : start + EVAL_BATCH])
-        target = y[start : start + EVAL_BATCH]
+    chunk = EVAL_BATCH.get(x.device.type, EVAL_BATCH["cuda"])
+    for start in range(0, len(y), chunk):
+        logits = model(x[start : start + chunk])
+        target = y[start : start + chunk]
         losses.append(cross_entropy(logits, target, reduction="none"))
         correct.append(logits.argmax(1) == target)
     return torch.cat(losses), torch.cat(correct)
@@ -104,6 +108,29 @@ def _loss_closure(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.T
     return closure
 
 
+def plain_sgd_step(optimizer: torch.optim.Optimizer):
+    """For ``torch.optim.SGD`` with nothing but a learning rate, its step (w <- w - lr * grad, as torch's
+    ``param.add_(grad, alpha=-lr)``) without ``Optimizer.step``'s per-call wrappers, which cost ~4% of a
+    10-sample CNN step on a CPU; None for any other solver or setting."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return None
+    group = optimizer.param_groups[0]
+    if group["momentum"] or group["weight_decay"] or group["maximize"] or group.get("differentiable") or not isinstance(group["lr"], float):
+        return None
+    params, lr = group["params"], group["lr"]
+
+    def step(closure):
+        with torch.enable_grad():
+            loss = closure()
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-lr)
+        return loss
+
+    return step
+
+
 def solver_coefficient_norm(optimizer: torch.optim.Optimizer, steps: int, lr: float) -> float:
     """||a||_1 of a local solver: its own ``coefficient_norm`` if it has one, else from its momentum and mu."""
     if hasattr(optimizer, "coefficient_norm"):
@@ -157,10 +184,11 @@ def train_cohort(
         if hasattr(optimizer, "start_round"):  # solvers whose step follows the round (STORM's eta_t)
             optimizer.start_round(round_, _loss_closure(model, optimizer, x, y, index))  # over all the client's samples
         generator = torch_generator(seed, stream, round_, int(client))
+        plain = plain_sgd_step(optimizer)
         batch_losses, batch_sizes = [], []
         for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, generator):
             closure = _loss_closure(model, optimizer, x, y, index[batch.to(x.device)])
-            batch_losses.append(optimizer.step(closure).detach())
+            batch_losses.append((plain(closure) if plain else optimizer.step(closure)).detach())
             batch_sizes.append(len(batch))
         deltas[row] = flat_parameters(model) - global_params
         steps[row] = len(batch_losses)

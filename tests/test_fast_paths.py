@@ -312,3 +312,23 @@ def test_on_cuda_a_whole_run_with_vmap_and_channels_last_matches_the_cpu_run():
         for cuda, cpu in zip(outcome[name][1], outcome["cpu"][1]):
             assert cuda["test_accuracy"] == cpu["test_accuracy"]
             assert cuda["train_loss"] == pytest.approx(cpu["train_loss"], rel=1e-10)
+
+
+def test_the_plain_sgd_step_equals_torchs_sgd_bit_for_bit():
+    from fedrun.clients import _loss_closure, plain_sgd_step
+
+    x, y = images()
+    trained = []
+    for fast in (False, True):
+        torch.manual_seed(0)
+        model = CNN((3, 8, 8), 4).double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        step = plain_sgd_step(optimizer) if fast else optimizer.step
+        assert step is not None
+        for k in range(5):
+            step(_loss_closure(model, optimizer, x.double(), y, torch.arange(4 * k, 4 * k + 4)))
+        trained.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(trained[0], trained[1])
+    for other in (dict(momentum=0.9), dict(weight_decay=0.1), dict(maximize=True)):
+        assert plain_sgd_step(torch.optim.SGD(CNN((3, 8, 8), 4).parameters(), lr=0.05, **other)) is None
+    assert plain_sgd_step(ProxSGD(CNN((3, 8, 8), 4).parameters(), lr=0.05, mu=0.1)) is None
