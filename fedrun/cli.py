@@ -3,6 +3,7 @@
 This is the only module that touches Hydra or OmegaConf; everything below it takes plain objects.
 """
 
+import atexit
 import inspect
 import re
 import signal
@@ -26,7 +27,7 @@ from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
 from fedrun.seeding import numpy_rng, torch_seed
-from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
+from fedrun.tracking import CONFIG_GROUPS, Tracker, close_sweep_run, flatten, open_sweep_run, preflight, resolve_uri, sweep_parent
 
 
 # ``${fedrun.either:a,b}``: a unless it is null or empty, else b (the run dir of ``resume=<dir>`` is that dir).
@@ -177,6 +178,21 @@ def run_name(choices: dict, overrides, seed: int) -> str:
     return " ".join(words + [f"seed={seed}"])[:250]
 
 
+def description(cfg: DictConfig, choices: dict, overrides: str, output_dir: Path) -> str:
+    """The run's description in the MLflow UI (markdown): each config group's choice and its values, the
+    overrides, the seed and the output dir."""
+    lines = [f"**{choices.get('aggregator', '')}** on **{choices.get('dataset', '')}**, partition **{choices.get('partition', '')}**, "
+             f"seed {cfg.seed}", ""]
+    for group in CONFIG_GROUPS:
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig):
+            continue
+        values = ", ".join(f"{k}={v}" for k, v in flatten(OmegaConf.to_container(node, resolve=True)).items() if not k.startswith("_"))
+        lines.append(f"- {group}: `{choices.get(group, '')}` {values}")
+    lines += ["", f"Overrides: `{overrides}`", "", f"Output: `{output_dir}`"]
+    return "\n".join(lines)
+
+
 def job_cores(n_jobs: int | None) -> int:
     """The cores a job may use: all of them, or cores / concurrent jobs under a parallel launcher (joblib's
     ``n_jobs``; negative counts from the core count as joblib does)."""
@@ -187,15 +203,23 @@ def job_cores(n_jobs: int | None) -> int:
     return max(1, cores // jobs)
 
 
-class OpenStoreFirst(Callback):
-    """Hydra callback: before a sweep launches its jobs, open (create and migrate) the SQLite tracking store
-    once, so parallel jobs never race to create its tables or the experiment."""
+class SweepRun(Callback):
+    """Hydra callback: before a sweep launches its jobs, open (create and migrate) the tracking store once, so
+    parallel jobs never race to create its tables or the experiment, and open the MLflow run that groups the
+    sweep's jobs as its children; it is ended when the sweep's process exits (``close_sweep_run``), also
+    after a failed job."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        if config.tracking.enabled:
-            uri = resolve_uri(config.tracking.uri, Path.cwd())
-            preflight(uri)
-            Tracker.experiment_id(uri, config.tracking.experiment)
+        if not config.tracking.enabled:
+            return
+        uri = resolve_uri(config.tracking.uri, Path.cwd())
+        preflight(uri)
+        overrides = [o for o in config.hydra.overrides.task if not o.startswith(("tracking.", "hydra.", "resume="))]
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        tags = {"fedrun.role": "sweep", "sweep_dir": str(sweep_dir), "overrides": " ".join(config.hydra.overrides.task) or "(defaults)", "git_commit": git_commit(),
+                "mlflow.note.content": f"Sweep of {' '.join(overrides) or 'the defaults'}; its jobs are this run's children. Output: `{sweep_dir}`"}
+        run_id = open_sweep_run(uri, config.tracking.experiment, sweep_dir, ("sweep " + " ".join(overrides))[:250], tags)
+        atexit.register(close_sweep_run, uri, run_id)
 
 
 def sweep_job(cfg: DictConfig, job_dir: Path) -> float | None:
@@ -271,6 +295,10 @@ def main(cfg: DictConfig) -> float | None:
         tracker.log_partition(parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"])
         OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
         tags["overrides"] = hydra_cfg.job.override_dirname or "(defaults)"
+        tags["mlflow.note.content"] = description(cfg, choices, tags["overrides"], output_dir)
+        parent = sweep_parent(output_dir.parent) if hydra_cfg.mode == RunMode.MULTIRUN else None  # a job's dir is <sweep dir>/<num>
+        if parent and cfg.tracking.enabled:
+            tags["mlflow.parentRunId"] = parent
         tracker.start(flatten(OmegaConf.to_container(cfg, resolve=True)), tags, run_name(choices, hydra_cfg.overrides.task, cfg.seed))
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
 

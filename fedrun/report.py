@@ -20,6 +20,7 @@ from fedrun.metrics import mean_ci
 from fedrun.tracking import CONFIG_GROUPS
 
 IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
+SWEEP_TAG = "tags.fedrun.role"  # "sweep" on a sweep's parent run
 SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_autocorr")
 
 
@@ -185,6 +186,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"fedrun-report: error: no experiment {args.experiment!r} in {uri} (there: {names})")
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs([experiment.experiment_id], filter_string=args.filter or "", output_format="pandas")
+    if SWEEP_TAG in runs:  # a sweep's parent run groups its jobs in the UI; it is not a run of its own
+        runs = runs[runs[SWEEP_TAG] != "sweep"]
     finished = runs[runs["status"] == "FINISHED"] if len(runs) else runs
     if finished.empty:
         raise SystemExit(f"fedrun-report: error: no finished runs in {args.experiment!r}" + (f" matching {args.filter!r}" if args.filter else ""))

@@ -41,9 +41,21 @@ def fedrun(tmp_path, store):
     return _run
 
 
-def mlflow_runs(store, experiment):
+def mlflow_runs(store, experiment, uri=None):
+    """(client, the experiment's job runs): a sweep's parent run (``sweep_runs``) is left out."""
+    client, runs = _all_runs(store, experiment, uri)
+    return client, [r for r in runs if r.data.tags.get("fedrun.role") != "sweep"]
+
+
+def sweep_runs(store, experiment, uri=None):
+    """(client, the experiment's sweep parent runs)."""
+    client, runs = _all_runs(store, experiment, uri)
+    return client, [r for r in runs if r.data.tags.get("fedrun.role") == "sweep"]
+
+
+def _all_runs(store, experiment, uri=None):
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
+    client = mlflow.MlflowClient(tracking_uri=uri or f"sqlite:///{store}")
     exp = client.get_experiment_by_name(experiment)
     return client, (client.search_runs([exp.experiment_id]) if exp else [])

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import FEDRUN, mlflow_runs
+from conftest import FEDRUN, mlflow_runs, sweep_runs
 from fedrun.checkpoint import FILE, Checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -233,6 +233,8 @@ def test_a_sweep_with_a_diverging_job_finishes_the_others_and_names_the_failed_o
         assert rows_written(tmp_path / "sweep" / str(job)) >= 1
     _, runs = mlflow_runs(store, "sweep_fail")
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED", "FINISHED"]
+    _, [parent] = sweep_runs(store, "sweep_fail")  # ended although the sweep failed, and marked so
+    assert parent.info.status == "FAILED" and parent.data.metrics["jobs_failed"] == 1 and parent.data.metrics["jobs_finished"] == 2
 
 
 def test_a_killed_sweep_resumes_skipping_finished_jobs_and_equals_an_uninterrupted_one(tmp_path, store):
@@ -254,3 +256,6 @@ def test_a_killed_sweep_resumes_skipping_finished_jobs_and_equals_an_uninterrupt
     changed = subprocess.run([FEDRUN, "-m", "seed=0,1,2", "schedule.rounds=7", "partition.num_clients=5", "checkpoint.every=2",
                               f"resume={tmp_path / 'killed'}", *common], cwd=tmp_path, capture_output=True, text=True)
     assert changed.returncode == 1 and "the same sweep" in changed.stderr and "schedule.rounds" in changed.stderr
+    _, parents = sweep_runs(store, "sweep_resume")  # the resumed sweep reopened its parent run, not a new one
+    killed_parent = [p for p in parents if p.data.tags["sweep_dir"] == str(tmp_path / "killed")]
+    assert len(parents) == 2 and len(killed_parent) == 1 and killed_parent[0].info.status == "FINISHED"

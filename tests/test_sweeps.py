@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from conftest import FEDRUN, mlflow_runs
+from conftest import FEDRUN, mlflow_runs, sweep_runs
 from fedrun.backends import usable_cores
 
 pytestmark = pytest.mark.e2e
@@ -22,6 +22,10 @@ def test_a_four_job_joblib_sweep_logs_four_runs_into_one_new_sqlite_store(tmp_pa
     _, runs = mlflow_runs(store, "joblib")
     assert sorted(r.data.tags["seed"] for r in runs) == ["0", "1", "2", "3"]
     assert all(r.info.status == "FINISHED" for r in runs)
+    _, [parent] = sweep_runs(store, "joblib")  # the sweep is one parent run, its jobs the children
+    assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parent.info.run_id}
+    assert parent.info.status == "FINISHED" and parent.data.metrics["jobs_finished"] == 4 and parent.data.metrics["jobs_failed"] == 0
+    assert parent.info.run_name == "sweep seed=0,1,2,3 schedule.rounds=4 partition.num_clients=5 device=cpu"
     assert {r.data.tags["torch_threads"] for r in runs} == {str(max(1, usable_cores() // 2))}  # cores / jobs: no oversubscription
 
 
@@ -49,3 +53,6 @@ def test_runs_have_short_names_the_overrides_as_a_tag_and_a_model_training_exper
     assert run.data.tags["overrides"] == ("aggregator.temperature=0.5,aggregator=fedsoftmax,device=cpu,partition.num_clients=5,"
                                           "partition=shards,schedule.rounds=1,seed=3")
     assert client.get_experiment_by_name("names").tags["mlflow.experimentKind"] == "custom_model_development"
+    description = run.data.tags["mlflow.note.content"]  # the run's description in the UI says what it was
+    assert description.startswith("**fedsoftmax** on **digits**, partition **shards**, seed 3")
+    assert "- aggregator: `fedsoftmax` temperature=0.5" in description and "- schedule: `default` rounds=1," in description
