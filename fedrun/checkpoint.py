@@ -91,10 +91,11 @@ class Checkpoint:
 
 
 class StopSignals:
-    """While active, the first SIGTERM or SIGINT sets ``checkpoint.stop_requested``; a second one acts at once
-    (SIGINT raises KeyboardInterrupt, SIGTERM terminates). Only in the main thread; elsewhere it does nothing."""
+    """While active, the first SIGTERM, SIGINT or SIGUSR2 sets ``checkpoint.stop_requested``; a second one acts at
+    once (SIGINT raises KeyboardInterrupt, the others terminate). Only in the main thread; elsewhere it does nothing."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # SIGUSR2: a cluster's warning before its time limit (SLURM's --signal=USR2@<seconds>, as submitit asks for it).
+    SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGUSR2,) if hasattr(signal, "SIGUSR2") else ())
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint, self.previous = checkpoint, {}

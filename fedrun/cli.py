@@ -5,6 +5,7 @@ This is the only module that touches Hydra or OmegaConf; everything below it tak
 
 import atexit
 import inspect
+import os
 import re
 import signal
 import subprocess
@@ -245,7 +246,8 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        if cfg.resume and hydra_cfg.mode == RunMode.MULTIRUN:  # this job of an earlier sweep, in its own dir
+        requeued = bool(os.environ.get("SUBMITIT_EXECUTOR")) and (output_dir / FILE).is_file()  # submitit restarted this job
+        if (cfg.resume or requeued) and hydra_cfg.mode == RunMode.MULTIRUN:  # this job of an earlier sweep, in its own dir
             done = sweep_job(cfg, output_dir)
             if done is not None:
                 print(f"fedrun: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}) had finished: skipped", file=sys.stderr)
@@ -303,6 +305,7 @@ def main(cfg: DictConfig) -> float | None:
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
 
     status, reason, model, final, stopped, diverged = "FAILED", None, parts["model"], None, None, None
+    submitit_handler = signal.getsignal(signal.SIGUSR2) if os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2") else None
     try:
         with StopSignals(checkpoint):
             result = parts["engine"](
@@ -342,4 +345,7 @@ def main(cfg: DictConfig) -> float | None:
              f"the rounds before ({output_dir})", 1)
     print(f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
           f"  fedrun resume={output_dir}", file=sys.stderr)
+    if stopped.signal_name == "SIGUSR2" and callable(submitit_handler):  # the time limit is near: submitit requeues the
+        print("fedrun: handing the job to submitit to requeue; it resumes from this checkpoint", file=sys.stderr, flush=True)
+        submitit_handler(signal.SIGUSR2, None)  # job, which then resumes here from the checkpoint (``requeued``)
     sys.exit(128 + signal.Signals[stopped.signal_name].value)
