@@ -194,9 +194,13 @@ def description(cfg: DictConfig, choices: dict, overrides: str, output_dir: Path
     return "\n".join(lines)
 
 
-def job_cores(n_jobs: int | None) -> int:
-    """The cores a job may use: all of them, or cores / concurrent jobs under a parallel launcher (joblib's
-    ``n_jobs``; negative counts from the core count as joblib does)."""
+def job_cores(hydra_cfg) -> int:
+    """The cores a sweep job may use: what a Ray launcher gives each task (``ray.remote.num_cpus``), or cores /
+    concurrent jobs under joblib (``n_jobs``; negative counts from the core count as joblib does), else all."""
+    ray_cpus = OmegaConf.select(hydra_cfg, "launcher.ray.remote.num_cpus")
+    if isinstance(ray_cpus, (int, float)) and ray_cpus >= 1:
+        return int(ray_cpus)
+    n_jobs = OmegaConf.select(hydra_cfg, "launcher.n_jobs")
     cores = usable_cores()
     if not isinstance(n_jobs, int) or n_jobs == 0:
         return cores
@@ -274,8 +278,7 @@ def main(cfg: DictConfig) -> float | None:
         "git_commit": git_commit(),
         "torch_version": torch.__version__,
         "num_clients": str(len(parts["clients"])),
-        "torch_threads": str(parts["device"].use_cores(job_cores(
-            OmegaConf.select(hydra_cfg, "launcher.n_jobs") if hydra_cfg.mode == RunMode.MULTIRUN else None))),
+        "torch_threads": str(parts["device"].use_cores(job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores())),
     }
     tracker = Tracker(
         output_dir=output_dir,

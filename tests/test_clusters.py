@@ -1,8 +1,13 @@
-"""Sweeps on clusters through Hydra's submitit launcher: submitit_local runs each job as its own process, as a
-SLURM array task would; a job at its time limit checkpoints, is requeued by submitit and resumes."""
+"""Sweeps on clusters through Hydra's launchers. submitit: submitit_local runs each job as its own process, as a
+SLURM array task would; a job at its time limit checkpoints, is requeued by submitit and resumes. Ray: a sweep
+on a local Ray head started by the test."""
 
 import os
+import re
+import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -12,6 +17,7 @@ from conftest import FEDRUN, mlflow_runs, sweep_runs
 
 pytestmark = pytest.mark.e2e
 submitit = pytest.importorskip("submitit")  # the [slurm] extra (in [dev])
+RAY = str(Path(sys.executable).parent / "ray")
 
 
 def sweep(tmp_path, store, experiment, *args):
@@ -77,3 +83,30 @@ def test_the_slurm_presets_are_accepted_by_submitit():
         text = _make_sbatch_string("fedrun", "/tmp/fedrun-submitit-preset-check", mem=f"{launcher['mem_gb']}GB", **params)
         assert "#SBATCH --signal=USR2@120" in text and "#SBATCH --time=240" in text
         assert ("#SBATCH --gpus-per-node=1" in text) == (gpus == 1)
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A local Ray head (2 CPUs, no dashboard) for the test's duration, in its own temp dir."""
+    pytest.importorskip("ray")  # the [ray] extra (in [dev])
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
+    started = subprocess.run([RAY, "start", "--head", "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}", "--port=0"],
+                             capture_output=True, text=True, env=env, timeout=180)
+    assert started.returncode == 0, started.stderr[-3000:]
+    address = re.search(r"--address='([^']+)'", started.stdout + started.stderr).group(1)
+    yield address, env
+    subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_sweep_on_a_ray_cluster_runs_its_jobs_as_ray_tasks(tmp_path, store, ray_head):
+    address, env = ray_head
+    done = subprocess.run([FEDRUN, "-m", "hydra/launcher=ray_cluster", f"hydra.launcher.ray.init.address={address}", "seed=0,1",
+                           "schedule.rounds=2", "partition.num_clients=5", "device=cpu", f"tracking.uri=sqlite:///{store}",
+                           "tracking.experiment=ray", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Connected to Ray cluster" in done.stdout + done.stderr and "Ray Launcher is launching 2 jobs" in done.stdout + done.stderr
+    _, runs = mlflow_runs(store, "ray")
+    assert sorted(r.data.tags["seed"] for r in runs) == ["0", "1"] and all(r.info.status == "FINISHED" for r in runs)
+    assert {r.data.tags["torch_threads"] for r in runs} == {"1"}  # ray.remote.num_cpus of the preset: no oversubscription
