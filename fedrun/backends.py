@@ -134,11 +134,12 @@ class LoopTrainer:
         pass
 
 
-def _worker(connection, inherited, model, x, y, make_optimizer) -> None:
+def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -> None:
     for end in inherited:  # the parent's ends, copied by fork: closed, so a dead parent means EOF here
         end.close()
-    model = copy.deepcopy(model)  # its own workspace: a model pickled to a forkserver worker shares the parent's memory
-    torch.set_num_threads(1)  # one thread per worker: the workers are the parallelism (and OpenMP is safe after fork)
+    torch.set_num_threads(1)  # first: one thread per worker (the workers are the parallelism), and OpenMP is safe after fork
+    if private:  # its own workspace: a model pickled to a forkserver worker shares the parent's memory (fork copies on write)
+        model = copy.deepcopy(model)
     for signum in (signal.SIGINT, signal.SIGTERM):  # the parent decides when to stop (a clean stop needs its workers)
         signal.signal(signum, signal.SIG_IGN)
     while True:
@@ -179,7 +180,7 @@ class ProcessTrainer:
         for _ in range(workers):
             parent, child = context.Pipe()
             inherited = self.connections + [parent] if start_method == "fork" else []  # only fork copies the parent's ends
-            process = context.Process(target=_worker, args=(child, inherited, model, x, y, make_optimizer), daemon=True)
+            process = context.Process(target=_worker, args=(child, inherited, model, x, y, make_optimizer, start_method != "fork"), daemon=True)
             process.start()
             child.close()
             self.connections.append(parent)

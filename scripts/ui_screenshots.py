@@ -1,8 +1,17 @@
 """Look at the MLflow UI as a user does: start ``mlflow ui`` on a store, screenshot its pages with headless Chromium.
 
-Takes PNGs of the experiment page (the runs table, a sweep folded under its parent run), the same page's
-chart view, a run's overview (description, params, tags), a run's model-metrics page (which charts come
-first) and the compare page of a sweep's jobs. Needs Debian's ``chromium`` (``apt-get install chromium``).
+Takes PNGs of the experiment page (the runs table, a sweep folded under its parent run), the same table
+sorted by run name (which lists every job flat), the chart view of those jobs, a run's overview
+(description, params, tags), a run's model-metrics page (which charts come first) and the compare page of a
+sweep's jobs. Needs Debian's ``chromium`` (``apt-get install chromium``).
+
+MLflow 3.x opens an experiment on its GenAI pages (traces overview) unless the URL says
+``workflowType=machine_learning`` or the browser's localStorage (``mlflow.workflowType_v1``) remembers the
+"Model training" toggle; the ``mlflow.experimentKind`` tag does not change that. A fresh headless browser has
+no localStorage, so every URL here carries ``?workflowType=machine_learning``. A sorting other than by
+creation time turns off nesting, so the sorted table and chart view show the jobs rather than the parent's
+own metrics. ``--run-all-compositor-stages-before-draw`` makes the experiment chart view draw its charts
+(without it they stay loading spinners).
 
 Usage:
     python scripts/ui_screenshots.py --store sqlite:///outputs/mlflow.db --experiment fedrun --out /tmp/ui
@@ -60,8 +69,9 @@ def screenshot(url: str, path: Path, size: str = "1600,1000") -> None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         raise SystemExit("ui_screenshots: no chromium on PATH (apt-get install chromium)")
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--window-size={size}",
-                    "--virtual-time-budget=15000", f"--screenshot={path}", url], check=True, capture_output=True, timeout=120)
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--run-all-compositor-stages-before-draw",
+                    f"--window-size={size}", "--virtual-time-budget=15000", f"--screenshot={path}", url],
+                   check=True, capture_output=True, timeout=120)
     print(f"{path}: {url}")
 
 
@@ -92,13 +102,17 @@ def main() -> None:
     server = start_ui(uri, port)
     try:
         base, eid = f"http://127.0.0.1:{port}/#", experiment.experiment_id
+        ml = "workflowType=machine_learning"  # the "Model training" pages, not the GenAI traces overview
+        flat = "orderByKey=" + urllib.parse.quote("tags.`mlflow.runName`") + "&orderByAsc=true"  # not by date: jobs unnested
         run = jobs[0].info.run_id
         compare = urllib.parse.quote(json.dumps([r.info.run_id for r in children[:4]]))
-        screenshot(f"{base}/experiments/{eid}", args.out / "experiment.png")
-        screenshot(f"{base}/experiments/{eid}?compareRunsMode=CHART", args.out / "experiment_charts.png")
-        screenshot(f"{base}/experiments/{eid}/runs/{run}", args.out / "run_overview.png", "1600,1400")
-        screenshot(f"{base}/experiments/{eid}/runs/{run}/model-metrics", args.out / "run_metrics.png", "1600,1400")
-        screenshot(f"{base}/compare-runs?runs={compare}&experiments={urllib.parse.quote(json.dumps([eid]))}", args.out / "compare.png", "1600,1400")
+        screenshot(f"{base}/experiments/{eid}/runs?{ml}", args.out / "experiment.png")
+        screenshot(f"{base}/experiments/{eid}/runs?{ml}&{flat}", args.out / "experiment_jobs.png")
+        screenshot(f"{base}/experiments/{eid}/runs?{ml}&{flat}&compareRunsMode=CHART", args.out / "experiment_charts.png", "1600,1400")
+        screenshot(f"{base}/experiments/{eid}/runs/{run}?{ml}", args.out / "run_overview.png", "1600,1400")
+        screenshot(f"{base}/experiments/{eid}/runs/{run}/model-metrics?{ml}", args.out / "run_metrics.png", "1600,1400")
+        screenshot(f"{base}/compare-runs?runs={compare}&experiments={urllib.parse.quote(json.dumps([eid]))}&{ml}", args.out / "compare.png",
+                   "1600,1400")
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)

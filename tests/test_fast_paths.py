@@ -332,3 +332,29 @@ def test_the_plain_sgd_step_equals_torchs_sgd_bit_for_bit():
     for other in (dict(momentum=0.9), dict(weight_decay=0.1), dict(maximize=True)):
         assert plain_sgd_step(torch.optim.SGD(CNN((3, 8, 8), 4).parameters(), lr=0.05, **other)) is None
     assert plain_sgd_step(ProxSGD(CNN((3, 8, 8), 4).parameters(), lr=0.05, mu=0.1)) is None
+
+
+def test_forked_workers_with_a_large_model_after_multithreaded_work_do_not_hang():
+    # Regression: a worker that copied a 470,000-weight layer before limiting itself to one thread ran a
+    # parallel copy in a forked child of a process whose OpenMP pool was busy, and hung for good.
+    import signal
+
+    from fedrun.backends import ProcessTrainer
+    from fedrun.clients import LocalWork
+    from fedrun.models import flat_parameters
+
+    torch.manual_seed(0)
+    model = MLP((1, 28, 28), 10)  # 784 x 600 + 600 x 600 weights: copies of them are split over threads
+    x, y = torch.randn(60, 1, 28, 28), torch.randint(0, 10, (60,))
+    torch.randn(1000, 1000) @ torch.randn(1000, 1000)  # the parent's thread pool has been used
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the worker processes hung"))
+    signal.alarm(120)
+    try:
+        trainer = ProcessTrainer(model, x, y, functools.partial(torch.optim.SGD, lr=0.05), workers=2, start_method="fork")
+        try:
+            update = trainer(flat_parameters(model), [np.arange(0, 30), np.arange(30, 60)], np.array([0, 1]), 0.05, LocalWork(10, local_epochs=1), 0, 1)
+        finally:
+            trainer.close()
+    finally:
+        signal.alarm(0)
+    assert list(update.steps) == [3, 3] and update.deltas.abs().max() > 0

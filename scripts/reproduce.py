@@ -1,0 +1,151 @@
+"""Reproduce a seed paper's headline result: its sweeps through ``fedrun -m``, then ``fedrun-report``.
+
+One command per paper (``python scripts/reproduce.py 000``); REPRODUCING.md says what each one measures
+and what it found. Each part of a paper is one ``fedrun -m`` sweep in its own dir under
+``--out/<paper>/<part>``; run the same command again after an interruption and every part resumes
+(``resume=<dir>``: finished jobs are skipped, stopped ones continue from their checkpoints). All runs of a
+paper go to one MLflow experiment, ``reproduce_<paper>`` (tuning sweeps to ``reproduce_<paper>_tuning``),
+in ``--out/mlflow.db``; the report goes to ``--out/<paper>/report``.
+
+Paper 000's temperature is not chosen by hand: its ``temperature`` part sweeps T on the very non-IID
+split and the T with the smallest median R90 (then the highest final accuracy) is used for the table.
+
+Usage:
+    python scripts/reproduce.py 000 [--seeds 5] [--out outputs/reproduce] [--dry-run]
+    python scripts/reproduce.py all
+    python scripts/reproduce.py 002 --tiny     # one seed, two rounds, first value of each list: checks the commands
+"""
+
+import argparse
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class Part:
+    """One ``fedrun -m`` sweep; ``{seeds}`` and ``{temperature}`` in the arguments are filled in when run."""
+
+    name: str
+    args: tuple[str, ...]
+    tuning: bool = False  # a tuning sweep: its own experiment, left out of the paper's table
+
+
+@dataclass(frozen=True)
+class Paper:
+    title: str
+    parts: tuple[Part, ...]
+    report_by: tuple[str, ...] = field(default_factory=tuple)  # --group-by of the table (default: what varies)
+
+
+SHARDS = ("partition=shards", "partition.shards_per_client=2,4", "partition.shard_source=dataset,pool")  # very non-IID, non-IID
+SOFTMAX = ("aggregator=fedsoftmax", "aggregator.temperature={temperature}")
+PAPERS = {
+    "000": Paper("Loss-weighted aggregation (FedMax, FedSoftMax): R80/R90 on MNIST, Table 3", (
+        Part("temperature", ("experiment=softmax_mnist", "aggregator=fedsoftmax", "aggregator.temperature=0.03,0.1,0.3,1,3",
+                             "seed=0,1,2"), tuning=True),
+        Part("fedavg_iid", ("experiment=softmax_mnist", "aggregator=fedavg", "partition=iid", "seed={seeds}")),
+        Part("fedavg_shards", ("experiment=softmax_mnist", "aggregator=fedavg", *SHARDS, "seed={seeds}")),
+        Part("fedsoftmax_iid", ("experiment=softmax_mnist", *SOFTMAX, "partition=iid", "seed={seeds}")),
+        Part("fedsoftmax_shards", ("experiment=softmax_mnist", *SOFTMAX, *SHARDS, "seed={seeds}")),
+        Part("fedmaxk_shards", ("experiment=softmax_mnist", "aggregator=fedmaxk", *SHARDS, "seed={seeds}")),
+        Part("fedsoftmax_annealed_shards", ("experiment=softmax_mnist", *SOFTMAX, "aggregator.anneal=exponential",
+                                            "aggregator.temperature_final=10", "aggregator.anneal_rounds=20", *SHARDS, "seed={seeds}")),
+    )),
+    "001": Paper("FedSoftBetter and the hybrid FedSoftBetterAvg: Fashion-MNIST non-IID R60 and stability", (
+        Part("table", ("experiment=hybrid_fmnist", "aggregator=fedavg,fedsoftbetter,hybrid", "seed={seeds}")),
+    )),
+    "002": Paper("STORM-style variance reduction against FedAvg, FedProx and FedNova on Dirichlet(0.5) MNIST", (
+        Part("baselines", ("experiment=vr_mnist", "method=fedavg,fedprox,fednova", "seed={seeds}")),
+        Part("storm_vr", ("experiment=vr_mnist", "method=storm_vr", "optimizer.k0=0.15", "aggregator.beta=0.9", "seed={seeds}")),
+        Part("storm_vr_constants", ("experiment=vr_mnist", "method=storm_vr", "optimizer.k0=0.05,0.1,0.15,0.2", "aggregator.beta=0.5,0.9",
+                                    "seed=0"), tuning=True),
+    ), report_by=("method",)),
+    "004": Paper("FedStaleWeight against FedBuff with slow clients owning labels 0-3 (Fashion-MNIST)", (
+        Part("table", ("experiment=stale_fmnist", "aggregator=fedbuff,fedstaleweight", "seed={seeds}")),
+    )),
+}
+TINY = ("schedule.rounds=2", "schedule.stop_at_accuracy=null")
+
+
+def first_values(args: tuple[str, ...]) -> list[str]:
+    """Each ``key=a,b,c`` as ``key=a`` (a list value in brackets is left whole)."""
+    out = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        out.append(f"{key}={value.split(',')[0]}" if sep and not value.startswith("[") else arg)
+    return out
+
+
+def command(paper: str, part: Part, out: Path, seeds: int, temperature: str, tiny: bool) -> list[str]:
+    values = {"seeds": ",".join(str(s) for s in range(seeds)), "temperature": temperature}
+    args = [a.format(**values) for a in part.args]
+    if tiny:
+        args = first_values(tuple(args)) + list(TINY)
+    sweep_dir = out / paper / part.name
+    experiment = f"reproduce_{paper}" + ("_tuning" if part.tuning else "")
+    cmd = [str(BIN / "fedrun"), "-m", *args, f"tracking.uri=sqlite:///{(out / 'mlflow.db').resolve()}", f"tracking.experiment={experiment}"]
+    if (sweep_dir / "multirun.yaml").is_file():  # started before: resume it (finished jobs are skipped)
+        return cmd + [f"resume={sweep_dir.resolve()}"]
+    return cmd + [f"hydra.sweep.dir={sweep_dir.resolve()}"]
+
+
+def report(paper: str, out: Path, tuning: bool = False, group_by: tuple[str, ...] = ()) -> list[str]:
+    experiment = f"reproduce_{paper}" + ("_tuning" if tuning else "")
+    cmd = [str(BIN / "fedrun-report"), "--experiment", experiment, "--tracking-uri", f"sqlite:///{(out / 'mlflow.db').resolve()}",
+           "--out", str(out / paper / ("tuning_report" if tuning else "report"))]
+    return cmd + (["--group-by", *group_by] if group_by else [])
+
+
+def best_temperature(report_csv: Path) -> str | None:
+    """The temperature with the smallest median R90 (runs that never reached 90% count as infinitely late),
+    then the highest mean final accuracy; None when the report has one temperature only (no column)."""
+    table = pd.read_csv(report_csv)
+    if "aggregator.temperature" not in table:
+        return None
+    ranked = table.assign(_final=-table["final_test_accuracy_mean"]).sort_values(["R90_median", "_final"])
+    return str(ranked["aggregator.temperature"].iloc[0])
+
+
+def run(cmd: list[str], dry_run: bool) -> None:
+    print("+ " + " ".join(cmd), flush=True)
+    if not dry_run:
+        subprocess.run(cmd, check=True)
+
+
+def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool) -> None:
+    spec = PAPERS[paper]
+    print(f"# {paper}: {spec.title}", flush=True)
+    temperature = "1.0"
+    for part in spec.parts:
+        run(command(paper, part, out, seeds, temperature, tiny), dry_run)
+        if part.tuning:
+            run(report(paper, out, tuning=True), dry_run)
+            if part.name == "temperature" and not dry_run:
+                tried = next(a for a in part.args if a.startswith("aggregator.temperature=")).split("=")[1].split(",")
+                temperature = best_temperature(out / paper / "tuning_report" / "report.csv") or tried[0]
+                print(f"# temperature chosen by the sweep (smallest median R90): {temperature}", flush=True)
+                (out / paper / "temperature.txt").write_text(temperature + "\n")
+    run(report(paper, out, group_by=spec.report_by), dry_run)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paper", choices=[*PAPERS, "all"])
+    parser.add_argument("--seeds", type=int, default=5, help="seeds per configuration (default: 5)")
+    parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
+    parser.add_argument("--tiny", action="store_true", help="one seed, two rounds, the first value of each list: checks the commands")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for paper in PAPERS if args.paper == "all" else [args.paper]:
+        reproduce(paper, args.out, 1 if args.tiny else args.seeds, args.tiny, args.dry_run)
+
+
+if __name__ == "__main__":
+    main()
