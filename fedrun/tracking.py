@@ -184,6 +184,7 @@ class Tracker:
         self.metrics_path, self.alpha_path = self.dir / "metrics.csv", self.dir / "alpha.csv"
         self._columns: dict[Path, list[str]] = {}  # each CSV file's header so far
         self.run_id: str | None = None
+        self.experiment_key: str | None = None  # the MLflow experiment's id
         self.extra_summary: dict = {}
         self.lost: str | None = None  # why MLflow stopped taking this run's data mid-run, if it did
         self.rows: list[dict] = []  # the metrics rows so far (the summary is computed from them)
@@ -197,10 +198,12 @@ class Tracker:
 
         mlflow.set_tracking_uri(self.uri)
         if run_id is not None:
-            self.run_id = retried(lambda: mlflow.start_run(run_id=run_id, log_system_metrics=False)).info.run_id
+            info = retried(lambda: mlflow.start_run(run_id=run_id, log_system_metrics=False)).info
+            self.run_id, self.experiment_key = info.run_id, info.experiment_id
             return
         experiment_id = self.experiment_id(self.uri, self.experiment)
         self.run_id = retried(lambda: mlflow.start_run(experiment_id=experiment_id, run_name=run_name, log_system_metrics=False)).info.run_id
+        self.experiment_key = experiment_id
         retried(lambda: mlflow.log_params(params))
         retried(lambda: mlflow.set_tags(tags))
 
@@ -364,3 +367,13 @@ class Tracker:
             except Exception as exc:
                 if self.lost is None:
                     self._lost(exc)
+        if self.lost is None:
+            print(f"fedrun: {self.link()}", file=sys.stderr)
+
+    def link(self) -> str:
+        """Where to look at the run in the MLflow UI. The ``workflowType`` parameter makes MLflow 3 open the
+        model-training pages: without it the UI starts on its GenAI view whatever the experiment's kind."""
+        page = f"#/experiments/{self.experiment_key}/runs/{self.run_id}?workflowType=machine_learning"
+        if self.uri.startswith(("http://", "https://")):
+            return f"MLflow run at {self.uri.rstrip('/')}/{page}"
+        return f"MLflow run: mlflow ui --backend-store-uri {self.uri}, then http://127.0.0.1:5000/{page}"

@@ -52,9 +52,11 @@ def test_cores_per_job_follow_joblib_n_jobs_and_ray_num_cpus():
 
 
 def test_runs_have_short_names_the_overrides_as_a_tag_and_a_model_training_experiment(fedrun, store):
-    fedrun("aggregator=fedsoftmax", "aggregator.temperature=0.5", "partition=shards", "schedule.rounds=1", "partition.num_clients=5",
-           "seed=3", experiment="names")
+    done = fedrun("aggregator=fedsoftmax", "aggregator.temperature=0.5", "partition=shards", "schedule.rounds=1", "partition.num_clients=5",
+                  "seed=3", experiment="names")
     client, [run] = mlflow_runs(store, "names")
+    # the run's page, opened on MLflow 3's model-training view (its default is the GenAI one)
+    assert f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning" in done.stderr
     assert run.info.run_name == "fedsoftmax shards digits temperature=0.5 rounds=1 num_clients=5 seed=3"
     assert run.data.tags["overrides"] == ("aggregator.temperature=0.5,aggregator=fedsoftmax,device=cpu,partition.num_clients=5,"
                                           "partition=shards,schedule.rounds=1,seed=3")
