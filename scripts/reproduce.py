@@ -58,8 +58,11 @@ PAPERS = {
                                             "aggregator.temperature_final=10", "aggregator.anneal_rounds=20", *SHARDS, "seed={seeds}")),
     )),
     "001": Paper("FedSoftBetter and the hybrid FedSoftBetterAvg: Fashion-MNIST non-IID R60 and stability", (
-        Part("table", ("experiment=hybrid_fmnist", "aggregator=fedavg,fedsoftbetter,hybrid", "seed={seeds}")),
-    )),
+        # T = 0.2 and the switch at round 20: the caption of the paper's Figure 1 (paper 001, line 297).
+        Part("fedavg", ("experiment=hybrid_fmnist", "aggregator=fedavg", "seed={seeds}")),
+        Part("fedsoftbetter", ("experiment=hybrid_fmnist", "aggregator=fedsoftbetter", "aggregator.temperature=0.2", "seed={seeds}")),
+        Part("hybrid", ("experiment=hybrid_fmnist", "aggregator=hybrid", "aggregator.phases.0.aggregator.temperature=0.2", "seed={seeds}")),
+    ), report_by=("aggregator",)),
     "002": Paper("STORM-style variance reduction against FedAvg, FedProx and FedNova on Dirichlet(0.5) MNIST", (
         Part("baselines", ("experiment=vr_mnist", "method=fedavg,fedprox,fednova", "seed={seeds}")),
         Part("storm_vr", ("experiment=vr_mnist", "method=storm_vr", "optimizer.k0=0.15", "aggregator.beta=0.9", "seed={seeds}")),
