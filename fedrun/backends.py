@@ -165,8 +165,8 @@ class ProcessTrainer:
     """Split the cohort over worker processes, each training its clients on one thread.
 
     The dataset tensors are shared with the workers by fork (copy-on-write, never written), or through shared
-    memory where ``worker_start_method`` says forkserver, so memory does not grow with the workers. Clients are dealt to workers in contiguous blocks of about equal work, and
-    the updates come back in cohort order.
+    memory where ``worker_start_method`` says forkserver, so memory does not grow with the workers. Clients are
+    dealt to workers in contiguous blocks of about equal work, and the updates come back in cohort order.
     """
 
     def __init__(self, model, x, y, make_optimizer, workers: int, start_method: str | None = None):

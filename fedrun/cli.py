@@ -120,8 +120,6 @@ def check_run_keys(cfg: DictConfig) -> None:
         raise ConfigError("tracking.max_alpha_series", tracking.max_alpha_series, "an integer >= 0")
 
 
-
-
 def git_commit() -> str:
     try:
         out = subprocess.run(

@@ -27,7 +27,6 @@ from fedrun.tracking import flatten, preflight, resolve_uri
 BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics per call
 
 
-
 def finished(directory: Path, config: dict, rounds_written: int) -> bool:
     if (directory / FILE).exists():
         import torch

@@ -104,15 +104,14 @@ def open_sweep_run(uri: str, experiment: str, sweep_dir: Path, name: str, tags: 
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=uri)
-    path = sweep_dir / PARENT_FILE
-    if path.is_file():
-        run_id = path.read_text().strip()
+    run_id = sweep_parent(sweep_dir)
+    if run_id is not None:
         retried(lambda: client.update_run(run_id, status="RUNNING"))
         return run_id
     experiment_id = Tracker.experiment_id(uri, experiment)
     run = retried(lambda: client.create_run(experiment_id, run_name=name, tags=tags))
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(run.info.run_id)
+    (sweep_dir / PARENT_FILE).write_text(run.info.run_id)
     return run.info.run_id
 
 
