@@ -4,8 +4,10 @@ Runs are grouped by every config key that varies across them except ``seed`` (or
 For each group: the number of runs, mean +/- 95% Student-t interval of each R-index over the runs that
 reached it ("reached k/n"), the censored median of each R-index (runs that never reached the target count
 as infinitely late; "> N" when fewer than half reached it within their N rounds), final and best test
-accuracy, smoothness. Writes ``report.md``, ``report.csv`` and ``accuracy.png`` (mean test accuracy per
-round with its interval band per group).
+accuracy, smoothness, and any other metric named with ``--metrics`` (its last logged value, e.g.
+``accuracy/slow weight_share/slow`` of an asynchronous run). Writes ``report.md``, ``report.csv`` and
+``accuracy.png`` (mean test accuracy per round with its interval band per group), and a band plot for each
+further metric named with ``--plot`` (``accuracy_slow.png`` for ``accuracy/slow``).
 """
 
 import argparse
@@ -68,8 +70,9 @@ def censored_median(values: np.ndarray) -> float:
     return float(ordered[math.ceil(len(ordered) / 2) - 1]) if len(ordered) else math.nan
 
 
-def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """One row per group: counts, and mean / CI half-width / reached counts of every R-index and summary metric."""
+def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One row per group: counts, and mean / CI half-width / reached counts of every R-index, summary metric
+    and ``extra`` metric (each run's last logged value)."""
     # A target no run reached exists only as a tag (R95=not_reached): give it an empty metric column.
     unreached = [f"metrics.{label(c)}" for c in runs.columns if c.startswith("tags.") and R_INDEX.match(label(c))]
     runs = runs.assign(**{c: math.nan for c in unreached if c not in runs})
@@ -82,7 +85,7 @@ def summarise(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     for values, group in groups(runs, keys):
         row = {label(k): v for k, v in zip(keys, values)}
         row["runs"] = len(group)
-        for column in list(r_columns) + [f"metrics.{m}" for m in SUMMARY if f"metrics.{m}" in runs]:
+        for column in list(r_columns) + [f"metrics.{m}" for m in dict.fromkeys(SUMMARY + tuple(extra)) if f"metrics.{m}" in runs]:
             reached = group[column].dropna()
             row[f"{label(column)}_mean"], row[f"{label(column)}_ci95"] = mean_ci(reached.to_numpy())
             if column in r_columns:
@@ -146,8 +149,8 @@ def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accu
     return out
 
 
-def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str) -> Path:
-    """Mean accuracy per round with its 95% Student-t band, one line per group."""
+def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: str = "test accuracy") -> Path:
+    """Mean ``metric`` per round with its 95% Student-t band, one line per group."""
     from fedrun.plots import MaxNLocator, plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -155,7 +158,7 @@ def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str) -> Path:
         stats = np.array([mean_ci(frame.loc[r].dropna().to_numpy()) for r in frame.index])
         ax.plot(frame.index, stats[:, 0], label=f"{name} (n={frame.shape[1]})")
         ax.fill_between(frame.index, stats[:, 0] - np.nan_to_num(stats[:, 1]), stats[:, 0] + np.nan_to_num(stats[:, 1]), alpha=0.2)
-    ax.set(xlabel="round", ylabel="test accuracy", title=title)
+    ax.set(xlabel="round", ylabel=metric, title=title)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -171,6 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tracking-uri", default="sqlite:///outputs/mlflow.db", help="default: %(default)s (relative to here)")
     parser.add_argument("--group-by", nargs="+", metavar="KEY", help="config keys or group names (default: every key that varies, except seed)")
     parser.add_argument("--filter", metavar="EXPR", help="MLflow search filter, e.g. \"params.`aggregator.temperature` = '1.0'\"")
+    parser.add_argument("--metrics", nargs="+", default=[], metavar="METRIC",
+                        help="further columns: each run's last value of these metrics, e.g. accuracy/slow weight_share/slow")
+    parser.add_argument("--plot", nargs="+", default=[], metavar="METRIC",
+                        help="further band plots, one per metric logged each round, e.g. accuracy/slow (accuracy_slow.png)")
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
     args = parser.parse_args(argv)
 
@@ -201,15 +208,22 @@ def main(argv: list[str] | None = None) -> None:
     else:
         keys = group_keys(finished)
 
+    logged = sorted(c[len("metrics."):] for c in finished.columns if c.startswith("metrics.") and finished[c].notna().any())
+    for metric in args.metrics + args.plot:
+        if metric not in logged:
+            raise SystemExit(f"fedrun-report: error: metric {metric!r} was not logged by these runs (logged: {', '.join(logged)})")
     out = args.out or Path("outputs") / "report" / args.experiment
     out.mkdir(parents=True, exist_ok=True)
-    table = summarise(finished, keys)
+    table = summarise(finished, keys, tuple(args.metrics))
     text = markdown(table, keys)
     (out / "report.md").write_text(f"# {args.experiment}\n\n{len(finished)} finished runs ({len(runs) - len(finished)} others left out).\n\n" + text)
     table.to_csv(out / "report.csv", index=False)
-    plot_bands(curves(client, finished, keys), out / "accuracy.png", f"{args.experiment}: mean test accuracy, 95% CI band")
+    plots = [plot_bands(curves(client, finished, keys), out / "accuracy.png", f"{args.experiment}: mean test accuracy, 95% CI band")]
+    for metric in dict.fromkeys(args.plot):
+        plots.append(plot_bands(curves(client, finished, keys, metric), out / (re.sub(r"\W", "_", metric) + ".png"),
+                                f"{args.experiment}: mean {metric}, 95% CI band", metric))
     print(text, end="")
-    print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, {out / 'accuracy.png'}")
+    print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, " + ", ".join(str(p) for p in plots))
 
 
 if __name__ == "__main__":

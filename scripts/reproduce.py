@@ -41,6 +41,7 @@ class Paper:
     title: str
     parts: tuple[Part, ...]
     report_by: tuple[str, ...] = field(default_factory=tuple)  # --group-by of the table (default: what varies)
+    report_extra: tuple[str, ...] = field(default_factory=tuple)  # further fedrun-report arguments (--metrics, --plot)
 
 
 TNIID_NIID = ("partition=shards", "partition.shards_per_client=2,4", "partition.shard_source=dataset")  # very non-IID, non-IID
@@ -84,7 +85,7 @@ PAPERS = {
         # 2,000 aggregations evaluated every 50, half the paper's 4,000 (it fits the CPU budget; schedule.rounds=4000 for all).
         Part("table", ("experiment=stale_fmnist", "aggregator=fedbuff,fedstaleweight", "schedule.rounds=2000", "schedule.eval_every=50",
                        "seed={seeds}")),
-    )),
+    ), report_extra=("--metrics", "accuracy/slow", "accuracy/fast", "weight_share/slow", "--plot", "accuracy/slow")),
 }
 TINY = ("schedule.rounds=2", "schedule.stop_at_accuracy=null")
 
@@ -112,11 +113,11 @@ def command(paper: str, part: Part, out: Path, seeds: int, temperature: str, tin
     return cmd + [f"hydra.sweep.dir={sweep_dir.resolve()}"]
 
 
-def report(paper: str, out: Path, tuning: bool = False, group_by: tuple[str, ...] = ()) -> list[str]:
+def report(paper: str, out: Path, tuning: bool = False, group_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[str]:
     experiment = f"reproduce_{paper}" + ("_tuning" if tuning else "")
     cmd = [str(BIN / "fedrun-report"), "--experiment", experiment, "--tracking-uri", f"sqlite:///{(out / 'mlflow.db').resolve()}",
            "--out", str(out / paper / ("tuning_report" if tuning else "report"))]
-    return cmd + (["--group-by", *group_by] if group_by else [])
+    return cmd + (["--group-by", *group_by] if group_by else []) + list(extra)
 
 
 def best_temperature(report_csv: Path) -> str | None:
@@ -153,7 +154,7 @@ def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool) -> N
                 temperature = best_temperature(out / paper / "tuning_report" / "report.csv") or tried[0]
                 print(f"# temperature chosen by the sweep (smallest median R90): {temperature}", flush=True)
                 (out / paper / "temperature.txt").write_text(temperature + "\n")
-    run(report(paper, out, group_by=spec.report_by), dry_run)
+    run(report(paper, out, group_by=spec.report_by, extra=spec.report_extra), dry_run)
 
 
 def main() -> None:

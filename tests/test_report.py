@@ -29,6 +29,7 @@ def frame():
             "metrics.rounds_run": [9.0] * 6,
             "tags.R95": ["not_reached"] * 6,
             "metrics.final_test_accuracy": [0.9, 0.92, 0.95, 0.93, 0.91, 0.94],
+            "metrics.weight_share/slow": [0.1, 0.3, 0.2, 0.2, 0.5, 0.5],
         }
     )
 
@@ -60,6 +61,19 @@ def test_summary_counts_reached_runs_and_uses_student_t():
     assert ("| aggregator | aggregator.temperature | runs | R60 (reached) | R60 median | R95 (reached) | R95 median | "
             "R60_time (reached) | R60_time median |") in text
     assert "| 4.0 ± 12.7 (2/2) | 3 |" in text and "| 6.0 (1/2) | 6 |" in text and "| - (0/2) | > 9 |" in text
+
+
+def test_further_metrics_are_summarised_only_when_asked_for():
+    runs = frame()
+    keys = group_keys(runs)
+    assert "weight_share/slow_mean" not in summarise(runs, keys)
+    table = summarise(runs, keys, ("weight_share/slow",)).set_index(["aggregator", "aggregator.temperature"])
+    # fedavg [0.1, 0.3]: mean 0.2, half-width t(1) 12.706 * 0.1414 / sqrt(2) = 1.2706; T=10 [0.5, 0.5]: no spread
+    assert table.loc[("fedavg", "-"), "weight_share/slow_mean"] == pytest.approx(0.2)
+    assert table.loc[("fedavg", "-"), "weight_share/slow_ci95"] == pytest.approx(1.2706, abs=1e-4)
+    assert table.loc[("fedsoftmax", "10"), "weight_share/slow_ci95"] == 0.0
+    assert "weight_share/slow_reached" not in table  # not an R-index
+    assert "| weight_share/slow |" in markdown(table.reset_index(), keys)
 
 
 def test_a_table_without_group_keys_counts_runs_as_integers():
@@ -98,5 +112,17 @@ def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
         assert table.loc[aggregator, "final_test_accuracy_mean"] == pytest.approx(mean)
         assert table.loc[aggregator, "final_test_accuracy_ci95"] == pytest.approx(half)
     assert (out / "report.md").read_text().startswith("# report") and (out / "accuracy.png").stat().st_size > 10_000
+    # Any logged metric: its last value per run as a column, its per-round curve as a band plot.
+    subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--out", str(out),
+                    "--metrics", "alpha_distance", "--plot", "alpha_distance"], capture_output=True, text=True, check=True)
+    table = pd.read_csv(out / "report.csv").set_index("aggregator")
+    for aggregator in ("fedavg", "fedsoftmax"):
+        last = [r.data.metrics["alpha_distance"] for r in runs if r.data.tags["aggregator"] == aggregator]
+        assert table.loc[aggregator, "alpha_distance_mean"] == pytest.approx(np.mean(last))
+    assert table.loc["fedavg", "alpha_distance_mean"] == pytest.approx(0.0, abs=1e-12)  # FedAvg's alpha is p
+    assert (out / "alpha_distance.png").stat().st_size > 10_000
+    unknown = subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--metrics", "acc/slow"],
+                             capture_output=True, text=True)
+    assert unknown.returncode != 0 and "metric 'acc/slow' was not logged by these runs (logged: " in unknown.stderr
     missing = subprocess.run([report, "--experiment", "nope", "--tracking-uri", f"sqlite:///{store}"], capture_output=True, text=True)
     assert missing.returncode != 0 and "no experiment 'nope'" in missing.stderr
