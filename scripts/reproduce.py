@@ -13,6 +13,7 @@ split and the T with the smallest median R90 (then the highest final accuracy) i
 Usage:
     python scripts/reproduce.py 000 [--seeds 5] [--out outputs/reproduce] [--dry-run]
     python scripts/reproduce.py all
+    python scripts/reproduce.py 000 --parts fedavg_iid fedsoftmax_iid   # some parts only (and the T sweep they need)
     python scripts/reproduce.py 002 --tiny     # one seed, two rounds, first value of each list: checks the commands
 """
 
@@ -141,11 +142,24 @@ def run(cmd: list[str], dry_run: bool) -> None:
         raise SystemExit(f"reproduce: {cmd[0]} exited with {code}")
 
 
-def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool) -> None:
+def selected(spec: Paper, names: list[str] | None) -> list[Part]:
+    """The parts named (all when None), in the paper's order; the temperature sweep too where one of them uses
+    its choice (a finished sweep resumes at once: its jobs are skipped)."""
+    if names is None:
+        return list(spec.parts)
+    known = [p.name for p in spec.parts]
+    for name in names:
+        if name not in known:
+            raise SystemExit(f"reproduce: --parts {name!r} is not a part of this paper (its parts: {', '.join(known)})")
+    needs_t = any("{temperature}" in a for p in spec.parts if p.name in names for a in p.args)
+    return [p for p in spec.parts if p.name in names or (needs_t and p.name == "temperature")]
+
+
+def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool, parts: list[str] | None = None) -> None:
     spec = PAPERS[paper]
     print(f"# {paper}: {spec.title}", flush=True)
     temperature = "1.0"
-    for part in spec.parts:
+    for part in selected(spec, parts):
         run(command(paper, part, out, seeds, temperature, tiny), dry_run)
         if part.tuning:
             run(report(paper, out, tuning=True), dry_run)
@@ -163,11 +177,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="seeds per configuration (default: 5)")
     parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
     parser.add_argument("--tiny", action="store_true", help="one seed, two rounds, the first value of each list: checks the commands")
+    parser.add_argument("--parts", nargs="+", metavar="PART", help="only these parts of the paper (default: all; the report covers every run so far)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for paper in PAPERS if args.paper == "all" else [args.paper]:
-        reproduce(paper, args.out, 1 if args.tiny else args.seeds, args.tiny, args.dry_run)
+        reproduce(paper, args.out, 1 if args.tiny else args.seeds, args.tiny, args.dry_run, args.parts)
 
 
 if __name__ == "__main__":

@@ -42,3 +42,12 @@ def test_every_reproduction_command_runs_tiny_and_resumes(tmp_path):
     again = subprocess.run([sys.executable, str(SCRIPT), "002", "--tiny", "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("had finished: skipped") == 3  # interrupted or not, a rerun resumes: nothing runs twice
+
+
+def test_parts_select_a_paper_s_sweeps_with_the_temperature_sweep_they_need():
+    spec = reproduce.PAPERS["000"]
+    assert [p.name for p in reproduce.selected(spec, ["fedavg_iid"])] == ["fedavg_iid"]  # FedAvg needs no T
+    assert [p.name for p in reproduce.selected(spec, ["fedsoftmax_pool", "fedavg_iid"])] == ["temperature", "fedavg_iid", "fedsoftmax_pool"]
+    assert reproduce.selected(spec, None) == list(spec.parts)
+    with pytest.raises(SystemExit, match="--parts 'nope' is not a part of this paper \\(its parts: temperature, fedavg_shards"):
+        reproduce.selected(spec, ["nope"])
