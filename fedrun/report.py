@@ -94,7 +94,17 @@ def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) 
         # Where a median is infinite, the table says "> N": N, the most rounds any run of the group ran.
         row["rounds_max"] = float(group["metrics.rounds_run"].max()) if "metrics.rounds_run" in group else math.nan
         rows.append(row)
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    names = [label(k) for k in keys]
+    return table.sort_values(names, key=lambda column: column.map(_natural)).reset_index(drop=True) if names else table
+
+
+def _natural(value) -> tuple:
+    """Sorts numbers as numbers ("3" before "10"), then any other value as text."""
+    try:
+        return (0, float(value), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(value))
 
 
 R_INDEX = re.compile(r"^(?P<client>client_)?R(?P<target>\d+(\.\d+)?)(?P<time>_time)?$")  # R60, client_R60, R60_time

@@ -76,6 +76,12 @@ def test_further_metrics_are_summarised_only_when_asked_for():
     assert "| weight_share/slow |" in markdown(table.reset_index(), keys)
 
 
+def test_groups_sort_numbers_as_numbers():
+    runs = frame().assign(**{"params.aggregator.temperature": [None, None, "3", "3", "10", "10"]})
+    table = summarise(runs, group_keys(runs))
+    assert list(table["aggregator.temperature"]) == ["-", "3", "10"]  # as text, "10" would come before "3"
+
+
 def test_a_table_without_group_keys_counts_runs_as_integers():
     runs = frame()
     text = markdown(summarise(runs, []), [])
