@@ -51,12 +51,12 @@ def label(column: str) -> str:
 
 
 def groups(runs: pd.DataFrame, keys: list[str]):
-    """(values of the keys, runs) per group, sorted; missing values group as "-"; one group without keys."""
+    """(values of the keys, runs) per group, sorted (numbers as numbers); missing values group as "-"; one group without keys."""
     if not keys:
         yield (), runs
         return
-    for values, group in runs.fillna({k: "-" for k in keys}).groupby(keys, sort=True):
-        yield (values if isinstance(values, tuple) else (values,)), group
+    parts = [((values if isinstance(values, tuple) else (values,)), group) for values, group in runs.fillna({k: "-" for k in keys}).groupby(keys)]
+    yield from sorted(parts, key=lambda part: tuple(_natural(v) for v in part[0]))
 
 
 def censored_median(values: np.ndarray) -> float:
@@ -94,9 +94,7 @@ def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) 
         # Where a median is infinite, the table says "> N": N, the most rounds any run of the group ran.
         row["rounds_max"] = float(group["metrics.rounds_run"].max()) if "metrics.rounds_run" in group else math.nan
         rows.append(row)
-    table = pd.DataFrame(rows)
-    names = [label(k) for k in keys]
-    return table.sort_values(names, key=lambda column: column.map(_natural)).reset_index(drop=True) if names else table
+    return pd.DataFrame(rows)
 
 
 def _natural(value) -> tuple:
@@ -164,10 +162,15 @@ def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: 
     from fedrun.plots import MaxNLocator, plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
+    # A mean of values in [0, 1] (an accuracy, a share) lies in [0, 1]: a wide band (few runs) is cut there.
+    unit = all(np.nanmin(f.to_numpy()) >= 0 and np.nanmax(f.to_numpy()) <= 1 for f in groups.values() if f.notna().any().any())
     for name, frame in groups.items():
         stats = np.array([mean_ci(frame.loc[r].dropna().to_numpy()) for r in frame.index])
+        low, high = stats[:, 0] - np.nan_to_num(stats[:, 1]), stats[:, 0] + np.nan_to_num(stats[:, 1])
+        if unit:
+            low, high = np.clip(low, 0, 1), np.clip(high, 0, 1)
         ax.plot(frame.index, stats[:, 0], label=f"{name} (n={frame.shape[1]})")
-        ax.fill_between(frame.index, stats[:, 0] - np.nan_to_num(stats[:, 1]), stats[:, 0] + np.nan_to_num(stats[:, 1]), alpha=0.2)
+        ax.fill_between(frame.index, low, high, alpha=0.2)
     ax.set(xlabel="round", ylabel=metric, title=title)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
