@@ -4,7 +4,8 @@ One command per paper (``python scripts/reproduce.py 000``); REPRODUCING.md says
 and what it found. Each part of a paper is one ``fedrun -m`` sweep in its own dir under
 ``--out/<paper>/<part>``; run the same command again after an interruption and every part resumes
 (``resume=<dir>``: finished jobs are skipped, stopped ones continue from their checkpoints). All runs of a
-paper go to one MLflow experiment, ``reproduce_<paper>`` (tuning sweeps to ``reproduce_<paper>_tuning``),
+paper go to one MLflow experiment, ``reproduce_<paper>`` (tuning sweeps to ``reproduce_<paper>_tuning``, sensitivity
+checks to ``reproduce_<paper>_check``, each with its own report),
 in ``--out/mlflow.db``; the report goes to ``--out/<paper>/report``.
 
 Paper 000's temperature is not chosen by hand: its ``temperature`` part sweeps T on the very non-IID
@@ -34,7 +35,11 @@ class Part:
 
     name: str
     args: tuple[str, ...]
-    tuning: bool = False  # a tuning sweep: its own experiment, left out of the paper's table
+    side: str = ""  # "tuning" (a sweep that picks a setting) or "check" (a sensitivity check): its own experiment and report
+
+    @property
+    def tuning(self) -> bool:
+        return self.side == "tuning"
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ PAPERS = {
         # T in 0.1-10: the paper's 5-30 (an inverse temperature on a loss summed over batches, line 372; README) is
         # T = 1.7-10 on fedrun's mean loss; 0.1 and 0.3 lean towards FedMax.
         Part("temperature", ("experiment=softmax_mnist", "aggregator=fedsoftmax", "aggregator.temperature=0.1,0.3,1,3,10",
-                             "seed=100,101"), tuning=True),
+                             "seed=100,101"), side="tuning"),
         Part("fedavg_shards", ("experiment=softmax_mnist", "aggregator=fedavg", *TNIID_NIID, "seed={seeds}")),
         Part("fedsoftmax_shards", ("experiment=softmax_mnist", *SOFTMAX, *TNIID_NIID, "seed={seeds}")),
         Part("fedavg_iid", ("experiment=softmax_mnist", "aggregator=fedavg", "partition=iid", "seed={seeds}")),
@@ -66,6 +71,9 @@ PAPERS = {
                                            "aggregator.temperature_final=10", "aggregator.anneal_rounds=20", *TNIID, "seed={seeds}")),
         Part("fedavg_pool", ("experiment=softmax_mnist", "aggregator=fedavg", *TNIID_POOL, "seed={seeds}")),
         Part("fedsoftmax_pool", ("experiment=softmax_mnist", *SOFTMAX, *TNIID_POOL, "seed={seeds}")),
+        # The paper's lr (1e-4) belongs to its own setup: the TNIID comparison again at lr 0.1, 3 seeds.
+        Part("lr_fedavg", ("experiment=softmax_mnist", "aggregator=fedavg", *TNIID, "optimizer.lr=0.1", "seed=0,1,2"), side="check"),
+        Part("lr_fedsoftmax", ("experiment=softmax_mnist", *SOFTMAX, *TNIID, "optimizer.lr=0.1", "seed=0,1,2"), side="check"),
     )),
     "001": Paper("FedSoftBetter and the hybrid FedSoftBetterAvg: Fashion-MNIST non-IID R60 and stability", (
         # T = 0.2 and the switch at round 20: the caption of the paper's Figure 1 (paper 001, line 297). 30 rounds, not
@@ -80,7 +88,7 @@ PAPERS = {
         Part("baselines", ("experiment=vr_mnist", "method=fedavg,fedprox,fednova", "seed={seeds}")),
         Part("storm_vr", ("experiment=vr_mnist", "method=storm_vr", "optimizer.k0=0.15", "aggregator.beta=0.9", "seed={seeds}")),
         Part("storm_vr_constants", ("experiment=vr_mnist", "method=storm_vr", "optimizer.k0=0.05,0.1,0.15,0.2", "aggregator.beta=0.5,0.9",
-                                    "seed=0"), tuning=True),
+                                    "seed=0"), side="tuning"),
     ), report_by=("method",)),
     "004": Paper("FedStaleWeight against FedBuff with slow clients owning labels 0-3 (Fashion-MNIST)", (
         # 2,000 aggregations evaluated every 50, half the paper's 4,000 (it fits the CPU budget; schedule.rounds=4000 for all).
@@ -107,17 +115,17 @@ def command(paper: str, part: Part, out: Path, seeds: int, temperature: str, tin
         replaced = {t.partition("=")[0] for t in TINY}
         args = [a for a in first_values(tuple(args)) if a.partition("=")[0] not in replaced] + list(TINY)
     sweep_dir = out / paper / part.name
-    experiment = f"reproduce_{paper}" + ("_tuning" if part.tuning else "")
+    experiment = f"reproduce_{paper}" + (f"_{part.side}" if part.side else "")
     cmd = [str(BIN / "fedrun"), "-m", *args, f"tracking.uri=sqlite:///{(out / 'mlflow.db').resolve()}", f"tracking.experiment={experiment}"]
     if (sweep_dir / "multirun.yaml").is_file():  # started before: resume it (finished jobs are skipped)
         return cmd + [f"resume={sweep_dir.resolve()}"]
     return cmd + [f"hydra.sweep.dir={sweep_dir.resolve()}"]
 
 
-def report(paper: str, out: Path, tuning: bool = False, group_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[str]:
-    experiment = f"reproduce_{paper}" + ("_tuning" if tuning else "")
+def report(paper: str, out: Path, side: str = "", group_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[str]:
+    experiment = f"reproduce_{paper}" + (f"_{side}" if side else "")
     cmd = [str(BIN / "fedrun-report"), "--experiment", experiment, "--tracking-uri", f"sqlite:///{(out / 'mlflow.db').resolve()}",
-           "--out", str(out / paper / ("tuning_report" if tuning else "report"))]
+           "--out", str(out / paper / (f"{side}_report" if side else "report"))]
     return cmd + (["--group-by", *group_by] if group_by else []) + list(extra)
 
 
@@ -161,8 +169,8 @@ def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool, part
     temperature = "1.0"
     for part in selected(spec, parts):
         run(command(paper, part, out, seeds, temperature, tiny), dry_run)
-        if part.tuning:
-            run(report(paper, out, tuning=True), dry_run)
+        if part.side:
+            run(report(paper, out, part.side), dry_run)
             if part.name == "temperature" and not dry_run:
                 tried = next(a for a in part.args if a.startswith("aggregator.temperature=")).split("=")[1].split(",")
                 temperature = best_temperature(out / paper / "tuning_report" / "report.csv") or tried[0]
