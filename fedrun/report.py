@@ -70,9 +70,9 @@ def censored_median(values: np.ndarray) -> float:
     return float(ordered[math.ceil(len(ordered) / 2) - 1]) if len(ordered) else math.nan
 
 
-def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) -> pd.DataFrame:
-    """One row per group: counts, and mean / CI half-width / reached counts of every R-index, summary metric
-    and ``extra`` metric (each run's last logged value)."""
+def metric_columns(runs: pd.DataFrame, extra: tuple[str, ...] = ()) -> tuple[pd.DataFrame, list[str], list[str]]:
+    """The runs (with an empty column for an R-index no run reached), their R-index columns in order, and the
+    summary and ``extra`` metric columns they have."""
     # A target no run reached exists only as a tag (R95=not_reached): give it an empty metric column.
     unreached = [f"metrics.{label(c)}" for c in runs.columns if c.startswith("tags.") and R_INDEX.match(label(c))]
     runs = runs.assign(**{c: math.nan for c in unreached if c not in runs})
@@ -81,11 +81,18 @@ def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) 
         (c for c, m in matches.items() if m),
         key=lambda c: (bool(matches[c]["client"]), bool(matches[c]["time"]), float(matches[c]["target"])),
     )
+    return runs, r_columns, [f"metrics.{m}" for m in dict.fromkeys(SUMMARY + tuple(extra)) if f"metrics.{m}" in runs]
+
+
+def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One row per group: counts, and mean / CI half-width / reached counts of every R-index, summary metric
+    and ``extra`` metric (each run's last logged value)."""
+    runs, r_columns, others = metric_columns(runs, extra)
     rows = []
     for values, group in groups(runs, keys):
         row = {label(k): v for k, v in zip(keys, values)}
         row["runs"] = len(group)
-        for column in list(r_columns) + [f"metrics.{m}" for m in dict.fromkeys(SUMMARY + tuple(extra)) if f"metrics.{m}" in runs]:
+        for column in r_columns + others:
             reached = group[column].dropna()
             row[f"{label(column)}_mean"], row[f"{label(column)}_ci95"] = mean_ci(reached.to_numpy())
             if column in r_columns:
@@ -95,6 +102,49 @@ def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) 
         row["rounds_max"] = float(group["metrics.rounds_run"].max()) if "metrics.rounds_run" in group else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Each other group against the baseline runs (``key`` == ``baseline``) of the same seed and the same values
+    of the other keys the baseline has (``aggregator.temperature`` is no such key for a FedAvg baseline): per
+    metric, the mean and 95% interval of the per-seed difference (group - baseline) over the pairs where both
+    runs have a value (for an R-index: both reached the target), and those pairs' count.
+
+    Runs with the same seed share their data split and initial model, so the per-seed difference is free of
+    the seed-to-seed spread that widens the intervals of ``summarise``: a paired t interval (Student t on the
+    differences, n - 1 degrees of freedom)."""
+    runs, r_columns, others = metric_columns(runs.fillna({k: "-" for k in keys}), extra)
+    base = runs[runs[key].astype(str) == baseline]
+    if base.empty:
+        values = ", ".join(sorted(runs[key].astype(str).unique(), key=_natural))
+        raise ValueError(f"--paired {label(key)}={baseline}: no finished run has {label(key)} = {baseline!r} (there: {values})")
+    match = ["params.seed"] + [k for k in keys if k != key and (base[k] != "-").any()]
+    rows = []
+    for values, group in groups(runs[runs[key].astype(str) != baseline], keys):
+        pairs = group.merge(base, on=match, suffixes=("", "_base"))
+        row = {label(k): v for k, v in zip(keys, values)}
+        row["pairs"] = len(pairs)
+        for column in r_columns + others:
+            diff = (pairs[column] - pairs[f"{column}_base"]).dropna().to_numpy(dtype=np.float64)
+            row[f"{label(column)}_diff"], row[f"{label(column)}_ci95"] = mean_ci(diff)
+            row[f"{label(column)}_pairs"] = len(diff)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def paired_markdown(table: pd.DataFrame, keys: list[str], key: str, baseline: str) -> str:
+    """The paired differences as a Markdown table: "mean ± CI (pairs)" per metric."""
+    names = [label(k) for k in keys]
+    metrics = list(dict.fromkeys(c.rsplit("_", 1)[0] for c in table.columns if c.endswith("_diff")))
+    lines = [f"Paired by seed, against {label(key)} = {baseline}: mean difference (this group - baseline) ± 95% CI (pairs)\n",
+             "| " + " | ".join(names + ["pairs"] + [f"Δ {m}" for m in metrics]) + " |", "|" + " --- |" * (len(names) + 1 + len(metrics))]
+    for _, row in table.iterrows():
+        cells = [str(row[n]) for n in names] + [str(int(row["pairs"]))]
+        for m in metrics:
+            digits = 1 if R_INDEX.match(m) else 4
+            cells.append(f"{_cell(row[f'{m}_diff'], row[f'{m}_ci95'], digits)} ({int(row[f'{m}_pairs'])})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _natural(value) -> tuple:
@@ -191,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="further columns: each run's last value of these metrics, e.g. accuracy/slow weight_share/slow")
     parser.add_argument("--plot", nargs="+", default=[], metavar="METRIC",
                         help="further band plots, one per metric logged each round, e.g. accuracy/slow (accuracy_slow.png)")
+    parser.add_argument("--paired", metavar="KEY=BASELINE",
+                        help="also each group's per-seed difference from the runs with KEY = BASELINE (e.g. aggregator=fedavg), "
+                             "paired on the seed and the other keys; written to paired.md and paired.csv")
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
     args = parser.parse_args(argv)
 
@@ -227,6 +280,17 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"fedrun-report: error: metric {metric!r} was not logged by these runs (logged: {', '.join(logged)})")
     out = args.out or Path("outputs") / "report" / args.experiment
     out.mkdir(parents=True, exist_ok=True)
+    if args.paired:
+        name, sep, baseline = args.paired.partition("=")
+        column = f"tags.{name}" if name in CONFIG_GROUPS else f"params.{name}"
+        alone = sep and column in finished and bool((finished[column].astype(str) == baseline).all())  # nothing else ran (yet)
+        if not sep or (column not in keys and not alone):
+            raise SystemExit(f"fedrun-report: error: --paired {args.paired!r}: KEY=BASELINE with KEY one of the table's keys "
+                             f"({', '.join(label(k) for k in keys) or 'none'})")
+        try:
+            pairs = pd.DataFrame() if alone else paired(finished, keys, column, baseline, tuple(args.metrics))
+        except ValueError as error:
+            raise SystemExit(f"fedrun-report: error: {error}") from None
     table = summarise(finished, keys, tuple(args.metrics))
     text = markdown(table, keys)
     (out / "report.md").write_text(f"# {args.experiment}\n\n{len(finished)} finished runs ({len(runs) - len(finished)} others left out).\n\n" + text)
@@ -235,8 +299,16 @@ def main(argv: list[str] | None = None) -> None:
     for metric in dict.fromkeys(args.plot):
         plots.append(plot_bands(curves(client, finished, keys, metric), out / (re.sub(r"\W", "_", metric) + ".png"),
                                 f"{args.experiment}: mean {metric}, 95% CI band", metric))
+    written = [out / "report.md", out / "report.csv", *plots]
+    if args.paired:
+        pair_text = (f"Paired by seed, against {name} = {baseline}: every run is a baseline run, nothing to pair.\n" if alone
+                     else paired_markdown(pairs, keys, column, baseline))
+        (out / "paired.md").write_text(pair_text)
+        pairs.to_csv(out / "paired.csv", index=False)
+        text += "\n" + pair_text
+        written += [out / "paired.md", out / "paired.csv"]
     print(text, end="")
-    print(f"\nwrote {out / 'report.md'}, {out / 'report.csv'}, " + ", ".join(str(p) for p in plots))
+    print("\nwrote " + ", ".join(str(p) for p in written))
 
 
 if __name__ == "__main__":

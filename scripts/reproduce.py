@@ -48,6 +48,7 @@ class Paper:
     parts: tuple[Part, ...]
     report_by: tuple[str, ...] = field(default_factory=tuple)  # --group-by of the table (default: what varies)
     report_extra: tuple[str, ...] = field(default_factory=tuple)  # further fedrun-report arguments (--metrics, --plot)
+    paired: str = "aggregator=fedavg"  # fedrun-report --paired of the table and of sensitivity checks: the baseline
 
 
 TNIID_NIID = ("partition=shards", "partition.shards_per_client=2,4", "partition.shard_source=dataset")  # very non-IID, non-IID
@@ -89,12 +90,12 @@ PAPERS = {
         Part("storm_vr", ("experiment=vr_mnist", "method=storm_vr", "optimizer.k0=0.15", "aggregator.beta=0.9", "seed={seeds}")),
         Part("storm_vr_constants", ("experiment=vr_mnist", "method=storm_vr", "optimizer.k0=0.05,0.1,0.15,0.2", "aggregator.beta=0.5,0.9",
                                     "seed=0"), side="tuning"),
-    ), report_by=("method",)),
+    ), report_by=("method",), paired="method=fedavg"),
     "004": Paper("FedStaleWeight against FedBuff with slow clients owning labels 0-3 (Fashion-MNIST)", (
         # 2,000 aggregations evaluated every 50, half the paper's 4,000 (it fits the CPU budget; schedule.rounds=4000 for all).
         Part("table", ("experiment=stale_fmnist", "aggregator=fedbuff,fedstaleweight", "schedule.rounds=2000", "schedule.eval_every=50",
                        "seed={seeds}")),
-    ), report_extra=("--metrics", "accuracy/slow", "accuracy/fast", "weight_share/slow", "--plot", "accuracy/slow")),
+    ), report_extra=("--metrics", "accuracy/slow", "accuracy/fast", "weight_share/slow", "--plot", "accuracy/slow"), paired="aggregator=fedbuff"),
 }
 TINY = ("schedule.rounds=2", "schedule.stop_at_accuracy=null")
 
@@ -167,16 +168,21 @@ def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool, part
     spec = PAPERS[paper]
     print(f"# {paper}: {spec.title}", flush=True)
     temperature = "1.0"
-    for part in selected(spec, parts):
+    chosen = selected(spec, parts)
+    for part in chosen:
         run(command(paper, part, out, seeds, temperature, tiny), dry_run)
-        if part.side:
+        if part.tuning:
             run(report(paper, out, part.side), dry_run)
             if part.name == "temperature" and not dry_run:
                 tried = next(a for a in part.args if a.startswith("aggregator.temperature=")).split("=")[1].split(",")
                 temperature = best_temperature(out / paper / "tuning_report" / "report.csv") or tried[0]
                 print(f"# temperature chosen by the sweep (smallest median R90): {temperature}", flush=True)
                 (out / paper / "temperature.txt").write_text(temperature + "\n")
-    run(report(paper, out, group_by=spec.report_by, extra=spec.report_extra), dry_run)
+    # A sensitivity check's report, once its parts have run; paired with the baseline when all of them ran.
+    for side in dict.fromkeys(p.side for p in chosen if p.side and not p.tuning):
+        whole = all(p in chosen for p in spec.parts if p.side == side)
+        run(report(paper, out, side, extra=("--paired", spec.paired) if whole else ()), dry_run)
+    run(report(paper, out, group_by=spec.report_by, extra=spec.report_extra + ("--paired", spec.paired)), dry_run)
 
 
 def main() -> None:

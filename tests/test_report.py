@@ -11,7 +11,7 @@ import pytest
 
 from conftest import mlflow_runs
 from fedrun.metrics import mean_ci
-from fedrun.report import censored_median, group_keys, markdown, summarise
+from fedrun.report import censored_median, group_keys, markdown, paired, paired_markdown, summarise
 
 
 def frame():
@@ -76,6 +76,24 @@ def test_further_metrics_are_summarised_only_when_asked_for():
     assert "| weight_share/slow |" in markdown(table.reset_index(), keys)
 
 
+def test_paired_differences_match_runs_on_the_seed_against_the_baseline():
+    runs = frame()
+    keys = group_keys(runs)
+    table = paired(runs, keys, "tags.aggregator", "fedavg").set_index("aggregator.temperature")
+    # FedAvg's runs have no temperature: each FedSoftMax run pairs with the FedAvg run of its seed.
+    # T=1: R60 [2, 4] - [3, 5] = [-1, -1]: mean -1, no spread. T=10: seed 0 never reached 60% -> one pair, 6 - 5 = 1.
+    assert table.loc["1", "R60_diff"] == -1.0 and table.loc["1", "R60_ci95"] == 0.0 and table.loc["1", "R60_pairs"] == 2
+    assert table.loc["10", "R60_diff"] == 1.0 and math.isnan(table.loc["10", "R60_ci95"]) and table.loc["10", "R60_pairs"] == 1
+    # final accuracy, T=1: [0.95, 0.93] - [0.9, 0.92] = [0.05, 0.01]: mean 0.03, sd 0.02828, t(1) 12.706 * 0.02828 / sqrt(2) = 0.2541
+    assert table.loc["1", "final_test_accuracy_diff"] == pytest.approx(0.03)
+    assert table.loc["1", "final_test_accuracy_ci95"] == pytest.approx(0.2541, abs=1e-4)
+    assert table.loc["1", "pairs"] == 2 and "fedavg" not in set(table["aggregator"])
+    text = paired_markdown(table.reset_index(), keys, "tags.aggregator", "fedavg")
+    assert "| fedsoftmax | 1 | 2 | -1.0 ± 0.0 (2) |" in text and "| fedsoftmax | 10 | 2 | 1.0 (1) |" in text
+    with pytest.raises(ValueError, match="no finished run has aggregator = 'fedprox' \\(there: fedavg, fedsoftmax\\)"):
+        paired(runs, keys, "tags.aggregator", "fedprox")
+
+
 def test_groups_sort_numbers_as_numbers():
     runs = frame().assign(**{"params.aggregator.temperature": [None, None, "3", "3", "10", "10"]})
     table = summarise(runs, group_keys(runs))
@@ -127,6 +145,20 @@ def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
         assert table.loc[aggregator, "alpha_distance_mean"] == pytest.approx(np.mean(last))
     assert table.loc["fedavg", "alpha_distance_mean"] == pytest.approx(0.0, abs=1e-12)  # FedAvg's alpha is p
     assert (out / "alpha_distance.png").stat().st_size > 10_000
+    # Paired by seed against FedAvg: each FedSoftMax run minus the FedAvg run of its seed.
+    subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--out", str(out), "--paired", "aggregator=fedavg"],
+                   capture_output=True, text=True, check=True)
+    final = {(r.data.tags["aggregator"], r.data.params["seed"]): r.data.metrics["final_test_accuracy"] for r in runs}
+    diffs = [final[("fedsoftmax", seed)] - final[("fedavg", seed)] for seed in ("0", "1")]
+    pairs = pd.read_csv(out / "paired.csv").set_index("aggregator")
+    assert pairs.loc["fedsoftmax", "final_test_accuracy_diff"] == pytest.approx(np.mean(diffs))
+    assert pairs.loc["fedsoftmax", "final_test_accuracy_ci95"] == pytest.approx(mean_ci(diffs)[1], nan_ok=True)
+    assert (out / "paired.md").read_text().startswith("Paired by seed, against aggregator = fedavg")
+    alone = subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--out", str(tmp_path / "alone"),
+                            "--filter", "tags.aggregator = 'fedavg'", "--paired", "aggregator=fedavg"], capture_output=True, text=True, check=True)
+    assert "against aggregator = fedavg: every run is a baseline run, nothing to pair." in alone.stdout  # a sweep's first part, say
+    bad = subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--paired", "seed=0"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--paired 'seed=0': KEY=BASELINE with KEY one of the table's keys (aggregator)" in bad.stderr
     unknown = subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--metrics", "acc/slow"],
                              capture_output=True, text=True)
     assert unknown.returncode != 0 and "metric 'acc/slow' was not logged by these runs (logged: " in unknown.stderr
