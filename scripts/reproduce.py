@@ -56,8 +56,8 @@ TNIID_POOL = ("partition=shards", "partition.shards_per_client=2", "partition.sh
 TNIID = ("partition=shards", "partition.shards_per_client=2", "partition.shard_source=dataset")
 SOFTMAX = ("aggregator=fedsoftmax", "aggregator.temperature={temperature}")
 PAPERS = {
-    # The parts run in this order, the table's core first: FedAvg against FedSoftMax on TNIID/NIID and IID, then
-    # FedMax(k) and annealing on TNIID, then the other shard source (a balanced pool) as a check on TNIID.
+    # The parts run in this order, the table's core first: FedAvg against FedSoftMax on TNIID/NIID and IID, and on
+    # TNIID from the other shard source (a balanced pool); then a learning-rate check; then FedMax(k) and annealing.
     "000": Paper("Loss-weighted aggregation (FedMax, FedSoftMax): R80/R90 on MNIST, Table 3", (
         # T in 0.1-10: the paper's 5-30 (an inverse temperature on a loss summed over batches, line 372; README) is
         # T = 1.7-10 on fedrun's mean loss; 0.1 and 0.3 lean towards FedMax.
@@ -67,14 +67,14 @@ PAPERS = {
         Part("fedsoftmax_shards", ("experiment=softmax_mnist", *SOFTMAX, *TNIID_NIID, "seed={seeds}")),
         Part("fedavg_iid", ("experiment=softmax_mnist", "aggregator=fedavg", "partition=iid", "seed={seeds}")),
         Part("fedsoftmax_iid", ("experiment=softmax_mnist", *SOFTMAX, "partition=iid", "seed={seeds}")),
-        Part("fedmaxk_tniid", ("experiment=softmax_mnist", "aggregator=fedmaxk", *TNIID, "seed={seeds}")),
-        Part("fedsoftmax_annealed_tniid", ("experiment=softmax_mnist", *SOFTMAX, "aggregator.anneal=exponential",
-                                           "aggregator.temperature_final=10", "aggregator.anneal_rounds=20", *TNIID, "seed={seeds}")),
         Part("fedavg_pool", ("experiment=softmax_mnist", "aggregator=fedavg", *TNIID_POOL, "seed={seeds}")),
         Part("fedsoftmax_pool", ("experiment=softmax_mnist", *SOFTMAX, *TNIID_POOL, "seed={seeds}")),
         # The paper's lr (1e-4) belongs to its own setup: the TNIID comparison again at lr 0.1, 3 seeds.
         Part("lr_fedavg", ("experiment=softmax_mnist", "aggregator=fedavg", *TNIID, "optimizer.lr=0.1", "seed=0,1,2"), side="check"),
         Part("lr_fedsoftmax", ("experiment=softmax_mnist", *SOFTMAX, *TNIID, "optimizer.lr=0.1", "seed=0,1,2"), side="check"),
+        Part("fedmaxk_tniid", ("experiment=softmax_mnist", "aggregator=fedmaxk", *TNIID, "seed={seeds}")),
+        Part("fedsoftmax_annealed_tniid", ("experiment=softmax_mnist", *SOFTMAX, "aggregator.anneal=exponential",
+                                           "aggregator.temperature_final=10", "aggregator.anneal_rounds=20", *TNIID, "seed={seeds}")),
     )),
     "001": Paper("FedSoftBetter and the hybrid FedSoftBetterAvg: Fashion-MNIST non-IID R60 and stability", (
         # T = 0.2 and the switch at round 20: the caption of the paper's Figure 1 (paper 001, line 297). 30 rounds, not
