@@ -43,7 +43,7 @@ def group_keys(runs: pd.DataFrame) -> list[str]:
         c for c in runs.columns
         if c.startswith("params.") and not c.endswith("._target_") and not c[len("params."):].startswith(IGNORED_PARAMS)
     ]
-    return keys + [c for c in params if varies(c, keys)]
+    return keys + sorted(c for c in params if varies(c, keys))  # sorted: the same table whatever order MLflow returns
 
 
 def label(column: str) -> str:
