@@ -41,7 +41,8 @@ def test_every_reproduction_command_runs_tiny_and_resumes(tmp_path):
     assert "temperature chosen by the sweep" in done.stdout
     again = subprocess.run([sys.executable, str(SCRIPT), "002", "--tiny", "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("had finished: skipped") == 3  # interrupted or not, a rerun resumes: nothing runs twice
+    parts = len(reproduce.PAPERS["002"].parts)  # one job each in tiny mode
+    assert again.stderr.count("had finished: skipped") == parts  # interrupted or not, a rerun resumes: nothing runs twice
 
 
 def test_parts_select_a_paper_s_sweeps_with_the_temperature_sweep_they_need():
@@ -51,3 +52,17 @@ def test_parts_select_a_paper_s_sweeps_with_the_temperature_sweep_they_need():
     assert reproduce.selected(spec, None) == list(spec.parts)
     with pytest.raises(SystemExit, match="--parts 'nope' is not a part of this paper \\(its parts: temperature, fedavg_shards"):
         reproduce.selected(spec, ["nope"])
+
+
+def test_the_table_is_paired_once_its_baseline_part_has_run(tmp_path, capsys):
+    assert [p.name for p in reproduce.PAPERS["002"].parts if reproduce.has_baseline(p, "method=fedavg")] == ["baselines"]  # in a list
+    assert [p.name for p in reproduce.PAPERS["001"].parts if reproduce.has_baseline(p, "aggregator=fedavg")] == ["fedavg"]  # not the check's
+    reproduce.reproduce("004", tmp_path, 1, tiny=True, dry_run=True, parts=["table"])
+    assert "--paired aggregator=fedbuff" in capsys.readouterr().out
+    reproduce.reproduce("001", tmp_path, 1, tiny=True, dry_run=True, parts=["fedsoftbetter"])  # FedAvg has not run: no pairs yet
+    printed = capsys.readouterr().out
+    assert "fedrun-report" in printed and "--paired" not in printed
+    (tmp_path / "001" / "fedavg").mkdir(parents=True)
+    (tmp_path / "001" / "fedavg" / "multirun.yaml").write_text("{}\n")  # FedAvg's sweep ran in an earlier call
+    reproduce.reproduce("001", tmp_path, 1, tiny=True, dry_run=True, parts=["fedsoftbetter"])
+    assert "--paired aggregator=fedavg" in capsys.readouterr().out
