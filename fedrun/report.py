@@ -136,15 +136,20 @@ def paired_markdown(table: pd.DataFrame, keys: list[str], key: str, baseline: st
     """The paired differences as a Markdown table: "mean ± CI (pairs)" per metric."""
     names = [label(k) for k in keys]
     metrics = list(dict.fromkeys(c.rsplit("_", 1)[0] for c in table.columns if c.endswith("_diff")))
-    lines = [f"Paired by seed, against {label(key)} = {baseline}: mean difference (this group - baseline) ± 95% CI (pairs)\n",
-             "| " + " | ".join(names + ["pairs"] + [f"Δ {m}" for m in metrics]) + " |", "|" + " --- |" * (len(names) + 1 + len(metrics))]
+    rows = []
     for _, row in table.iterrows():
         cells = [str(row[n]) for n in names] + [str(int(row["pairs"]))]
         for m in metrics:
             digits = 1 if R_INDEX.match(m) else 4
             cells.append(f"{_cell(row[f'{m}_diff'], row[f'{m}_ci95'], digits)} ({int(row[f'{m}_pairs'])})")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return (f"Paired by seed, against {label(key)} = {baseline}: mean difference (this group - baseline) ± 95% CI (pairs)\n\n"
+            + _markdown_table(names + ["pairs"] + [f"Δ {m}" for m in metrics], rows))
+
+
+def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows]) + "\n"
 
 
 def _natural(value) -> tuple:
@@ -179,7 +184,7 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
     header = names + ["runs"]
     for m in metrics:
         header += [f"{m} (reached)", f"{m} median"] if R_INDEX.match(m) else [m]
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    rows = []
     for _, row in table.iterrows():
         runs = int(row["runs"])  # iterrows turns an all-numeric row (no group keys) into floats
         cells = [str(row[n]) for n in names] + [str(runs)]
@@ -189,8 +194,8 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
             cells.append(f"{cell} ({int(row[f'{m}_reached'])}/{runs})" if is_r else cell)
             if is_r:
                 cells.append(_median_cell(row[f"{m}_median"], row.get("rounds_max", math.nan), R_INDEX.match(m)["time"]))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(cells)
+    return _markdown_table(header, rows)
 
 
 def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accuracy") -> dict[str, pd.DataFrame]:
