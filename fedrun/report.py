@@ -212,8 +212,9 @@ def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accu
     return out
 
 
-def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: str = "test accuracy") -> Path:
-    """Mean ``metric`` per round with its 95% Student-t band, one line per group."""
+def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: str = "test accuracy", step: str = "round") -> Path:
+    """Mean ``metric`` per ``step`` (a round; an aggregation of the async engine) with its 95% Student-t band, one
+    line per group."""
     from fedrun.plots import MaxNLocator, plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -226,7 +227,7 @@ def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: 
             low, high = np.clip(low, 0, 1), np.clip(high, 0, 1)
         ax.plot(frame.index, stats[:, 0], label=f"{name} (n={frame.shape[1]})")
         ax.fill_between(frame.index, low, high, alpha=0.2)
-    ax.set(xlabel="round", ylabel=metric, title=title)
+    ax.set(xlabel=step, ylabel=metric, title=title)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
@@ -234,6 +235,14 @@ def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def step_name(runs: pd.DataFrame) -> str:
+    """What the x axis counts: rounds, or the async engine's aggregations (its "rounds" are buffer flushes)."""
+    engines = set(runs["tags.engine"].dropna()) if "tags.engine" in runs else set()
+    if engines == {"async"}:
+        return "aggregation"
+    return "round (aggregation for async runs)" if "async" in engines else "round"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,10 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(table, keys)
     (out / "report.md").write_text(f"# {args.experiment}\n\n{len(finished)} finished runs ({len(runs) - len(finished)} others left out).\n\n" + text)
     table.to_csv(out / "report.csv", index=False)
-    plots = [plot_bands(curves(client, finished, keys), out / "accuracy.png", f"{args.experiment}: mean test accuracy, 95% CI band")]
+    plots = [plot_bands(curves(client, finished, keys), out / "accuracy.png", f"{args.experiment}: mean test accuracy, 95% CI band",
+                        step=step_name(finished))]
     for metric in dict.fromkeys(args.plot):
         plots.append(plot_bands(curves(client, finished, keys, metric), out / (re.sub(r"\W", "_", metric) + ".png"),
-                                f"{args.experiment}: mean {metric}, 95% CI band", metric))
+                                f"{args.experiment}: mean {metric}, 95% CI band", metric, step_name(finished)))
     written = [out / "report.md", out / "report.csv", *plots]
     if args.paired:
         pair_text = (f"Paired by seed, against {name} = {baseline}: every run is a baseline run, nothing to pair.\n" if alone

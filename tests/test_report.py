@@ -11,7 +11,7 @@ import pytest
 
 from conftest import mlflow_runs
 from fedrun.metrics import mean_ci
-from fedrun.report import censored_median, group_keys, markdown, paired, paired_markdown, summarise
+from fedrun.report import censored_median, group_keys, markdown, paired, paired_markdown, step_name, summarise
 
 
 def frame():
@@ -164,3 +164,10 @@ def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
     assert unknown.returncode != 0 and "metric 'acc/slow' was not logged by these runs (logged: " in unknown.stderr
     missing = subprocess.run([report, "--experiment", "nope", "--tracking-uri", f"sqlite:///{store}"], capture_output=True, text=True)
     assert missing.returncode != 0 and "no experiment 'nope'" in missing.stderr
+
+
+def test_the_x_axis_counts_aggregations_for_async_runs():
+    assert step_name(pd.DataFrame({"tags.engine": ["async", "async"]})) == "aggregation"
+    assert step_name(pd.DataFrame({"tags.engine": ["sync", None]})) == "round"
+    assert step_name(pd.DataFrame({"tags.engine": ["sync", "async"]})) == "round (aggregation for async runs)"
+    assert step_name(pd.DataFrame({"params.seed": ["0"]})) == "round"  # runs from before the engine tag
