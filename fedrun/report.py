@@ -198,11 +198,20 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
     return _markdown_table(header, rows)
 
 
+def legend_name(keys: list[str], values: tuple) -> str:
+    """A group's name in a plot legend: its keys that have a value ("-" and None are left out), each by the last
+    part of its name where that is unique among the keys (``partition.shards_per_client`` as ``shards_per_client``)."""
+    names = [label(k) for k in keys]
+    last = [n.rsplit(".", 1)[-1] for n in names]
+    short = [s if last.count(s) == 1 else n for n, s in zip(names, last)]
+    return ", ".join(f"{n}={v}" for n, v in zip(short, values) if str(v) not in ("-", "None", "nan", "")) or "all runs"
+
+
 def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accuracy") -> dict[str, pd.DataFrame]:
     """Per group, a rounds x runs frame of ``metric``; runs that stopped early carry their last value forward."""
     out = {}
     for values, group in groups(runs, keys):
-        name = ", ".join(f"{label(k)}={v}" for k, v in zip(keys, values)) or "all runs"
+        name = legend_name(keys, values)
         series = {
             run_id: pd.Series({m.step: m.value for m in client.get_metric_history(run_id, metric)})
             for run_id in group["run_id"]
@@ -217,7 +226,9 @@ def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: 
     line per group."""
     from fedrun.plots import MaxNLocator, plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    # Many or long group names go below the axes, one a line, and the figure grows to hold them.
+    below = len(groups) > 4 or max(map(len, groups), default=0) > 40
+    fig, ax = plt.subplots(figsize=(9, 5 + (0.22 * len(groups) if below else 0)), layout="constrained")
     # A mean of values in [0, 1] (an accuracy, a share) lies in [0, 1]: a wide band (few runs) is cut there.
     unit = all(np.nanmin(f.to_numpy()) >= 0 and np.nanmax(f.to_numpy()) <= 1 for f in groups.values() if f.notna().any().any())
     for name, frame in groups.items():
@@ -230,9 +241,11 @@ def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: 
     ax.set(xlabel=step, ylabel=metric, title=title)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if below:
+        fig.legend(loc="outside lower center", fontsize="small")
+    else:
+        ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": a legend wider than the axes is not cut
     plt.close(fig)
     return path
 

@@ -19,6 +19,7 @@ Usage:
 """
 
 import argparse
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class Paper:
     report_by: tuple[str, ...] = field(default_factory=tuple)  # --group-by of the table (default: what varies)
     report_extra: tuple[str, ...] = field(default_factory=tuple)  # further fedrun-report arguments (--metrics, --plot)
     paired: str = "aggregator=fedavg"  # fedrun-report --paired of the table and of sensitivity checks: the baseline
+    views: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # (name, --filter): the table's report on some runs (report_<name>)
 
 
 TNIID_NIID = ("partition=shards", "partition.shards_per_client=2,4", "partition.shard_source=dataset")  # very non-IID, non-IID
@@ -75,7 +77,7 @@ PAPERS = {
         Part("fedmaxk_tniid", ("experiment=softmax_mnist", "aggregator=fedmaxk", *TNIID, "seed={seeds}")),
         Part("fedsoftmax_annealed_tniid", ("experiment=softmax_mnist", *SOFTMAX, "aggregator.anneal=exponential",
                                            "aggregator.temperature_final=10", "aggregator.anneal_rounds=20", *TNIID, "seed={seeds}")),
-    )),
+    ), views=(("tniid", "params.`partition.shards_per_client` = '2' and params.`partition.shard_source` = 'dataset'"),)),
     "001": Paper("FedSoftBetter and the hybrid FedSoftBetterAvg: Fashion-MNIST non-IID R60 and stability", (
         # T = 0.2 and the switch at round 20: the caption of the paper's Figure 1 (paper 001, line 297). 30 rounds, not
         # the paper's 100-150 (line 273): R60 falls in the first ten, and ten rounds follow the hybrid's switch.
@@ -138,10 +140,10 @@ def command(paper: str, part: Part, out: Path, seeds: int, temperature: str, tin
     return cmd + [f"hydra.sweep.dir={sweep_dir.resolve()}"]
 
 
-def report(paper: str, out: Path, side: str = "", group_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> list[str]:
+def report(paper: str, out: Path, side: str = "", group_by: tuple[str, ...] = (), extra: tuple[str, ...] = (), view: str = "") -> list[str]:
     experiment = f"reproduce_{paper}" + (f"_{side}" if side else "")
     cmd = [str(BIN / "fedrun-report"), "--experiment", experiment, "--tracking-uri", f"sqlite:///{(out / 'mlflow.db').resolve()}",
-           "--out", str(out / paper / (f"{side}_report" if side else "report"))]
+           "--out", str(out / paper / ((f"{side}_report" if side else "report") + (f"_{view}" if view else "")))]
     return cmd + (["--group-by", *group_by] if group_by else []) + list(extra)
 
 
@@ -156,7 +158,7 @@ def best_temperature(report_csv: Path) -> str | None:
 
 
 def run(cmd: list[str], dry_run: bool) -> None:
-    print("+ " + " ".join(cmd), flush=True)
+    print("+ " + shlex.join(cmd), flush=True)
     if dry_run:
         return
     code = subprocess.run(cmd).returncode
@@ -199,7 +201,10 @@ def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool, part
         run(report(paper, out, side, extra=("--paired", spec.paired) if whole else ()), dry_run)
     # The table is paired with the baseline once the baseline's part has run (now or before).
     baseline = any(p in chosen or (out / paper / p.name / "multirun.yaml").is_file() for p in spec.parts if has_baseline(p, spec.paired))
-    run(report(paper, out, group_by=spec.report_by, extra=spec.report_extra + (("--paired", spec.paired) if baseline else ())), dry_run)
+    table = spec.report_extra + (("--paired", spec.paired) if baseline else ())
+    run(report(paper, out, group_by=spec.report_by, extra=table), dry_run)
+    for name, where in spec.views:  # e.g. 000's very non-IID split alone: a plot with four lines, not ten
+        run(report(paper, out, group_by=spec.report_by, extra=table + ("--filter", where), view=name), dry_run)
 
 
 def has_baseline(part: Part, paired: str) -> bool:

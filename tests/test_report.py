@@ -11,7 +11,7 @@ import pytest
 
 from conftest import mlflow_runs
 from fedrun.metrics import mean_ci
-from fedrun.report import censored_median, group_keys, markdown, paired, paired_markdown, step_name, summarise
+from fedrun.report import censored_median, group_keys, markdown, legend_name, paired, paired_markdown, step_name, summarise
 
 
 def frame():
@@ -171,3 +171,11 @@ def test_the_x_axis_counts_aggregations_for_async_runs():
     assert step_name(pd.DataFrame({"tags.engine": ["sync", None]})) == "round"
     assert step_name(pd.DataFrame({"tags.engine": ["sync", "async"]})) == "round (aggregation for async runs)"
     assert step_name(pd.DataFrame({"params.seed": ["0"]})) == "round"  # runs from before the engine tag
+
+
+def test_legend_names_leave_out_keys_without_a_value_and_shorten_unique_ones():
+    keys = ["tags.aggregator", "params.aggregator.anneal", "params.partition.shards_per_client", "params.a.temperature", "params.b.temperature"]
+    assert legend_name(keys, ("fedavg", "-", "2", "None", "-")) == "aggregator=fedavg, shards_per_client=2"
+    assert legend_name(keys, ("fedsoftmax", "exponential", "2", "1.0", "3")) == (
+        "aggregator=fedsoftmax, anneal=exponential, shards_per_client=2, a.temperature=1.0, b.temperature=3")  # two "temperature"s
+    assert legend_name([], ()) == "all runs"

@@ -36,6 +36,8 @@ def test_every_reproduction_command_runs_tiny_and_resumes(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for paper, spec in reproduce.PAPERS.items():
         assert (tmp_path / paper / "report" / "report.md").is_file()
+        for name, _ in spec.views:
+            assert (tmp_path / paper / f"report_{name}" / "accuracy.png").is_file()
         for part in spec.parts:
             assert (tmp_path / paper / part.name / "0" / "metrics.csv").is_file(), (paper, part.name)
     assert "temperature chosen by the sweep" in done.stdout
