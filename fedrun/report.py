@@ -108,7 +108,8 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
     """Each other group against the baseline runs (``key`` == ``baseline``) of the same seed and the same values
     of the other keys the baseline has (``aggregator.temperature`` is no such key for a FedAvg baseline): per
     metric, the mean and 95% interval of the per-seed difference (group - baseline) over the pairs where both
-    runs have a value (for an R-index: both reached the target), and those pairs' count.
+    runs have a value (for an R-index: both reached the target), those pairs' count, and how many of them are
+    lower and higher than the baseline (the rest are equal).
 
     Runs with the same seed share their data split and initial model, so the per-seed difference is free of
     the seed-to-seed spread that widens the intervals of ``summarise``: a paired t interval (Student t on the
@@ -128,6 +129,8 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
             diff = (pairs[column] - pairs[f"{column}_base"]).dropna().to_numpy(dtype=np.float64)
             row[f"{label(column)}_diff"], row[f"{label(column)}_ci95"] = mean_ci(diff)
             row[f"{label(column)}_pairs"] = len(diff)
+            # How many pairs went each way: a mean can hide one seed far off and the others the other way.
+            row[f"{label(column)}_lower"], row[f"{label(column)}_higher"] = int((diff < 0).sum()), int((diff > 0).sum())
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -141,9 +144,11 @@ def paired_markdown(table: pd.DataFrame, keys: list[str], key: str, baseline: st
         cells = [str(row[n]) for n in names] + [str(int(row["pairs"]))]
         for m in metrics:
             digits = 1 if R_INDEX.match(m) else 4
-            cells.append(f"{_cell(row[f'{m}_diff'], row[f'{m}_ci95'], digits)} ({int(row[f'{m}_pairs'])})")
+            n, lower, higher = int(row[f"{m}_pairs"]), int(row[f"{m}_lower"]), int(row[f"{m}_higher"])
+            cells.append(f"{_cell(row[f'{m}_diff'], row[f'{m}_ci95'], digits)} ({n}: {lower}-/{n - lower - higher}=/{higher}+)")
         rows.append(cells)
-    return (f"Paired by seed, against {label(key)} = {baseline}: mean difference (this group - baseline) ± 95% CI (pairs)\n\n"
+    return (f"Paired by seed, against {label(key)} = {baseline}: mean difference (this group - baseline) ± 95% CI "
+            "(pairs: how many lower/equal/higher than the baseline)\n\n"
             + _markdown_table(names + ["pairs"] + [f"Δ {m}" for m in metrics], rows))
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import mlflow_runs
 from fedrun.metrics import mean_ci
-from fedrun.report import censored_median, group_keys, markdown, legend_name, paired, paired_markdown, step_name, summarise
+from fedrun.report import censored_median, group_keys, legend_name, markdown, paired, paired_markdown, step_name, summarise
 
 
 def frame():
@@ -89,7 +89,8 @@ def test_paired_differences_match_runs_on_the_seed_against_the_baseline():
     assert table.loc["1", "final_test_accuracy_ci95"] == pytest.approx(0.2541, abs=1e-4)
     assert table.loc["1", "pairs"] == 2 and "fedavg" not in set(table["aggregator"])
     text = paired_markdown(table.reset_index(), keys, "tags.aggregator", "fedavg")
-    assert "| fedsoftmax | 1 | 2 | -1.0 ± 0.0 (2) |" in text and "| fedsoftmax | 10 | 2 | 1.0 (1) |" in text
+    assert table.loc["1", "R60_lower"] == 2 and table.loc["1", "R60_higher"] == 0 and table.loc["10", "R60_higher"] == 1
+    assert "| fedsoftmax | 1 | 2 | -1.0 ± 0.0 (2: 2-/0=/0+) |" in text and "| fedsoftmax | 10 | 2 | 1.0 (1: 0-/0=/1+) |" in text
     with pytest.raises(ValueError, match="no finished run has aggregator = 'fedprox' \\(there: fedavg, fedsoftmax\\)"):
         paired(runs, keys, "tags.aggregator", "fedprox")
 
