@@ -22,6 +22,9 @@ import torch
 from fedrun.errors import check
 
 FILE = "checkpoint.pt"
+# A run that diverged leaves its reason here: it is a result (the same config and seed would diverge again at the
+# same round), so a resumed sweep skips the job, and ``resume=`` refuses the run, instead of making a second FAILED run.
+DIVERGED = "diverged.txt"
 SLOW_ROUND_S = 10.0  # the default: a checkpoint every round when rounds take longer than this, else every 10
 
 

@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
-from fedrun.checkpoint import FILE, Checkpoint, Stopped, StopSignals
+from fedrun.checkpoint import DIVERGED, FILE, Checkpoint, Stopped, StopSignals
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
@@ -136,6 +136,8 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
     Any other override is refused: the run continues exactly as it started (its results must equal an
     uninterrupted run's)."""
     directory = Path(hydra_cfg.runtime.cwd, cfg.resume).resolve()
+    if (directory / DIVERGED).is_file():
+        raise ConfigError("resume", cfg.resume, f"a run that did not diverge (this one did, and would again: {(directory / DIVERGED).read_text().strip()})")
     if not (directory / FILE).is_file() or not (directory / "config.yaml").is_file():
         raise ConfigError("resume", cfg.resume, f"the output dir of a run with a checkpoint ({directory / FILE} not found)")
     others = [o for o in hydra_cfg.overrides.task if not o.startswith("resume=")]
@@ -225,11 +227,12 @@ class SweepRun(Callback):
         atexit.register(close_sweep_run, uri, run_id)
 
 
-def sweep_job(cfg: DictConfig, job_dir: Path) -> float | None:
-    """For ``-m ... resume=<multirun dir>``: this job's final accuracy when it had finished, else None (it resumes
-    from its checkpoint, or runs from the start when it never reached one). A job whose config differs from the
-    one it was started with is refused: the sweep must be the same one."""
-    if not (job_dir / FILE).is_file():
+def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
+    """For ``-m ... resume=<multirun dir>``: this job's final accuracy when it had finished, the reason when it
+    had diverged, else None (it resumes from its checkpoint, or runs from the start when it never reached one).
+    A job whose config differs from the one it was started with is refused: the sweep must be the same one."""
+    diverged = job_dir / DIVERGED
+    if not (job_dir / FILE).is_file() and not diverged.is_file():
         return None
     saved = OmegaConf.load(job_dir / "config.yaml")
     mine = OmegaConf.to_container(cfg, resolve=True)
@@ -238,6 +241,8 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | None:
         before = flatten(OmegaConf.to_container(saved))
         changed = sorted(k for k, v in flatten(mine).items() if before.get(k) != v)
         raise ConfigError("resume", cfg.resume, f"the same sweep (job dir {job_dir} was started with other values of {', '.join(changed)})")
+    if diverged.is_file():
+        return diverged.read_text().strip()
     state = Checkpoint(job_dir, resume=True).restored()
     return state["rows"][-1]["test_accuracy"] if state["finished"] else None
 
@@ -251,6 +256,8 @@ def main(cfg: DictConfig) -> float | None:
         requeued = bool(os.environ.get("SUBMITIT_EXECUTOR")) and (output_dir / FILE).is_file()  # submitit restarted this job
         if (cfg.resume or requeued) and hydra_cfg.mode == RunMode.MULTIRUN:  # this job of an earlier sweep, in its own dir
             done = sweep_job(cfg, output_dir)
+            if isinstance(done, str):  # a failed job stays failed: its FAILED run has the metrics of the rounds before
+                fail(hydra_cfg, f"fedrun: error: had diverged: {done}; skipped, its FAILED run is kept (delete {output_dir} to run it again)", 1)
             if done is not None:
                 print(f"fedrun: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}) had finished: skipped", file=sys.stderr)
                 return done
@@ -342,6 +349,7 @@ def main(cfg: DictConfig) -> float | None:
             print(f"fedrun: MLflow missed part of this run ({tracker.lost}); {output_dir} has all of it. Import it with:\n"
                   f"  fedrun-import {output_dir}", file=sys.stderr)
     if diverged is not None:
+        (output_dir / DIVERGED).write_text(f"{diverged}\n")
         fail(hydra_cfg, f"fedrun: error: training diverged: {diverged}; the run is marked FAILED and keeps the metrics of "
              f"the rounds before ({output_dir})", 1)
     print(f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"

@@ -5,7 +5,8 @@ Each directory becomes one new MLflow run (named after it, tagged ``imported_fro
 ``config.yaml`` as params, every ``metrics.csv`` column as a metric series by round, ``alpha/client_<id>``
 series up to ``tracking.max_alpha_series`` clients (from a wide ``alpha.csv``), ``summary.csv``'s numbers as
 metrics and its words as tags, and the directory's files as artifacts. The status is FINISHED when the run
-reached its last round (its checkpoint says so, or its rows reach ``schedule.rounds``), else KILLED.
+reached its last round (its checkpoint says so, or its rows reach ``schedule.rounds``), FAILED when it diverged
+(``diverged.txt`` says why), else KILLED.
 
 Usage:
     fedrun-import DIR [DIR ...] [--uri URI] [--experiment NAME]
@@ -20,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from fedrun.checkpoint import FILE
+from fedrun.checkpoint import DIVERGED, FILE
 from fedrun.errors import ConfigError
 from fedrun.tracking import flatten, preflight, resolve_uri
 
@@ -79,7 +80,11 @@ def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
     if summary_tags:
         client.log_batch(run_id, tags=summary_tags)
     client.log_artifacts(run_id, str(directory))
-    client.set_terminated(run_id, "FINISHED" if finished(directory, config, len(metrics)) else "KILLED")
+    diverged = directory / DIVERGED  # the run failed, and says why
+    if diverged.is_file():
+        client.set_tag(run_id, "failure_reason", f"DivergenceError: {diverged.read_text().strip()}"[:5000])
+    status = "FAILED" if diverged.is_file() else "FINISHED" if finished(directory, config, len(metrics)) else "KILLED"
+    client.set_terminated(run_id, status)
     return run_id
 
 

@@ -22,6 +22,7 @@ from fedrun.metrics import mean_ci
 from fedrun.tracking import CONFIG_GROUPS
 
 IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
+META_GROUPS = ("experiment", "method")  # config groups whose options choose options of other groups
 SWEEP_TAG = "tags.fedrun.role"  # "sweep" on a sweep's parent run
 SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_autocorr")
 
@@ -30,7 +31,9 @@ def group_keys(runs: pd.DataFrame) -> list[str]:
     """The columns that vary across runs: group choices (tags) first, then params that vary within them.
 
     A param that only changes with a group choice (``aggregator.temperature`` exists for fedsoftmax
-    runs, not for fedavg runs) is left out; it says nothing the choice does not.
+    runs, not for fedavg runs) is left out; it says nothing the choice does not. So is a group that only
+    changes with a ``method`` or ``experiment`` choice, the groups that choose other groups (``method=storm_vr``
+    sets ``aggregator=mvr`` and ``optimizer=storm``): those come first.
     """
     def varies(column: str, by: list[str]) -> bool:
         values = runs[column].fillna("-").astype(str)
@@ -38,7 +41,8 @@ def group_keys(runs: pd.DataFrame) -> list[str]:
             return values.nunique() > 1
         return values.groupby([runs[k].fillna("-").astype(str) for k in by]).nunique().max() > 1
 
-    keys = [f"tags.{t}" for t in CONFIG_GROUPS if f"tags.{t}" in runs and varies(f"tags.{t}", [])]
+    meta = [f"tags.{t}" for t in META_GROUPS if f"tags.{t}" in runs and varies(f"tags.{t}", [])]
+    keys = meta + [f"tags.{t}" for t in CONFIG_GROUPS if t not in META_GROUPS and f"tags.{t}" in runs and varies(f"tags.{t}", meta)]
     params = [
         c for c in runs.columns
         if c.startswith("params.") and not c.endswith("._target_") and not c[len("params."):].startswith(IGNORED_PARAMS)

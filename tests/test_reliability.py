@@ -220,6 +220,13 @@ def test_diverging_run_prints_one_line_without_a_traceback(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("fedrun: error: training diverged: non-finite") and "round 1" in last and "lr=1e+06" in last and "FAILED" in last
+    # Imported later (it ran without tracking), it is FAILED with its reason, not KILLED.
+    store = tmp_path / "store.db"
+    done = subprocess.run([str(Path(FEDRUN).parent / "fedrun-import"), str(tmp_path / "run"), f"--uri=sqlite:///{store}", "--experiment=imported"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _, [run] = mlflow_runs(store, "imported")
+    assert run.info.status == "FAILED" and run.data.tags["failure_reason"].startswith("DivergenceError: non-finite")
 
 
 def test_a_sweep_with_a_diverging_job_finishes_the_others_and_names_the_failed_overrides(tmp_path, store):
@@ -235,6 +242,18 @@ def test_a_sweep_with_a_diverging_job_finishes_the_others_and_names_the_failed_o
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED", "FINISHED"]
     _, [parent] = sweep_runs(store, "sweep_fail")  # ended although the sweep failed, and marked so
     assert parent.info.status == "FAILED" and parent.data.metrics["jobs_failed"] == 1 and parent.data.metrics["jobs_finished"] == 2
+    # Resumed, the diverged job is a result like the finished ones: skipped, no second FAILED run (it diverged at
+    # round 1, before any checkpoint, so without its mark it would run again from the start).
+    again = subprocess.run([FEDRUN, "-m", "optimizer.lr=0.05,1e6,0.1", "schedule.rounds=3", "partition.num_clients=5",
+                            f"resume={tmp_path / 'sweep'}", f"tracking.uri=sqlite:///{store}", "tracking.experiment=sweep_fail", "device=cpu"],
+                           cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    assert again.returncode == 1 and again.stderr.count("had finished: skipped") == 2
+    [line] = [line for line in again.stderr.splitlines() if line.startswith("fedrun: error: job 1 (")]
+    assert "had diverged: non-finite" in line and "skipped, its FAILED run is kept" in line
+    _, runs = mlflow_runs(store, "sweep_fail")
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED", "FINISHED"]
+    refused = subprocess.run([FEDRUN, f"resume={tmp_path / 'sweep' / '1'}", "tracking.enabled=false"], cwd=tmp_path, capture_output=True, text=True)
+    assert refused.returncode == 2 and "a run that did not diverge (this one did, and would again: non-finite" in refused.stderr
 
 
 def test_a_killed_sweep_resumes_skipping_finished_jobs_and_equals_an_uninterrupted_one(tmp_path, store):

@@ -42,6 +42,18 @@ def test_group_keys_skip_seed_targets_and_keys_implied_by_the_choice():
     assert group_keys(same_t) == ["tags.aggregator"]
 
 
+def test_groups_a_method_chooses_are_not_keys_beside_it():
+    # method=storm_vr sets aggregator=mvr and optimizer=storm: the method says it all, and a paired table against
+    # method=fedavg must not also match on the aggregator (no pairs would be left).
+    runs = pd.DataFrame({"tags.method": ["fedavg", "fedavg", "storm_vr", "storm_vr"], "tags.aggregator": ["fedavg", "fedavg", "mvr", "mvr"],
+                         "tags.optimizer": ["sgd", "sgd", "storm", "storm"], "params.seed": ["0", "1", "0", "1"],
+                         "params.optimizer.k0": [None, None, "0.15", "0.15"], "params.schedule.rounds": ["30", "100", "30", "100"]})
+    assert group_keys(runs) == ["tags.method", "params.schedule.rounds"]
+    # a group that varies within a method (here the partition) stays a key
+    by_partition = runs.drop(columns="params.schedule.rounds").assign(**{"tags.partition": ["iid", "shards", "iid", "shards"]})
+    assert group_keys(by_partition) == ["tags.method", "tags.partition"]
+
+
 def test_summary_counts_reached_runs_and_uses_student_t():
     runs = frame()
     keys = group_keys(runs)
