@@ -203,7 +203,9 @@ def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool, part
     baseline = any(p in chosen or (out / paper / p.name / "multirun.yaml").is_file() for p in spec.parts if has_baseline(p, spec.paired))
     table = spec.report_extra + (("--paired", spec.paired) if baseline else ())
     run(report(paper, out, group_by=spec.report_by, extra=table), dry_run)
-    for name, where in spec.views:  # e.g. 000's very non-IID split alone: a plot with four lines, not ten
+    # The views (e.g. 000's very non-IID split alone: a plot with four lines, not ten) once every table part has run.
+    table_ran = all(p in chosen or (out / paper / p.name / "multirun.yaml").is_file() for p in spec.parts if not p.side)
+    for name, where in spec.views if table_ran else ():
         run(report(paper, out, group_by=spec.report_by, extra=table + ("--filter", where), view=name), dry_run)
 
 

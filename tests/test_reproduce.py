@@ -68,3 +68,7 @@ def test_the_table_is_paired_once_its_baseline_part_has_run(tmp_path, capsys):
     (tmp_path / "001" / "fedavg" / "multirun.yaml").write_text("{}\n")  # FedAvg's sweep ran in an earlier call
     reproduce.reproduce("001", tmp_path, 1, tiny=True, dry_run=True, parts=["fedsoftbetter"])
     assert "--paired aggregator=fedavg" in capsys.readouterr().out
+    reproduce.reproduce("000", tmp_path, 1, tiny=True, dry_run=True, parts=["fedavg_iid"])  # the TNIID view waits for its runs
+    assert "report_tniid" not in capsys.readouterr().out
+    reproduce.reproduce("000", tmp_path, 1, tiny=True, dry_run=True)
+    assert "report_tniid" in capsys.readouterr().out
