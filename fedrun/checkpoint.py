@@ -25,6 +25,12 @@ FILE = "checkpoint.pt"
 # A run that diverged leaves its reason here: it is a result (the same config and seed would diverge again at the
 # same round), so a resumed sweep skips the job, and ``resume=`` refuses the run, instead of making a second FAILED run.
 DIVERGED = "diverged.txt"
+
+
+def diverged(directory: Path) -> str | None:
+    """Why the run in ``directory`` diverged, or None when it did not."""
+    path = Path(directory) / DIVERGED
+    return path.read_text().strip() if path.is_file() else None
 SLOW_ROUND_S = 10.0  # the default: a checkpoint every round when rounds take longer than this, else every 10
 
 

@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
-from fedrun.checkpoint import DIVERGED, FILE, Checkpoint, Stopped, StopSignals
+from fedrun.checkpoint import DIVERGED, FILE, Checkpoint, Stopped, StopSignals, diverged
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
@@ -136,8 +136,8 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
     Any other override is refused: the run continues exactly as it started (its results must equal an
     uninterrupted run's)."""
     directory = Path(hydra_cfg.runtime.cwd, cfg.resume).resolve()
-    if (directory / DIVERGED).is_file():
-        raise ConfigError("resume", cfg.resume, f"a run that did not diverge (this one did, and would again: {(directory / DIVERGED).read_text().strip()})")
+    if (reason := diverged(directory)) is not None:
+        raise ConfigError("resume", cfg.resume, f"a run that did not diverge (this one did, and would again: {reason})")
     if not (directory / FILE).is_file() or not (directory / "config.yaml").is_file():
         raise ConfigError("resume", cfg.resume, f"the output dir of a run with a checkpoint ({directory / FILE} not found)")
     others = [o for o in hydra_cfg.overrides.task if not o.startswith("resume=")]
@@ -231,8 +231,8 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
     """For ``-m ... resume=<multirun dir>``: this job's final accuracy when it had finished, the reason when it
     had diverged, else None (it resumes from its checkpoint, or runs from the start when it never reached one).
     A job whose config differs from the one it was started with is refused: the sweep must be the same one."""
-    diverged = job_dir / DIVERGED
-    if not (job_dir / FILE).is_file() and not diverged.is_file():
+    reason = diverged(job_dir)
+    if not (job_dir / FILE).is_file() and reason is None:
         return None
     saved = OmegaConf.load(job_dir / "config.yaml")
     mine = OmegaConf.to_container(cfg, resolve=True)
@@ -241,8 +241,8 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
         before = flatten(OmegaConf.to_container(saved))
         changed = sorted(k for k, v in flatten(mine).items() if before.get(k) != v)
         raise ConfigError("resume", cfg.resume, f"the same sweep (job dir {job_dir} was started with other values of {', '.join(changed)})")
-    if diverged.is_file():
-        return diverged.read_text().strip()
+    if reason is not None:
+        return reason
     state = Checkpoint(job_dir, resume=True).restored()
     return state["rows"][-1]["test_accuracy"] if state["finished"] else None
 
@@ -312,7 +312,7 @@ def main(cfg: DictConfig) -> float | None:
         tracker.start(flatten(OmegaConf.to_container(cfg, resolve=True)), tags, run_name(choices, hydra_cfg.overrides.task, cfg.seed))
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
 
-    status, reason, model, final, stopped, diverged = "FAILED", None, parts["model"], None, None, None
+    status, reason, model, final, stopped, divergence = "FAILED", None, parts["model"], None, None, None
     submitit_handler = signal.getsignal(signal.SIGUSR2) if os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2") else None
     try:
         with StopSignals(checkpoint):
@@ -338,7 +338,7 @@ def main(cfg: DictConfig) -> float | None:
     except Stopped as exc:
         status, reason, stopped = "KILLED", str(exc), exc
     except DivergenceError as exc:
-        reason, diverged = f"DivergenceError: {exc}", exc
+        reason, divergence = f"DivergenceError: {exc}", exc
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise
@@ -348,9 +348,9 @@ def main(cfg: DictConfig) -> float | None:
         if tracker.lost:
             print(f"fedrun: MLflow missed part of this run ({tracker.lost}); {output_dir} has all of it. Import it with:\n"
                   f"  fedrun-import {output_dir}", file=sys.stderr)
-    if diverged is not None:
-        (output_dir / DIVERGED).write_text(f"{diverged}\n")
-        fail(hydra_cfg, f"fedrun: error: training diverged: {diverged}; the run is marked FAILED and keeps the metrics of "
+    if divergence is not None:
+        (output_dir / DIVERGED).write_text(f"{divergence}\n")
+        fail(hydra_cfg, f"fedrun: error: training diverged: {divergence}; the run is marked FAILED and keeps the metrics of "
              f"the rounds before ({output_dir})", 1)
     print(f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
           f"  fedrun resume={output_dir}", file=sys.stderr)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from fedrun.checkpoint import DIVERGED, FILE
+from fedrun.checkpoint import FILE, diverged
 from fedrun.errors import ConfigError
 from fedrun.tracking import flatten, preflight, resolve_uri
 
@@ -80,10 +80,10 @@ def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
     if summary_tags:
         client.log_batch(run_id, tags=summary_tags)
     client.log_artifacts(run_id, str(directory))
-    diverged = directory / DIVERGED  # the run failed, and says why
-    if diverged.is_file():
-        client.set_tag(run_id, "failure_reason", f"DivergenceError: {diverged.read_text().strip()}"[:5000])
-    status = "FAILED" if diverged.is_file() else "FINISHED" if finished(directory, config, len(metrics)) else "KILLED"
+    reason = diverged(directory)  # the run failed, and says why
+    if reason is not None:
+        client.set_tag(run_id, "failure_reason", f"DivergenceError: {reason}"[:5000])
+    status = "FAILED" if reason is not None else "FINISHED" if finished(directory, config, len(metrics)) else "KILLED"
     client.set_terminated(run_id, status)
     return run_id
 

@@ -140,7 +140,7 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
 
 
 def paired_markdown(table: pd.DataFrame, keys: list[str], key: str, baseline: str) -> str:
-    """The paired differences as a Markdown table: "mean ± CI (pairs)" per metric."""
+    """The paired differences as a Markdown table: "mean ± CI (pairs: lower-/equal=/higher+)" per metric."""
     names = [label(k) for k in keys]
     metrics = list(dict.fromkeys(c.rsplit("_", 1)[0] for c in table.columns if c.endswith("_diff")))
     rows = []
@@ -331,11 +331,11 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(table, keys)
     (out / "report.md").write_text(f"# {args.experiment}\n\n{len(finished)} finished runs ({len(runs) - len(finished)} others left out).\n\n" + text)
     table.to_csv(out / "report.csv", index=False)
-    plots = [plot_bands(curves(client, finished, keys), out / "accuracy.png", f"{args.experiment}: mean test accuracy, 95% CI band",
-                        step=step_name(finished))]
+    step = step_name(finished)
+    plots = [plot_bands(curves(client, finished, keys), out / "accuracy.png", f"{args.experiment}: mean test accuracy, 95% CI band", step=step)]
     for metric in dict.fromkeys(args.plot):
         plots.append(plot_bands(curves(client, finished, keys, metric), out / (re.sub(r"\W", "_", metric) + ".png"),
-                                f"{args.experiment}: mean {metric}, 95% CI band", metric, step_name(finished)))
+                                f"{args.experiment}: mean {metric}, 95% CI band", metric, step))
     written = [out / "report.md", out / "report.csv", *plots]
     if args.paired:
         pair_text = (f"Paired by seed, against {name} = {baseline}: every run is a baseline run, nothing to pair.\n" if alone

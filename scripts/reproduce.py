@@ -82,7 +82,8 @@ PAPERS = {
         # T = 0.2 and the switch at round 20: the caption of the paper's Figure 1 (paper 001, line 297). 30 rounds, not
         # the paper's 100-150 (line 273): R60 falls in the first ten, and ten rounds follow the hybrid's switch.
         Part("fedavg", ("experiment=hybrid_fmnist", "aggregator=fedavg", "schedule.rounds=30", "seed={seeds}")),
-        # exp(-F_i / 0.2) on the mean loss, the formula as printed (line 239): it collapses onto the best clients.
+        # p_i exp(-F_i / 0.2) on the mean loss: FedSoftWorse's formula (line 239) with the sign flipped, the "analogous
+        # modification" of line 249 read literally. It collapses onto the best clients.
         Part("fedsoftbetter", ("experiment=hybrid_fmnist", "aggregator=fedsoftbetter", "aggregator.temperature=0.2", "schedule.rounds=30",
                                "seed={seeds}")),
         # T = 0.2 on the authors' loss scale (their code's l_i, about the mean loss / 50, on the last local epoch; README):
@@ -92,8 +93,8 @@ PAPERS = {
         Part("hybrid_authors", ("experiment=hybrid_fmnist", "aggregator=hybrid", "aggregator.phases.0.aggregator.temperature=0.2",
                                 "+aggregator.phases.0.aggregator.loss_scale=authors", "+aggregator.phases.0.aggregator.loss_on=local",
                                 "schedule.rounds=30", "seed={seeds}")),
-        # Sensitivity check: temperatures between the two scales (T = 1-10 on the mean loss; the authors' scale is
-        # about T = 10, the printed one collapses at 0.2), 3 seeds, against FedAvg on the same seeds.
+        # Sensitivity check: T = 1-10 on the global model's mean loss, between the printed reading (it collapses at 0.2)
+        # and the authors' scale (about T = 10 on the last local epoch's loss), 3 seeds, against FedAvg on the same seeds.
         Part("temperature_fedavg", ("experiment=hybrid_fmnist", "aggregator=fedavg", "schedule.rounds=30", "seed=0,1,2"), side="check"),
         Part("temperature_fedsoftbetter", ("experiment=hybrid_fmnist", "aggregator=fedsoftbetter", "aggregator.temperature=1,3,10",
                                            "schedule.rounds=30", "seed=0,1,2"), side="check"),
@@ -135,7 +136,7 @@ def command(paper: str, part: Part, out: Path, seeds: int, temperature: str, tin
     sweep_dir = out / paper / part.name
     experiment = f"reproduce_{paper}" + (f"_{part.side}" if part.side else "")
     cmd = [str(BIN / "fedrun"), "-m", *args, f"tracking.uri=sqlite:///{(out / 'mlflow.db').resolve()}", f"tracking.experiment={experiment}"]
-    if (sweep_dir / "multirun.yaml").is_file():  # started before: resume it (finished jobs are skipped)
+    if started(out, paper, part):  # resume it (finished jobs are skipped)
         return cmd + [f"resume={sweep_dir.resolve()}"]
     return cmd + [f"hydra.sweep.dir={sweep_dir.resolve()}"]
 
@@ -200,13 +201,18 @@ def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool, part
         whole = all(p in chosen for p in spec.parts if p.side == side)
         run(report(paper, out, side, extra=("--paired", spec.paired) if whole else ()), dry_run)
     # The table is paired with the baseline once the baseline's part has run (now or before).
-    baseline = any(p in chosen or (out / paper / p.name / "multirun.yaml").is_file() for p in spec.parts if has_baseline(p, spec.paired))
+    baseline = any(p in chosen or started(out, paper, p) for p in spec.parts if has_baseline(p, spec.paired))
     table = spec.report_extra + (("--paired", spec.paired) if baseline else ())
     run(report(paper, out, group_by=spec.report_by, extra=table), dry_run)
     # The views (e.g. 000's very non-IID split alone: a plot with four lines, not ten) once every table part has run.
-    table_ran = all(p in chosen or (out / paper / p.name / "multirun.yaml").is_file() for p in spec.parts if not p.side)
+    table_ran = all(p in chosen or started(out, paper, p) for p in spec.parts if not p.side)
     for name, where in spec.views if table_ran else ():
         run(report(paper, out, group_by=spec.report_by, extra=table + ("--filter", where), view=name), dry_run)
+
+
+def started(out: Path, paper: str, part: Part) -> bool:
+    """Whether the part's sweep was started by an earlier call (Hydra wrote its multirun.yaml)."""
+    return (out / paper / part.name / "multirun.yaml").is_file()
 
 
 def has_baseline(part: Part, paired: str) -> bool:
