@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, FILE, Checkpoint, Stopped, StopSignals, diverged
+from fedrun.datasets import SCALE_NAMES
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
@@ -182,7 +183,8 @@ def run_name(choices: dict, overrides, seed: int) -> str:
 def description(cfg: DictConfig, choices: dict, overrides: str, output_dir: Path) -> str:
     """The run's description in the MLflow UI (markdown): each config group's choice and its values, the
     overrides, the seed and the output dir."""
-    lines = [f"**{choices.get('aggregator', '')}** on **{choices.get('dataset', '')}**, partition **{choices.get('partition', '')}**, "
+    scale = f" ({SCALE_NAMES[cfg.dataset.scale]})" if "scale" in cfg.dataset else ""
+    lines = [f"**{choices.get('aggregator', '')}** on **{choices.get('dataset', '')}**{scale}, partition **{choices.get('partition', '')}**, "
              f"seed {cfg.seed}", ""]
     for group in CONFIG_GROUPS:
         node = cfg.get(group)
@@ -285,6 +287,8 @@ def main(cfg: DictConfig) -> float | None:
         "num_clients": str(len(parts["clients"])),
         "torch_threads": str(parts["device"].use_cores(job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores())),
     }
+    if "scale" in cfg.dataset:  # the input scale changes what a learning rate and a temperature mean: say it on the run
+        tags["input_scale"] = str(cfg.dataset.scale)
     tracker = Tracker(
         output_dir=output_dir,
         num_clients=len(parts["clients"]),

@@ -19,7 +19,7 @@ class FederatedData:
     """Train, test and optional validation tensors of one dataset.
 
     Attributes:
-        x_train, y_train: Training inputs (float32, normalised) and labels (int64).
+        x_train, y_train: Training inputs (float32, in the dataset's ``scale``) and labels (int64).
         x_test, y_test: Test split.
         x_val, y_val: Validation split held out of train, or None.
         num_classes: Number of classes.
@@ -90,19 +90,40 @@ def _standardise(x: torch.Tensor, mean, std) -> torch.Tensor:
     return (x - torch.as_tensor(mean).view(shape)) / torch.as_tensor(std).view(shape)
 
 
+SCALES = ("standard", "unit", "raw")
+SCALE_NAMES = {"standard": "standardised", "unit": "pixels / max, in [0, 1]", "raw": "raw pixel values"}
+
+
+def _check_scale(scale: str) -> str:
+    check(scale in SCALES, "scale", scale, "standard (per-channel standardisation), unit (pixels / max, in [0, 1]) or raw (the stored values)")
+    return scale
+
+
+def _scaled(raw: torch.Tensor, maximum: float, scale: str, mean, std) -> torch.Tensor:
+    """Image pixels as stored (0..maximum) in the chosen scale: ``raw`` as they are (the loss-weighted papers'
+    code feeds MNIST's 0-255 as floats), ``unit`` divided by ``maximum``, ``standard`` then standardised."""
+    if scale == "raw":
+        return raw
+    unit = raw / maximum
+    return unit if scale == "unit" else _standardise(unit, mean, std)
+
+
 class Digits(Dataset):
     """scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes): embedded, works offline.
 
     Args:
         test_fraction: Fraction held out as the test split (stratified, fixed by ``split_seed``).
         split_seed: Seed of the train/test split, fixed so every run sees the same test set.
+        scale: ``standard`` (standardised by the training split's mean and std), ``unit`` (pixels / 16, in
+            [0, 1]) or ``raw`` (the stored 0-16 values).
         val_fraction, client_test_fraction: See ``Dataset``.
     """
 
-    def __init__(self, test_fraction: float = 0.2, split_seed: int = 0, val_fraction: float = 0.0, client_test_fraction: float = 0.0):
+    def __init__(self, test_fraction: float = 0.2, split_seed: int = 0, scale: str = "standard", val_fraction: float = 0.0,
+                 client_test_fraction: float = 0.0):
         super().__init__(val_fraction, client_test_fraction)
         check(0.0 < test_fraction < 1.0, "test_fraction", test_fraction, "a fraction in (0, 1)")
-        self.test_fraction, self.split_seed = test_fraction, split_seed
+        self.test_fraction, self.split_seed, self.scale = test_fraction, split_seed, _check_scale(scale)
 
     num_classes = 10
 
@@ -111,14 +132,14 @@ class Digits(Dataset):
         from sklearn.model_selection import train_test_split
 
         digits = load_digits()
-        x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        raw = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)  # 0-16
         y = torch.tensor(digits.target, dtype=torch.int64)
         train, test = train_test_split(
             np.arange(len(y)), test_size=self.test_fraction, stratify=digits.target, random_state=self.split_seed
         )
         # Standardise with the training split's own statistics (there is no published constant for digits).
-        mean, std = x[train].mean().item(), x[train].std().item()
-        x = _standardise(x, [mean], [std])
+        unit = raw[train] / 16.0
+        x = _scaled(raw, 16.0, self.scale, [unit.mean().item()], [unit.std().item()])
         return x[train], y[train], x[test], y[test], None
 
 
@@ -137,6 +158,9 @@ class TorchvisionImages(Dataset):
         root: Folder holding ``<ClassName>/raw/`` (MNIST, FashionMNIST) or ``cifar-10-batches-py/``;
             None means ``$FEDRUN_DATA`` or ``data/`` under the working directory.
         download: Whether to try the network when local files are missing.
+        scale: ``standard`` (pixels / 255, standardised with the dataset's published per-channel mean and
+            std), ``unit`` (pixels / 255, in [0, 1]) or ``raw`` (0-255 as floats, as the loss-weighted papers'
+            code feeds MNIST and Fashion-MNIST: their ``src/datasets.py`` neither divides nor normalises).
         val_fraction, client_test_fraction: See ``Dataset``.
     """
 
@@ -145,10 +169,11 @@ class TorchvisionImages(Dataset):
     std: tuple[float, ...]
     num_classes = 10
 
-    def __init__(self, root: str | None = None, download: bool = True, val_fraction: float = 0.0, client_test_fraction: float = 0.0):
+    def __init__(self, root: str | None = None, download: bool = True, scale: str = "standard", val_fraction: float = 0.0,
+                 client_test_fraction: float = 0.0):
         super().__init__(val_fraction, client_test_fraction)
         self.root = Path(root).expanduser() if root else default_root()
-        self.download = download
+        self.download, self.scale = download, _check_scale(scale)
 
     def _torchvision(self, train: bool, download: bool):
         import torchvision.datasets
@@ -177,9 +202,9 @@ class TorchvisionImages(Dataset):
             ) from None
 
     def _tensors(self, ds) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.as_tensor(np.asarray(ds.data), dtype=torch.float32) / 255.0
+        x = torch.as_tensor(np.asarray(ds.data), dtype=torch.float32)
         x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2)  # to N x C x H x W
-        return _standardise(x, self.mean, self.std).contiguous(), torch.as_tensor(np.asarray(ds.targets))
+        return _scaled(x, 255.0, self.scale, self.mean, self.std).contiguous(), torch.as_tensor(np.asarray(ds.targets))
 
     def _splits(self):
         x_train, y_train = self._tensors(self._open(train=True))

@@ -35,7 +35,8 @@ class Schedule:
         clients_per_round: Fraction C in (0, 1] of the clients sampled each round (at least one).
         lr_decay: Per-round multiplicative decay of the local learning rate (1 = none).
         eval_every: Evaluate every this many rounds (and always at the last round).
-        stop_at_accuracy: Stop early once test accuracy reaches this, or null.
+        stop_at_accuracy: Stop early once test accuracy reaches this (and the clients' accuracy too, where it is
+            logged: both R-indices are measured), or null.
     """
 
     rounds: int = 50
@@ -65,9 +66,11 @@ class Schedule:
         """Whether round (or aggregation) ``t`` is evaluated: every ``eval_every``, and always the last."""
         return t % self.eval_every == 0 or t == self.rounds
 
-    def reached(self, accuracy: float) -> bool:
-        """Whether ``accuracy`` (NaN when not evaluated) meets ``stop_at_accuracy``."""
-        return self.stop_at_accuracy is not None and accuracy >= self.stop_at_accuracy
+    def reached(self, row: dict) -> bool:
+        """Whether the round's test accuracy, and its client accuracy where logged (NaN when not evaluated), meet
+        ``stop_at_accuracy``."""
+        accuracies = [row["test_accuracy"]] + ([row["client_accuracy"]] if "client_accuracy" in row else [])
+        return self.stop_at_accuracy is not None and all(a >= self.stop_at_accuracy for a in accuracies)
 
     def cohort_size(self, num_clients: int) -> int:
         return max(1, int(round(self.clients_per_round * num_clients)))
@@ -254,7 +257,7 @@ def record(row: dict, params: torch.Tensor, diverged: bool, lr: float, schedule:
     if diverged:
         raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
     result.params = params
-    return t == schedule.rounds or schedule.reached(row["test_accuracy"])
+    return t == schedule.rounds or schedule.reached(row)
 
 
 class SyncEngine:

@@ -49,8 +49,13 @@ def test_schedule_evaluation_and_stop_decisions():
 
     schedule = Schedule(rounds=10, eval_every=4, stop_at_accuracy=0.9)
     assert [t for t in range(1, 11) if schedule.evaluates(t)] == [4, 8, 10]
-    assert schedule.reached(0.9) and not schedule.reached(0.89) and not schedule.reached(math.nan)
-    assert not Schedule(stop_at_accuracy=None).reached(1.0)
+    test = lambda a: {"test_accuracy": a}  # noqa: E731
+    assert schedule.reached(test(0.9)) and not schedule.reached(test(0.89)) and not schedule.reached(test(math.nan))
+    assert not Schedule(stop_at_accuracy=None).reached(test(1.0))
+    # With the clients' accuracy logged, both must reach the target (each has its R-index).
+    assert not schedule.reached({"test_accuracy": 0.95, "client_accuracy": 0.85})
+    assert not schedule.reached({"test_accuracy": 0.85, "client_accuracy": 0.95})
+    assert schedule.reached({"test_accuracy": 0.91, "client_accuracy": 0.9})
 
 
 def test_summary_from_rows_in_memory():
