@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,26 @@ def test_digits_splits_and_normalisation():
     assert len(data.y_train) + len(data.y_test) == 1797 and abs(len(data.y_test) - 360) <= 1
     assert abs(data.x_train.mean().item()) < 1e-4 and abs(data.x_train.std().item() - 1) < 1e-3
     assert data.x_val is None
+
+
+def test_scale_raw_is_255_or_16_times_unit_on_the_same_samples_and_standard_is_unit_standardised():
+    raw, unit, standard = (Digits(scale=s).load(seed=0) for s in ("raw", "unit", "standard"))
+    assert raw.x_train.max().item() == 16.0 and unit.x_train.max().item() == 1.0  # digits store 0-16
+    assert torch.equal(raw.x_test, unit.x_test * 16) and torch.equal(raw.y_train, unit.y_train)
+    mean, std = unit.x_train.mean(), unit.x_train.std()  # standard: by the training split's own statistics
+    torch.testing.assert_close(standard.x_train, (unit.x_train - mean) / std)
+    with pytest.raises(ConfigError, match=r"^scale='pixels' is invalid: allowed is standard .*, unit .* or raw"):
+        Digits(scale="pixels")
+
+
+@pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="needs MNIST under $FEDRUN_DATA")
+def test_mnist_raw_is_255_times_unit_as_the_authors_code_feeds_it():
+    raw, unit, standard = (MNIST(download=False, scale=s).load(seed=0) for s in ("raw", "unit", "standard"))
+    assert raw.x_train.dtype == torch.float32 and raw.x_train.max().item() == 255.0 and raw.x_train.min().item() == 0.0
+    torch.testing.assert_close(raw.x_train, unit.x_train * 255, rtol=0, atol=1e-4)  # k / 255 * 255 is k up to rounding
+    torch.testing.assert_close(raw.x_test, unit.x_test * 255, rtol=0, atol=1e-4)
+    torch.testing.assert_close(standard.x_train, (unit.x_train - 0.1307) / 0.3081)  # torchvision's published constants
+    assert torch.equal(raw.y_train, unit.y_train)
 
 
 def test_validation_split_is_held_out_of_train_by_seed():

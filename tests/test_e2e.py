@@ -81,6 +81,17 @@ def test_diverging_run_is_marked_failed_and_keeps_its_metrics(fedrun, store):
 
 
 @pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="needs FEDRUN_DATA pointing at a copy of the MNIST files")
+def test_the_run_says_which_input_scale_it_ran_on(fedrun, store):
+    fedrun("dataset.scale=raw", "schedule.rounds=1", "partition.num_clients=5", experiment="scale")
+    _, [run] = mlflow_runs(store, "scale")
+    assert run.data.tags["input_scale"] == "raw" and run.data.params["dataset.scale"] == "raw"
+    assert run.data.tags["mlflow.note.content"].startswith("**fedavg** on **digits** (raw pixel values)")
+    done = fedrun("dataset.scale=pixels", check=False)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        "fedrun: error: dataset.scale='pixels' is invalid: allowed is standard (per-channel standardisation), unit (pixels / max, "
+        "in [0, 1]) or raw (the stored values)")
+
+
 def test_mnist_runs_offline_from_fedrun_data(fedrun, store):
     fedrun("dataset=mnist", "partition=shards", "partition.num_clients=10", "partition.samples_per_client=200",
            "schedule.rounds=3", "schedule.batch_size=20", "tracking.enabled=false")
