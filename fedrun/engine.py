@@ -35,8 +35,9 @@ class Schedule:
         clients_per_round: Fraction C in (0, 1] of the clients sampled each round (at least one).
         lr_decay: Per-round multiplicative decay of the local learning rate (1 = none).
         eval_every: Evaluate every this many rounds (and always at the last round).
-        stop_at_accuracy: Stop early once test accuracy reaches this (and the clients' accuracy too, where it is
-            logged: both R-indices are measured), or null.
+        stop_at_accuracy: Stop early once the accuracy ``stop_on`` names reaches this, or null.
+        stop_on: ``test`` (the global model's test accuracy), ``client`` (the clients' local models on their own
+            held-out data, ``client_accuracy``: the loss-weighted papers' measure) or ``both``.
     """
 
     rounds: int = 50
@@ -47,6 +48,7 @@ class Schedule:
     lr_decay: float = 1.0
     eval_every: int = 1
     stop_at_accuracy: float | None = None
+    stop_on: str = "test"
 
     def __post_init__(self):
         check(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
@@ -57,6 +59,7 @@ class Schedule:
         check(0 < self.lr_decay <= 1, "lr_decay", self.lr_decay, "a factor in (0, 1]")
         check(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
         check(self.stop_at_accuracy is None or 0 < self.stop_at_accuracy <= 1, "stop_at_accuracy", self.stop_at_accuracy, "null or a fraction in (0, 1]")
+        check(self.stop_on in ("test", "client", "both"), "stop_on", self.stop_on, "test, client (client_accuracy, with dataset.client_test_fraction > 0) or both")
 
     @property
     def work(self) -> LocalWork:
@@ -67,10 +70,9 @@ class Schedule:
         return t % self.eval_every == 0 or t == self.rounds
 
     def reached(self, row: dict) -> bool:
-        """Whether the round's test accuracy, and its client accuracy where logged (NaN when not evaluated), meet
-        ``stop_at_accuracy``."""
-        accuracies = [row["test_accuracy"]] + ([row["client_accuracy"]] if "client_accuracy" in row else [])
-        return self.stop_at_accuracy is not None and all(a >= self.stop_at_accuracy for a in accuracies)
+        """Whether the round's accuracies that ``stop_on`` names (NaN when not evaluated) meet ``stop_at_accuracy``."""
+        names = {"test": ["test_accuracy"], "client": ["client_accuracy"], "both": ["test_accuracy", "client_accuracy"]}[self.stop_on]
+        return self.stop_at_accuracy is not None and all(row.get(name, math.nan) >= self.stop_at_accuracy for name in names)
 
     def cohort_size(self, num_clients: int) -> int:
         return max(1, int(round(self.clients_per_round * num_clients)))

@@ -2,6 +2,8 @@ import math
 
 import pytest
 
+from fedrun.errors import ConfigError
+
 from fedrun.metrics import r_index, r_name
 
 
@@ -52,10 +54,14 @@ def test_schedule_evaluation_and_stop_decisions():
     test = lambda a: {"test_accuracy": a}  # noqa: E731
     assert schedule.reached(test(0.9)) and not schedule.reached(test(0.89)) and not schedule.reached(test(math.nan))
     assert not Schedule(stop_at_accuracy=None).reached(test(1.0))
-    # With the clients' accuracy logged, both must reach the target (each has its R-index).
-    assert not schedule.reached({"test_accuracy": 0.95, "client_accuracy": 0.85})
-    assert not schedule.reached({"test_accuracy": 0.85, "client_accuracy": 0.95})
-    assert schedule.reached({"test_accuracy": 0.91, "client_accuracy": 0.9})
+    assert schedule.reached({"test_accuracy": 0.95, "client_accuracy": 0.85})  # stop_on: test, the default
+    client, both = Schedule(stop_at_accuracy=0.9, stop_on="client"), Schedule(stop_at_accuracy=0.9, stop_on="both")
+    assert client.reached({"test_accuracy": 0.5, "client_accuracy": 0.9}) and not client.reached({"test_accuracy": 0.95, "client_accuracy": 0.85})
+    assert not client.reached(test(0.95))  # no clients' accuracy logged: never reached
+    assert not both.reached({"test_accuracy": 0.95, "client_accuracy": 0.85}) and not both.reached({"test_accuracy": 0.85, "client_accuracy": 0.95})
+    assert both.reached({"test_accuracy": 0.91, "client_accuracy": 0.9})
+    with pytest.raises(ConfigError, match="stop_on"):
+        Schedule(stop_on="val")
 
 
 def test_summary_from_rows_in_memory():
