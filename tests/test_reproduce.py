@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
@@ -72,3 +73,13 @@ def test_the_table_is_paired_once_its_baseline_part_has_run(tmp_path, capsys):
     assert "report_tniid" not in capsys.readouterr().out
     reproduce.reproduce("000", tmp_path, 1, tiny=True, dry_run=True)
     assert "report_tniid" in capsys.readouterr().out
+
+
+def test_the_temperature_is_chosen_on_the_paper_s_measure(tmp_path):
+    # 000a picks T on the clients' accuracy (their measure): T = 0.1 reaches it first there, T = 0.2 on the test set.
+    report = tmp_path / "report.csv"
+    pd.DataFrame({"aggregator.temperature": [0.2, 0.1, 0.05], "R90_median": [20, 25, 30], "client_R90_median": [14, 12, 12],
+                  "final_test_accuracy_mean": [0.8, 0.7, 0.75]}).to_csv(report, index=False)
+    assert reproduce.best_temperature(report) == "0.2"
+    assert reproduce.best_temperature(report, "client_R90") == "0.05"  # tied at 12: the higher final accuracy
+    assert reproduce.PAPERS["000a"].select_by == "client_R90" and reproduce.PAPERS["000"].select_by == "R90"
