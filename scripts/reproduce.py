@@ -96,7 +96,7 @@ PAPERS = {
                              *TNIID, "seed=100,101"), side="tuning"),
         Part("fedsoftmax_shards", ("experiment=softmax_mnist_authors", *SOFTMAX, *TNIID_NIID, "seed={seeds}")),
         Part("fedsoftmax_iid", ("experiment=softmax_mnist_authors", *SOFTMAX, "partition=iid", "seed={seeds}")),
-    ), select_by="client_R90", views=(("tniid", "params.`partition.shards_per_client` = '2'"),)),
+    ), report_extra=("--plot", "client_accuracy"), select_by="client_R90", views=(("tniid", "params.`partition.shards_per_client` = '2'"),)),
     # Paper 001 on its authors' protocol (experiment=hybrid_fmnist_authors: raw pixels, lr 1e-3 * 0.99^r, their loss scale,
     # T = 0.2 of Figure 1's caption). FedAvg with the code's E = 1 (the preset's) and paper 000's E = 2 (001 states none).
     # Runs stop once test accuracy reaches 60%: R60 is the table's measure (lines 277, 292-306), the rounds past it cost

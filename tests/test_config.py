@@ -127,3 +127,20 @@ def test_softmax_mnist_is_the_papers_protocol(compose_config):
     assert (cfg.schedule.local_epochs, cfg.schedule.batch_size, cfg.schedule.clients_per_round) == (2, 64, 1.0)
     assert cfg.model._target_.endswith("CNN") and cfg.dataset._target_.endswith("MNIST")
     assert instantiate(cfg.partition).shard_source == "dataset"  # McMahan's shards of the whole training set
+
+
+def test_help_opens_with_what_fedrun_is_and_its_commonest_commands():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([str(Path(sys.executable).parent / "fedrun"), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("fedrun: simulated federated-learning experiments")
+    commands = [line.split()[0] for line in lines[lines.index("Commonest commands:") + 1:] if line.startswith("  ")]
+    assert commands[:6] == ["fedrun", "fedrun", "fedrun", "fedrun", "fedrun-report", "mlflow"]
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for section in [s for line in lines for s in __import__("re").findall(r'\("([^"]+)"\)', line)]:
+        assert f"## {section}" in readme, section  # every section the help points to exists
+    assert any(line.startswith("aggregator: ") and "fedsoftmax" in line for line in lines)  # then the groups
