@@ -23,6 +23,9 @@ from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
 
 
+STOP_ON = {"test": ("test_accuracy",), "client": ("client_accuracy",), "both": ("test_accuracy", "client_accuracy")}  # the row columns
+
+
 @dataclass
 class Schedule:
     """How long and how much each client trains.
@@ -59,7 +62,7 @@ class Schedule:
         check(0 < self.lr_decay <= 1, "lr_decay", self.lr_decay, "a factor in (0, 1]")
         check(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
         check(self.stop_at_accuracy is None or 0 < self.stop_at_accuracy <= 1, "stop_at_accuracy", self.stop_at_accuracy, "null or a fraction in (0, 1]")
-        check(self.stop_on in ("test", "client", "both"), "stop_on", self.stop_on, "test, client (client_accuracy, with dataset.client_test_fraction > 0) or both")
+        check(self.stop_on in STOP_ON, "stop_on", self.stop_on, "test, client (client_accuracy, with dataset.client_test_fraction > 0) or both")
 
     @property
     def work(self) -> LocalWork:
@@ -71,8 +74,7 @@ class Schedule:
 
     def reached(self, row: dict) -> bool:
         """Whether the round's accuracies that ``stop_on`` names (NaN when not evaluated) meet ``stop_at_accuracy``."""
-        names = {"test": ["test_accuracy"], "client": ["client_accuracy"], "both": ["test_accuracy", "client_accuracy"]}[self.stop_on]
-        return self.stop_at_accuracy is not None and all(row.get(name, math.nan) >= self.stop_at_accuracy for name in names)
+        return self.stop_at_accuracy is not None and all(row.get(name, math.nan) >= self.stop_at_accuracy for name in STOP_ON[self.stop_on])
 
     def cohort_size(self, num_clients: int) -> int:
         return max(1, int(round(self.clients_per_round * num_clients)))

@@ -58,7 +58,8 @@ TNIID_NIID = ("partition=shards", "partition.shards_per_client=2,4", "partition.
 TNIID_POOL = ("partition=shards", "partition.shards_per_client=2", "partition.shard_source=pool")  # very non-IID, balanced pool
 TNIID = ("partition=shards", "partition.shards_per_client=2", "partition.shard_source=dataset")
 SOFTMAX = ("aggregator=fedsoftmax", "aggregator.temperature={temperature}")
-STOP_AT_R60 = ("partition.shards_per_client=20", "schedule.stop_at_accuracy=0.6", "schedule.stop_on=test")  # shards of 30  # paper 001's measure: the global model's R60
+SHARDS_OF_30 = ("partition.shards_per_client=20",)  # paper 001's code: 20 shards of 30 of the 600 a client (a preset sets no shards key)
+STOP_AT_R60 = ("schedule.stop_at_accuracy=0.6", "schedule.stop_on=test")  # paper 001's measure: the global model's R60
 TABLE2_000 = ("schedule.local_epochs=2",)  # paper 000's Table 2 (E = 2), where its authors' code has 1
 HEAD_000 = ("schedule.lr_decay=1.0",)  # the authors' last commit (c065b72, train.py:128-131): a constant lr for MNIST
 PAPERS = {
@@ -104,12 +105,11 @@ PAPERS = {
     # Runs stop once test accuracy reaches 60%: R60 is the table's measure (lines 277, 292-306) and the hybrid equals
     # FedSoftBetter until its switch at round 20; the hybrid alone runs 30 rounds.
     "001a": Paper("Paper 001 on its authors' protocol: FedAvg calibrated against its R60, then FedSoftWorse, FedSoftBetter and the hybrid", (
-        Part("fedavg", ("experiment=hybrid_fmnist_authors", "aggregator=fedavg", *STOP_AT_R60, "seed={seeds}")),
-        Part("fedavg_mean_lr", ("experiment=hybrid_fmnist_authors", "aggregator=fedavg", "optimizer.lr=0.001", *STOP_AT_R60, "seed={seeds}")),
-        Part("fedsoftworse", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftmax", *STOP_AT_R60, "seed={seeds}")),
-        Part("fedsoftbetter", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftbetter", *STOP_AT_R60, "seed={seeds}")),
-        Part("hybrid", ("experiment=hybrid_fmnist_authors", "aggregator=hybrid", "partition.shards_per_client=20", "schedule.rounds=30",
-                        "seed={seeds}")),
+        Part("fedavg", ("experiment=hybrid_fmnist_authors", "aggregator=fedavg", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
+        Part("fedavg_mean_lr", ("experiment=hybrid_fmnist_authors", "aggregator=fedavg", "optimizer.lr=0.001", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
+        Part("fedsoftworse", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftmax", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
+        Part("fedsoftbetter", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftbetter", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
+        Part("hybrid", ("experiment=hybrid_fmnist_authors", "aggregator=hybrid", *SHARDS_OF_30, "schedule.rounds=30", "seed={seeds}")),
     )),
     "001": Paper("FedSoftBetter and the hybrid FedSoftBetterAvg: Fashion-MNIST non-IID R60 and stability", (
         # T = 0.2 and the switch at round 20: the caption of the paper's Figure 1 (paper 001, line 297). 30 rounds, not
