@@ -22,6 +22,12 @@ from fedrun.seeding import torch_generator
 EVAL_BATCH = {"cpu": 64, "cuda": 1024}
 
 
+def eval_chunk(model: nn.Module, device: torch.device) -> int:
+    """The batch size of inference: the model's own (``eval_batch``) when its outputs depend on their batch
+    (``fedrun.models.BatchSoftmax``), else ``EVAL_BATCH`` for the device."""
+    return getattr(model, "eval_batch", None) or EVAL_BATCH.get(device.type, EVAL_BATCH["cuda"])
+
+
 def per_sample_loss(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy and correctness of every sample under the flat parameters ``params``."""
     load_flat(model, params)
@@ -31,7 +37,7 @@ def per_sample_loss(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: 
 
 def _per_sample_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     losses, correct = [], []
-    chunk = EVAL_BATCH.get(x.device.type, EVAL_BATCH["cuda"])
+    chunk = eval_chunk(model, x.device)
     for start in range(0, len(y), chunk):
         logits = model(x[start : start + chunk])
         target = y[start : start + chunk]

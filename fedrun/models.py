@@ -8,6 +8,27 @@ from torch import nn
 from fedrun.errors import ConfigError, check
 
 
+HEADS = {
+    "logits": "the class scores, as every paper describes",
+    "batch_softmax": "a softmax over the batch dimension, the authors' February 2023 ConvNet (paper 001's code)",
+}
+
+
+class BatchSoftmax(nn.Module):
+    """Softmax over the batch dimension (dim 0), fed to the cross-entropy as if it were logits.
+
+    The output layer of the ConvNet in github alexandreduplessis/Tamaya_Federated_Learning from its first commit
+    (10622fb, src/convnet.py:20 ``return F.softmax(self.lin(x), dim=0)``) until abfff8a (2023-03-13) replaced it by
+    ``return self.lin(x)``: the code that ran paper 001. Each class's scores are normalised across the samples of a
+    batch, so an output depends on the other samples in its batch, the cross-entropy sees inputs in [0, 1] (its
+    values stay near ln 10 and its gradients are small, which is why lr 1e-3 on a summed loss over raw 0-255
+    pixels trains there) and a prediction depends on the evaluation batch (``eval_batch``).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, dim=0)
+
+
 class CNN(nn.Sequential):
     """The papers' CNN: conv3x3(32)+ReLU+maxpool2, conv3x3(64)+ReLU+maxpool2, flatten, linear to classes
     (each ReLU applied after its pooling, which computes the same function and gradient).
@@ -19,9 +40,13 @@ class CNN(nn.Sequential):
         num_classes: From the dataset.
         padding: Convolution padding; null means 0 (the papers) unless the input is too small for it,
             then 1 (8x8 digits).
+        head: ``logits`` (the papers) or ``batch_softmax`` (``BatchSoftmax``: the authors' code for paper 001).
+        eval_batch: With ``batch_softmax``, the batch size predictions and losses are computed in outside
+            training (their test loader's 1000, train.py:161 at 10622fb); outputs depend on it. Unused with logits.
     """
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, padding: int | None = None):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, padding: int | None = None, head: str = "logits",
+                 eval_batch: int = 1000):
         if len(input_shape) != 3:
             raise ConfigError("model", "cnn", f"mlp or logistic for inputs of shape {tuple(input_shape)} (cnn needs images)")
         channels, height, width = input_shape
@@ -31,6 +56,8 @@ class CNN(nn.Sequential):
         check(isinstance(padding, int) and padding >= 0, "padding", padding, "null or an integer >= 0")
         out = _cnn_side(side, padding)
         check(out >= 1, "padding", padding, f"a padding that leaves features for {height}x{width} inputs (try 1)")
+        check(head in HEADS, "head", head, " or ".join(f"{k} ({v})" for k, v in HEADS.items()))
+        check(isinstance(eval_batch, int) and eval_batch >= 1, "eval_batch", eval_batch, "an integer >= 1")
         features = 64 * _cnn_side(height, padding) * _cnn_side(width, padding)
         # ReLU after max-pooling: relu(maxpool(a)) = maxpool(relu(a)) exactly (ReLU is monotone, and both
         # orders send the gradient to the same element, or none), at a quarter of the ReLU work.
@@ -43,8 +70,11 @@ class CNN(nn.Sequential):
             nn.ReLU(),
             nn.Flatten(),
             nn.Linear(features, num_classes),
+            *([BatchSoftmax()] if head == "batch_softmax" else []),
         )
         self.padding = padding
+        if head == "batch_softmax":  # read by fedrun.clients.eval_chunk
+            self.eval_batch = eval_batch
 
 
 def _cnn_side(side: int, padding: int) -> int:

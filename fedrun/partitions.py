@@ -2,7 +2,9 @@
 
 Every partition first draws its pool (all training samples, or ``num_clients * samples_per_client`` of
 them when capped), then returns one index array per client: disjoint, and together covering the pool
-exactly once (McMahan's shards, ``shard_source: dataset``, deal only some of the dataset's shards).
+exactly once (McMahan's shards, ``shard_source: dataset``, deal only some of the dataset's shards). The one
+exception is ``label_split`` with ``draw: independent`` (the authors' code of paper 000): every client draws
+its own samples, which may overlap another client's.
 """
 
 import numpy as np
@@ -242,17 +244,32 @@ class Dirichlet(Partition):
 
 class LabelSplit(Partition):
     """Explicit groups of clients owning explicit label sets (e.g. the FedStaleWeight paper's
-    10 clients on labels 4-9 and 5 clients on labels 0-3). Each label's samples are shuffled and dealt
-    round-robin over the clients that own it; labels no group owns are left out of the pool.
+    10 clients on labels 4-9 and 5 clients on labels 0-3).
+
+    ``draw: deal`` (the default): each label's samples are shuffled and dealt round-robin over the clients
+    that own it; labels no group owns are left out of the pool; clients are disjoint.
+
+    ``draw: independent``: each client takes ``int(samples_per_client / len(labels))`` samples of each of its
+    labels, drawn without replacement from all of that label's samples, independently of the other clients,
+    so two clients may share samples. This is the split of paper 000's code (github
+    alexandreduplessis/Tamaya_Federated_Learning at 4e1a5a1, src/datasplitting.py:52-75: per label
+    ``int(share * size)`` items after a fresh shuffle of the label's whole list, for every client); its shares
+    are equal over a client's labels (train.py:115, 1/2 for pairs; the commented line above it, 1/3 for triples).
 
     Args:
         groups: A list of ``{clients: int, labels: [int, ...]}``; clients are numbered group by group.
         num_clients: Null, or the total of the groups' clients.
-        samples_per_client: See ``Partition``.
+        samples_per_client: See ``Partition``; with ``draw: independent``, each client's size (required).
+        draw: ``deal`` or ``independent``.
     """
 
-    def __init__(self, groups: list, num_clients: int | None = None, samples_per_client: int | None = None):
+    def __init__(self, groups: list, num_clients: int | None = None, samples_per_client: int | None = None, draw: str = "deal"):
         check(len(groups) >= 1, "groups", groups, "a non-empty list of {clients: n, labels: [...]}")
+        check(draw in ("deal", "independent"), "draw", draw,
+              "deal (each label's samples dealt over its owners, disjoint) or independent (every client draws its own, the authors' code of paper 000)")
+        check(draw == "deal" or samples_per_client is not None, "samples_per_client", samples_per_client,
+              "an integer with draw=independent (each client's size)")
+        self.draw = draw
         self.groups = [(int(g["clients"]), [int(label) for label in g["labels"]]) for g in groups]
         for clients, owned in self.groups:
             check(clients >= 1 and len(owned) >= 1, "groups", groups, "groups with clients >= 1 and at least one label")
@@ -268,6 +285,23 @@ class LabelSplit(Partition):
                 owners.setdefault(label, []).extend(range(first, first + clients))
             first += clients
         return owners
+
+    def __call__(self, labels, rng, natural=None):
+        if self.draw == "deal":
+            return super().__call__(labels, rng, natural)
+        if natural is not None:
+            raise ConfigError("partition", "label_split", "natural: this dataset comes split per client")
+        by_label = {label: np.flatnonzero(labels == label) for label in self.owners()}
+        parts = []
+        for clients, owned in self.groups:
+            per_label = int(self.samples_per_client / len(owned))  # int(numbers_list[c][n] * size), datasplitting.py:67
+            check(per_label >= 1, "samples_per_client", self.samples_per_client, f"at least {len(owned)} for clients owning labels {owned}")
+            for label in owned:
+                check(per_label <= len(by_label[label]), "samples_per_client", self.samples_per_client,
+                      f"at most {len(by_label[label]) * len(owned)} ({len(by_label[label])} samples of label {label})")
+            for _ in range(clients):
+                parts.append(np.sort(np.concatenate([rng.choice(by_label[label], per_label, replace=False) for label in owned])))
+        return parts
 
     def _eligible(self, labels):
         return np.flatnonzero(np.isin(labels, list(self.owners())))

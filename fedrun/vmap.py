@@ -29,6 +29,7 @@ from torch.nn.functional import cross_entropy
 from fedrun.clients import _batches, cohort_losses
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import ConfigError
+from fedrun.models import BatchSoftmax
 from fedrun.optimizers import ProxSGD, coefficient_norm
 from fedrun.seeding import torch_generator
 
@@ -81,6 +82,8 @@ def vmap_supported(make_optimizer, model: nn.Module) -> str | None:
         return "loop or processes for this optimizer (vmap has the closed-form update of sgd and prox only)"
     if any(True for _ in model.buffers()) or any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
         return "loop or processes for models with buffers or dropout (batch norm statistics and random masks are per call)"
+    if any(isinstance(m, BatchSoftmax) for m in model.modules()):
+        return "loop or processes for model.head=batch_softmax (a padded sample would enter the softmax over the batch)"
     return None
 
 

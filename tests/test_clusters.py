@@ -48,8 +48,9 @@ def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_resumes_to_the_unin
     # submitit_local sends SIGUSR2 30 s before timeout_min (1 minute), as SLURM does signal_delay_s before a
     # job's limit: the job stops after its round with a checkpoint, submitit requeues it, the new process
     # resumes from the checkpoint in the same job dir and the same MLflow run.
+    # max_num_timeout: on a loaded machine a requeued leg gets only ~30 s after its start-up, so allow many.
     run = ["schedule.rounds=220", "schedule.eval_every=10", "seed=0"]
-    done = sweep(tmp_path, store, "time_limit", "hydra.launcher.timeout_min=1", *run)
+    done = sweep(tmp_path, store, "time_limit", "hydra.launcher.timeout_min=1", "hydra.launcher.max_num_timeout=30", *run)
     assert done.returncode == 0, done.stderr[-3000:]
     [log] = (tmp_path / "sweep" / ".submitit").glob("*/*_0_log.err")
     text = log.read_text()

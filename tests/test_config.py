@@ -129,6 +129,23 @@ def test_softmax_mnist_is_the_papers_protocol(compose_config):
     assert instantiate(cfg.partition).shard_source == "dataset"  # McMahan's shards of the whole training set
 
 
+def test_the_authors_presets_are_their_code(compose_config):
+    from fedrun.models import BatchSoftmax
+
+    cfg = compose_config("experiment=softmax_mnist_authors", "aggregator=fedavg")
+    split = instantiate(cfg.partition)  # their label pairs, drawn independently by each client (datasplitting.py:52-75)
+    assert (split.draw, split.num_clients, split.samples_per_client) == ("independent", 50, 200)
+    assert [labels for _, labels in split.groups] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    triples = instantiate(compose_config("experiment=softmax_mnist_authors", "partition=label_triples").partition)
+    assert [labels for _, labels in triples.groups] == [[0, 1, 2], [2, 3, 4], [3, 4, 5], [5, 6, 7], [7, 8, 9]]
+    assert (cfg.dataset.scale, cfg.dataset.client_test_fraction, cfg.optimizer.lr, cfg.schedule.local_epochs) == ("raw", 0.15, 1e-4, 1)
+    assert cfg.model.head == "logits"  # 4e1a5a1's ConvNet returns self.lin(x)
+    hybrid = compose_config("experiment=hybrid_fmnist_authors")
+    assert (hybrid.model.head, hybrid.model.eval_batch, hybrid.dataset.scale) == ("batch_softmax", 1000, "raw")
+    model = instantiate(hybrid.model, input_shape=(1, 28, 28), num_classes=10)
+    assert isinstance(model[-1], BatchSoftmax) and model.eval_batch == 1000
+
+
 def test_help_opens_with_what_fedrun_is_and_its_commonest_commands():
     import subprocess
     import sys

@@ -6,7 +6,7 @@ import torch
 
 from fedrun.datasets import MNIST, Digits, Synthetic
 from fedrun.errors import ConfigError
-from fedrun.models import CNN, MLP, Logistic, count_parameters
+from fedrun.models import CNN, MLP, BatchSoftmax, Logistic, count_parameters
 
 
 def test_digits_splits_and_normalisation():
@@ -71,6 +71,45 @@ def test_cnn_matches_the_papers_and_adapts_to_8x8():
         CNN((1, 8, 8), 10, padding=0)
     with pytest.raises(ConfigError, match="mlp or logistic"):
         CNN((60,), 10)
+
+
+def test_batch_softmax_normalises_each_class_over_the_batch_as_the_authors_convnet():
+    # 2 samples, 2 classes, scores z = [[0, ln 3], [0, 0]]. Softmax over dim 0, column by column:
+    # class 0: e^0 / (e^0 + e^0) = 0.5 for both; class 1: 3 / (3 + 1) = 0.75 and 1 / 4 = 0.25.
+    out = BatchSoftmax()(torch.tensor([[0.0, np.log(3.0)], [0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(out, torch.tensor([[0.5, 0.75], [0.5, 0.25]], dtype=torch.float64))
+    # Their loss is CrossEntropyLoss on those outputs: sample 0, label 1: -log(e^0.75 / (e^0.5 + e^0.75))
+    # = log(1 + e^-0.25) = log(1.778801) = 0.575939.
+    loss = torch.nn.functional.cross_entropy(out, torch.tensor([1, 0]), reduction="none")
+    assert loss[0].item() == pytest.approx(0.575939, abs=1e-6)
+    # The CNN with head=batch_softmax is the logits CNN followed by that softmax, on the same weights.
+    torch.manual_seed(0)
+    logits = CNN((1, 28, 28), 10)
+    theirs = CNN((1, 28, 28), 10, head="batch_softmax", eval_batch=3)
+    theirs.load_state_dict(logits.state_dict())
+    x = torch.rand(5, 1, 28, 28) * 255
+    torch.testing.assert_close(theirs(x), torch.softmax(logits(x), dim=0))
+    assert theirs.eval_batch == 3 and not hasattr(logits, "eval_batch")
+    with pytest.raises(ConfigError, match=r"head='softmax' is invalid: allowed is logits .* or batch_softmax"):
+        CNN((1, 28, 28), 10, head="softmax")
+
+
+def test_with_a_batch_softmax_head_predictions_are_made_in_the_model_s_eval_batch():
+    # Outputs depend on the batch, so fedrun's inference uses the model's eval_batch, not its own chunking.
+    from fedrun.clients import per_sample_loss
+    from fedrun.models import flat_parameters
+
+    torch.manual_seed(1)
+    model = CNN((1, 28, 28), 10, head="batch_softmax", eval_batch=4)
+    x, y = torch.rand(10, 1, 28, 28) * 255, torch.randint(0, 10, (10,))
+    loss, correct = per_sample_loss(model, flat_parameters(model), x, y)
+    with torch.no_grad():  # batches of 4, 4 and 2, as their test loader would cut them
+        out = torch.cat([model(x[i : i + 4]) for i in (0, 4, 8)])
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(out, y, reduction="none"))
+    assert torch.equal(correct, out.argmax(1) == y)
+    with torch.no_grad():
+        whole = model(x)  # one batch of 10 gives other outputs: the chunking is not a detail
+    assert not torch.allclose(whole, out)
 
 
 def test_mlp_and_logistic_sizes():

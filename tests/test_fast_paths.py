@@ -248,6 +248,10 @@ def test_vmap_refuses_solvers_and_models_without_a_closed_form_in_one_line():
 
     with pytest.raises(ConfigError, match="models with buffers or dropout"):
         VmapTrainer(model, X.flatten(1), Y, SGD)
+    from fedrun.models import BatchSoftmax
+
+    with pytest.raises(ConfigError, match="model.head=batch_softmax"):  # padding would enter the batch's softmax
+        VmapTrainer(nn.Sequential(nn.Flatten(), nn.Linear(6, 3), BatchSoftmax()), X.flatten(1), Y, SGD)
 
 
 def test_auto_backend_picks_vmap_on_cuda_only_when_it_can():

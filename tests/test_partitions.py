@@ -139,6 +139,27 @@ def test_label_split_groups_own_their_labels():
     assert all(abs(len(p) - 60) <= 6 for p in parts[:10]) and all(abs(len(p) - 80) <= 4 for p in parts[10:])
 
 
+def test_label_split_independent_draws_draw_each_client_s_quota_of_each_label_as_the_authors_code():
+    labels = np.repeat(np.arange(4), 50)  # 50 samples of each of 4 labels
+    split = LabelSplit([{"clients": 3, "labels": [0, 1]}, {"clients": 2, "labels": [1, 2, 3]}], samples_per_client=20, draw="independent")
+    parts = split(labels, np.random.default_rng(0))
+    assert len(parts) == 5
+    for part in parts[:3]:  # int(20 / 2) = 10 of labels 0 and 1
+        assert np.bincount(labels[part], minlength=4).tolist() == [10, 10, 0, 0]
+    for part in parts[3:]:  # int(20 / 3) = 6 of labels 1, 2 and 3: 18, not 20 (their int(1/3 * size))
+        assert np.bincount(labels[part], minlength=4).tolist() == [0, 6, 6, 6]
+    assert all(len(np.unique(p)) == len(p) for p in parts)  # without replacement within a client
+    # Independently of the others: with 5 draws of 10-16 out of 50 label-1 samples, some are shared.
+    assert len(np.unique(np.concatenate(parts))) < sum(len(p) for p in parts)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, split(labels, np.random.default_rng(0))))
+    with pytest.raises(ConfigError, match="samples_per_client=None is invalid: allowed is an integer with draw=independent"):
+        LabelSplit([{"clients": 1, "labels": [0]}], draw="independent")
+    with pytest.raises(ConfigError, match=r"samples_per_client=120 is invalid: allowed is at most 100 \(50 samples of label 0\)"):
+        LabelSplit([{"clients": 1, "labels": [0, 1]}], samples_per_client=120, draw="independent")(labels, np.random.default_rng(0))
+    with pytest.raises(ConfigError, match="draw='random'"):
+        LabelSplit([{"clients": 1, "labels": [0]}], draw="random")
+
+
 def test_label_split_rejects_wrong_total():
     with pytest.raises(ConfigError, match="num_clients"):
         LabelSplit(groups=[{"clients": 2, "labels": [0]}], num_clients=3)

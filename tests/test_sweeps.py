@@ -62,5 +62,5 @@ def test_runs_have_short_names_the_overrides_as_a_tag_and_a_model_training_exper
                                           "partition=shards,schedule.rounds=1,seed=3")
     assert client.get_experiment_by_name("names").tags["mlflow.experimentKind"] == "custom_model_development"
     description = run.data.tags["mlflow.note.content"]  # the run's description in the UI says what it was
-    assert description.startswith("**fedsoftmax** on **digits**, partition **shards**, seed 3")
+    assert description.startswith("**fedsoftmax** on **digits** (standardised), partition **shards**, seed 3")
     assert "- aggregator: `fedsoftmax` temperature=0.5" in description and "- schedule: `default` rounds=1," in description
