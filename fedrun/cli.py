@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, FILE, Checkpoint, Stopped, StopSignals, diverged
 from fedrun.datasets import SCALE_NAMES
+from fedrun.engine import STOP_ON
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
@@ -80,6 +81,10 @@ def setup(cfg: DictConfig) -> dict:
     groups = ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")
     objects = {group: build(group, cfg[group]) for group in groups}
     objects["engine"].check(objects["aggregator"], objects["heterogeneity"])
+    schedule = objects["schedule"]
+    if schedule.stop_at_accuracy is not None and "client_accuracy" in STOP_ON[schedule.stop_on] and not objects["dataset"].client_test_fraction:
+        raise ConfigError("schedule.stop_on", schedule.stop_on,
+                          "test while dataset.client_test_fraction is 0 (client_accuracy needs each client's held-out samples)")
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])

@@ -59,9 +59,10 @@ TNIID_POOL = ("partition=shards", "partition.shards_per_client=2", "partition.sh
 TNIID = ("partition=shards", "partition.shards_per_client=2", "partition.shard_source=dataset")
 SOFTMAX = ("aggregator=fedsoftmax", "aggregator.temperature={temperature}")
 SHARDS_OF_30 = ("partition.shards_per_client=20",)  # paper 001's code: 20 shards of 30 of the 600 a client (a preset sets no shards key)
-STOP_AT_R60 = ("schedule.stop_at_accuracy=0.6", "schedule.stop_on=test")  # paper 001's measure: the global model's R60
-TABLE2_000 = ("schedule.local_epochs=2",)  # paper 000's Table 2 (E = 2), where its authors' code has 1
-HEAD_000 = ("schedule.lr_decay=1.0",)  # the authors' last commit (c065b72, train.py:128-131): a constant lr for MNIST
+STOP_AT_R60 = ("schedule.stop_at_accuracy=0.6", "schedule.stop_on=test", "schedule.rounds=30")  # paper 001's R60 (global model), censored at 30
+HEAD_000 = ("schedule.lr_decay=1.0",)
+AUTHORS_SPLITS = ("partition=label_pairs,label_triples",)  # paper 000's code: TNIID, NIID (src/datasplitting.py:52-75)
+AUTHORS_IID = ("partition=iid", "partition.samples_per_client=null")  # its split_dataset_iid: the whole set, 1,200 a client  # the authors' last commit (c065b72, train.py:128-131): a constant lr for MNIST
 PAPERS = {
     # The parts run in this order, the table's core first: FedAvg against FedSoftMax on TNIID/NIID and IID, and on
     # TNIID from the other shard source (a balanced pool); then a learning-rate check; then FedMax(k) and annealing.
@@ -83,30 +84,29 @@ PAPERS = {
         Part("fedsoftmax_annealed_tniid", ("experiment=softmax_mnist", *SOFTMAX, "aggregator.anneal=exponential",
                                            "aggregator.temperature_final=10", "aggregator.anneal_rounds=20", *TNIID, "seed={seeds}")),
     ), views=(("tniid", "params.`partition.shards_per_client` = '2' and params.`partition.shard_source` = 'dataset'"),)),
-    # Paper 000 on its authors' protocol (experiment=softmax_mnist_authors: raw pixels, lr 1e-4 * 0.99^r, E = 1, their loss
-    # scale, the clients' held-out accuracy). FedAvg first, with each setting where paper and code disagree, so that the
-    # protocol is calibrated on FedAvg alone: the preset's (the code at the paper's commit: E = 1), Table 2's (E = 2) and the
-    # code's last commit's (E = 1, constant lr). Then T on separate seeds, over the paper's range, and FedSoftMax.
+    # Paper 000 on its authors' protocol (experiment=softmax_mnist_authors: raw pixels, lr 1e-4 * 0.99^r, their splits, their
+    # loss scale, the clients' held-out accuracy). FedAvg first, so that the protocol is calibrated on FedAvg alone, with each
+    # setting where paper and code disagree: E = 1 (the code at the paper's commit) and E = 2 (Table 2), on their label pairs
+    # (TNIID) and triples (NIID) and on their IID split (1,200 a client); the last commit's constant lr (E = 1); McMahan's
+    # shards, which the paper describes. Then T on separate seeds over the paper's range, and FedSoftMax.
     "000a": Paper("Paper 000 on its authors' protocol: FedAvg calibrated against Table 3, then FedSoftMax", (
+        Part("fedavg_splits", ("experiment=softmax_mnist_authors", "aggregator=fedavg", *AUTHORS_SPLITS, "schedule.local_epochs=1,2", "seed={seeds}")),
+        Part("fedavg_iid", ("experiment=softmax_mnist_authors", "aggregator=fedavg", *AUTHORS_IID, "schedule.local_epochs=1,2", "seed={seeds}")),
+        Part("fedavg_head_splits", ("experiment=softmax_mnist_authors", "aggregator=fedavg", *AUTHORS_SPLITS, *HEAD_000, "seed={seeds}")),
         Part("fedavg_shards", ("experiment=softmax_mnist_authors", "aggregator=fedavg", *TNIID_NIID, "seed={seeds}")),
-        Part("fedavg_table2_shards", ("experiment=softmax_mnist_authors", "aggregator=fedavg", *TNIID_NIID, *TABLE2_000, "seed={seeds}")),
-        Part("fedavg_head_shards", ("experiment=softmax_mnist_authors", "aggregator=fedavg", *TNIID_NIID, *HEAD_000, "seed={seeds}")),
-        Part("fedavg_iid", ("experiment=softmax_mnist_authors", "aggregator=fedavg", "partition=iid", "seed={seeds}")),
-        Part("fedavg_table2_iid", ("experiment=softmax_mnist_authors", "aggregator=fedavg", "partition=iid", *TABLE2_000, "seed={seeds}")),
         # T = 1 / T_paper for T_paper = 5, 10, 20, 30: the paper's range (line 372) and the code's exppanel sweep.
         Part("temperature", ("experiment=softmax_mnist_authors", "aggregator=fedsoftmax", "aggregator.temperature=0.2,0.1,0.05,0.0333",
-                             *TNIID, "seed=100,101"), side="tuning"),
-        Part("fedsoftmax_shards", ("experiment=softmax_mnist_authors", *SOFTMAX, *TNIID_NIID, "seed={seeds}")),
-        Part("fedsoftmax_iid", ("experiment=softmax_mnist_authors", *SOFTMAX, "partition=iid", "seed={seeds}")),
-    ), report_extra=("--plot", "client_accuracy"), select_by="client_R90", views=(("tniid", "params.`partition.shards_per_client` = '2'"),)),
-    # Paper 001 on its authors' protocol (experiment=hybrid_fmnist_authors: the February 2023 code, raw pixels, a loss summed
-    # over the batch at lr 1e-3 = fedrun's mean loss at 0.064, shards of 30, the global model's test accuracy). FedAvg is
-    # calibrated against the paper's R60 at 0.064 and at 1e-3 on the mean loss (the paper's lr read without the code's sum).
-    # Runs stop once test accuracy reaches 60%: R60 is the table's measure (lines 277, 292-306) and the hybrid equals
-    # FedSoftBetter until its switch at round 20; the hybrid alone runs 30 rounds.
+                             "seed=100,101"), side="tuning"),
+        Part("fedsoftmax_splits", ("experiment=softmax_mnist_authors", *SOFTMAX, *AUTHORS_SPLITS, "seed={seeds}")),
+        Part("fedsoftmax_iid", ("experiment=softmax_mnist_authors", *SOFTMAX, *AUTHORS_IID, "seed={seeds}")),
+    ), report_extra=("--plot", "client_accuracy"), select_by="client_R90", views=(("tniid", "tags.partition = 'label_pairs'"),)),
+    # Paper 001 on its authors' protocol (experiment=hybrid_fmnist_authors: the February 2023 code, raw pixels, the ConvNet's
+    # softmax over the batch, a loss summed over the batch at lr 1e-3 = fedrun's mean loss at 0.064, shards of 30, the global
+    # model's test accuracy). FedAvg is calibrated against the paper's R60 first. Runs stop once test accuracy reaches 60%
+    # (R60 is the table's measure, lines 277, 292-306) or after 30 rounds; the hybrid equals FedSoftBetter until its switch at
+    # round 20 and runs 30 rounds.
     "001a": Paper("Paper 001 on its authors' protocol: FedAvg calibrated against its R60, then FedSoftWorse, FedSoftBetter and the hybrid", (
         Part("fedavg", ("experiment=hybrid_fmnist_authors", "aggregator=fedavg", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
-        Part("fedavg_mean_lr", ("experiment=hybrid_fmnist_authors", "aggregator=fedavg", "optimizer.lr=0.001", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
         Part("fedsoftworse", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftmax", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
         Part("fedsoftbetter", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftbetter", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
         Part("hybrid", ("experiment=hybrid_fmnist_authors", "aggregator=hybrid", *SHARDS_OF_30, "schedule.rounds=30", "seed={seeds}")),

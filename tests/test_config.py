@@ -89,6 +89,7 @@ def test_working_combinations_build(compose_config, overrides):
         (["partition=shards", "partition.shard_source=balanced"], "partition.shard_source='balanced'", "dataset"),
         (["server=adam", "server.v0=one"], "server.v0='one'", "paper"),
         (["optimizer=storm", "optimizer.init=half"], "optimizer.init='half'", "minibatch or full"),
+        (["schedule.stop_at_accuracy=0.9", "schedule.stop_on=client"], "schedule.stop_on='client'", "client_test_fraction is 0"),
     ],
 )
 def test_bad_values_fail_before_training_with_one_line(compose_config, overrides, key, allowed):
