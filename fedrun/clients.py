@@ -67,9 +67,14 @@ def _authors_scale(losses: torch.Tensor, batch_size: int) -> float:
 def cohort_losses(
     model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], batch_size: int
 ) -> ClientLosses:
-    """F_i(w): each cohort client's training loss under ``params``, in one pass over their data."""
-    index = torch.as_tensor(np.concatenate(parts), device=x.device)
-    loss, _ = per_sample_loss(model, params, x[index], y[index])
+    """F_i(w): each cohort client's training loss under ``params``, in one pass over their data (one pass per
+    client when the model's outputs depend on their batch, ``BatchSoftmax``: two clients never share one)."""
+    if hasattr(model, "eval_batch"):
+        indices = [torch.as_tensor(p, device=x.device) for p in parts]
+        loss = torch.cat([per_sample_loss(model, params, x[i], y[i])[0] for i in indices])
+    else:
+        index = torch.as_tensor(np.concatenate(parts), device=x.device)
+        loss, _ = per_sample_loss(model, params, x[index], y[index])
     per_client = loss.double().cpu().split([len(p) for p in parts])
     return ClientLosses(
         mean=np.array([float(c.mean()) for c in per_client]),

@@ -19,7 +19,9 @@ class BatchSoftmax(nn.Module):
 
     The output layer of the ConvNet in github alexandreduplessis/Tamaya_Federated_Learning from its first commit
     (10622fb, src/convnet.py:20 ``return F.softmax(self.lin(x), dim=0)``) until abfff8a (2023-03-13) replaced it by
-    ``return self.lin(x)``: the code that ran paper 001. Each class's scores are normalised across the samples of a
+    ``return self.lin(x)``. Every surviving commit postdates paper 001, but 10622fb is the oldest, carries the
+    paper's title, its plot.py names the rows of the paper's table B.3 and its defaults match paper 001 (line 273),
+    so this head most likely ran its tables. Each class's scores are normalised across the samples of a
     batch, so an output depends on the other samples in its batch, the cross-entropy sees inputs in [0, 1] (its
     values stay near ln 10 and its gradients are small, which is why lr 1e-3 on a summed loss over raw 0-255
     pixels trains there) and a prediction depends on the evaluation batch (``eval_batch``).

@@ -294,7 +294,7 @@ class LabelSplit(Partition):
         by_label = {label: np.flatnonzero(labels == label) for label in self.owners()}
         parts = []
         for clients, owned in self.groups:
-            per_label = int(self.samples_per_client / len(owned))  # int(numbers_list[c][n] * size), datasplitting.py:67
+            per_label = int(self.samples_per_client / len(owned))  # int(numbers_list[c][n] * size), datasplitting.py:69
             check(per_label >= 1, "samples_per_client", self.samples_per_client, f"at least {len(owned)} for clients owning labels {owned}")
             for label in owned:
                 check(per_label <= len(by_label[label]), "samples_per_client", self.samples_per_client,

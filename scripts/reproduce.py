@@ -60,9 +60,9 @@ TNIID = ("partition=shards", "partition.shards_per_client=2", "partition.shard_s
 SOFTMAX = ("aggregator=fedsoftmax", "aggregator.temperature={temperature}")
 SHARDS_OF_30 = ("partition.shards_per_client=20",)  # paper 001's code: 20 shards of 30 of the 600 a client (a preset sets no shards key)
 STOP_AT_R60 = ("schedule.stop_at_accuracy=0.6", "schedule.stop_on=test", "schedule.rounds=30")  # paper 001's R60 (global model), censored at 30
-HEAD_000 = ("schedule.lr_decay=1.0",)
+HEAD_000 = ("schedule.lr_decay=1.0",)  # the authors' last commit (c065b72, train.py:128-131): a constant lr for MNIST
 AUTHORS_SPLITS = ("partition=label_pairs,label_triples",)  # paper 000's code: TNIID, NIID (src/datasplitting.py:52-75)
-AUTHORS_IID = ("partition=iid", "partition.samples_per_client=null")  # its split_dataset_iid: the whole set, 1,200 a client  # the authors' last commit (c065b72, train.py:128-131): a constant lr for MNIST
+AUTHORS_IID = ("partition=iid", "partition.samples_per_client=null")  # its split_dataset_iid: the whole set, 1,200 a client
 PAPERS = {
     # The parts run in this order, the table's core first: FedAvg against FedSoftMax on TNIID/NIID and IID, and on
     # TNIID from the other shard source (a balanced pool); then a learning-rate check; then FedMax(k) and annealing.

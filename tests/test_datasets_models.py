@@ -110,6 +110,13 @@ def test_with_a_batch_softmax_head_predictions_are_made_in_the_model_s_eval_batc
     with torch.no_grad():
         whole = model(x)  # one batch of 10 gives other outputs: the chunking is not a detail
     assert not torch.allclose(whole, out)
+    # F_i(w) passes each client alone: a client's loss never depends on a neighbour's samples.
+    from fedrun.clients import cohort_losses
+
+    parts = [np.arange(0, 3), np.arange(3, 10)]
+    losses = cohort_losses(model, flat_parameters(model), x, y, parts, batch_size=64)
+    alone = [per_sample_loss(model, flat_parameters(model), x[p], y[p])[0].double().mean().item() for p in parts]
+    np.testing.assert_allclose(losses.mean, alone, rtol=1e-12)
 
 
 def test_mlp_and_logistic_sizes():
