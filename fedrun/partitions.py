@@ -115,11 +115,22 @@ class Shards(Partition):
 
     Within a label, samples are in random order (the run's partition stream), so shards differ by seed.
 
+    ``deal`` says how shards reach clients:
+
+    - ``equal`` (McMahan's): ``shards_per_client`` random shards to each client, all clients the same size.
+    - ``random``: every shard cut is dealt, each client first getting one (the first ``num_clients`` shards, to
+      the clients in random order), then each further shard to a client drawn uniformly, so client sizes vary
+      (binomially, about the mean ``samples_per_client``). This is paper 001's code (github
+      alexandreduplessis/Tamaya_Federated_Learning at 10622fb, src/datasplitting.py:7-23: the label-sorted
+      shards are popped from the end, the first ones to clients still without a shard). Its first shards all
+      come from the last labels (9 on MNIST-like data), as there.
+
     Args:
         shard_size: Samples per shard; null derives it (``samples_per_client / shards_per_client``, else from
             the pool). A larger shard gives each client fewer labels ("non-IID" vs "very non-IID").
-        shards_per_client: Shards dealt to each client.
+        shards_per_client: Shards dealt to each client (with ``deal: random``, its mean).
         shard_source: ``dataset`` or ``pool`` (above).
+        deal: ``equal`` or ``random`` (above).
         num_clients, samples_per_client: See ``Partition``.
     """
 
@@ -130,8 +141,12 @@ class Shards(Partition):
         shard_size: int | None = None,
         shards_per_client: int = 2,
         shard_source: str = "dataset",
+        deal: str = "equal",
     ):
         super().__init__(num_clients, samples_per_client)
+        check(deal in ("equal", "random"), "deal", deal,
+              "equal (shards_per_client shards to every client) or random (every shard to a random client, the authors' code of paper 001)")
+        self.deal = deal
         check(isinstance(shards_per_client, int) and shards_per_client >= 1, "shards_per_client", shards_per_client, "an integer >= 1")
         check(shard_size is None or (isinstance(shard_size, int) and shard_size >= 1), "shard_size", shard_size, "null or an integer >= 1")
         check(shard_source in ("dataset", "pool"), "shard_source", shard_source, "dataset (McMahan et al.: shards of the whole training set) or pool")
@@ -192,6 +207,10 @@ class Shards(Partition):
         cut = len(pool) // size  # shards the pool makes; a remainder of random samples (pool is shuffled) is left out
         by_label = pool[: cut * size][np.argsort(labels[pool[: cut * size]], kind="stable")]
         shards = np.split(by_label, cut)
+        if self.deal == "random":  # datasplitting.py:17-22: shards.pop() from the end; clients without one first
+            owner = np.concatenate([rng.permutation(self.num_clients), rng.integers(self.num_clients, size=cut - self.num_clients)])
+            mine = [np.flatnonzero(owner == client) for client in range(self.num_clients)]
+            return [np.concatenate([shards[cut - 1 - k] for k in ks]) for ks in mine]
         dealt = rng.choice(cut, size=num_shards, replace=False).reshape(self.num_clients, self.shards_per_client)
         return [np.concatenate([shards[s] for s in row]) for row in dealt]
 

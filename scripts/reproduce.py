@@ -58,7 +58,7 @@ TNIID_NIID = ("partition=shards", "partition.shards_per_client=2,4", "partition.
 TNIID_POOL = ("partition=shards", "partition.shards_per_client=2", "partition.shard_source=pool")  # very non-IID, balanced pool
 TNIID = ("partition=shards", "partition.shards_per_client=2", "partition.shard_source=dataset")
 SOFTMAX = ("aggregator=fedsoftmax", "aggregator.temperature={temperature}")
-SHARDS_OF_30 = ("partition.shards_per_client=20",)  # paper 001's code: 20 shards of 30 of the 600 a client (a preset sets no shards key)
+SHARDS_OF_30 = ("partition.shards_per_client=20",)  # paper 001's code: shards of 30 (a preset sets no shards key)
 STOP_AT_R60 = ("schedule.stop_at_accuracy=0.6", "schedule.stop_on=test", "schedule.rounds=30")  # paper 001's R60 (global model), censored at 30
 HEAD_000 = ("schedule.lr_decay=1.0",)  # the authors' last commit (c065b72, train.py:128-131): a constant lr for MNIST
 AUTHORS_SPLITS = ("partition=label_pairs,label_triples",)  # paper 000's code: TNIID, NIID (src/datasplitting.py:52-75)
@@ -101,15 +101,18 @@ PAPERS = {
         Part("fedsoftmax_iid", ("experiment=softmax_mnist_authors", *SOFTMAX, *AUTHORS_IID, "seed={seeds}")),
     ), report_extra=("--plot", "client_accuracy"), select_by="client_R90", views=(("tniid", "tags.partition = 'label_pairs'"),)),
     # Paper 001 on its authors' protocol (experiment=hybrid_fmnist_authors: the February 2023 code, raw pixels, the ConvNet's
-    # softmax over the batch, a loss summed over the batch at lr 1e-3 = fedrun's mean loss at 0.064, shards of 30, the global
+    # softmax over the batch, a loss summed over the batch at lr 1e-3 = fedrun's mean loss at 0.064, shards of 30 dealt at random, the global
     # model's test accuracy). FedAvg is calibrated against the paper's R60 first. Runs stop once test accuracy reaches 60%
     # (R60 is the table's measure, lines 277, 292-306) or after 30 rounds; the hybrid equals FedSoftBetter until its switch at
     # round 20 and runs 30 rounds.
     "001a": Paper("Paper 001 on its authors' protocol: FedAvg calibrated against its R60, then FedSoftWorse, FedSoftBetter and the hybrid", (
-        Part("fedavg", ("experiment=hybrid_fmnist_authors", "aggregator=fedavg", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
-        Part("fedsoftworse", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftmax", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
-        Part("fedsoftbetter", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftbetter", *SHARDS_OF_30, *STOP_AT_R60, "seed={seeds}")),
-        Part("hybrid", ("experiment=hybrid_fmnist_authors", "aggregator=hybrid", *SHARDS_OF_30, "schedule.rounds=30", "seed={seeds}")),
+        Part("fedavg", ("experiment=hybrid_fmnist_authors", "aggregator=fedavg", *STOP_AT_R60, "seed={seeds}")),
+        # McMahan's equal dealing (20 shards of 30 to every client) in place of their random one: does it move FedAvg's R60?
+        Part("fedavg_equal_shards", ("experiment=hybrid_fmnist_authors", "aggregator=fedavg", "partition=shards", *SHARDS_OF_30, *STOP_AT_R60,
+                                     "seed={seeds}")),
+        Part("fedsoftworse", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftmax", *STOP_AT_R60, "seed={seeds}")),
+        Part("fedsoftbetter", ("experiment=hybrid_fmnist_authors", "aggregator=fedsoftbetter", *STOP_AT_R60, "seed={seeds}")),
+        Part("hybrid", ("experiment=hybrid_fmnist_authors", "aggregator=hybrid", "schedule.rounds=30", "seed={seeds}")),
     )),
     "001": Paper("FedSoftBetter and the hybrid FedSoftBetterAvg: Fashion-MNIST non-IID R60 and stability", (
         # T = 0.2 and the switch at round 20: the caption of the paper's Figure 1 (paper 001, line 297). 30 rounds, not

@@ -160,6 +160,23 @@ def test_label_split_independent_draws_draw_each_client_s_quota_of_each_label_as
         LabelSplit([{"clients": 1, "labels": [0]}], draw="random")
 
 
+def test_random_deal_gives_every_shard_out_each_client_one_first_as_the_authors_code():
+    # 12 samples, labels 0 x 6 then 1 x 6, shards of 2: six shards, sorted by label, the last three of label 1.
+    labels = np.repeat([0, 1], 6)
+    split = Shards(num_clients=3, samples_per_client=4, shards_per_client=2, deal="random")
+    sizes = set()
+    for seed in range(20):
+        parts = split(labels, np.random.default_rng(seed))
+        assert sorted(np.concatenate(parts).tolist()) == list(range(12))  # every shard dealt, none twice
+        assert all(len(p) % 2 == 0 and len(p) >= 2 for p in parts)
+        # The first three shards popped (from the end: label 1) go one to each client (datasplitting.py:18-20).
+        assert all((labels[p] == 1).sum() >= 2 for p in parts)
+        sizes.add(tuple(len(p) for p in parts))
+    assert any(s != (4, 4, 4) for s in sizes)  # sizes vary with the seed
+    with pytest.raises(ConfigError, match="deal='even' is invalid"):
+        Shards(num_clients=3, deal="even")
+
+
 def test_label_split_rejects_wrong_total():
     with pytest.raises(ConfigError, match="num_clients"):
         LabelSplit(groups=[{"clients": 2, "labels": [0]}], num_clients=3)
