@@ -143,6 +143,8 @@ def test_the_authors_presets_are_their_code(compose_config):
     assert cfg.model.head == "logits"  # 4e1a5a1's ConvNet returns self.lin(x)
     hybrid = compose_config("experiment=hybrid_fmnist_authors")
     assert (hybrid.model.head, hybrid.model.eval_batch, hybrid.dataset.scale) == ("batch_softmax", 1000, "raw")
+    shards = instantiate(hybrid.partition)  # their shards of 30, all dealt at random (10622fb datasplitting.py:7-23)
+    assert (shards.deal, shards.shard_size, shards.num_clients, shards.shard_source) == ("random", 30, 100, "dataset")
     model = instantiate(hybrid.model, input_shape=(1, 28, 28), num_classes=10)
     assert isinstance(model[-1], BatchSoftmax) and model.eval_batch == 1000
 
