@@ -99,7 +99,7 @@ PAPERS = {
                              "seed=100,101"), side="tuning"),
         Part("fedsoftmax_splits", ("experiment=softmax_mnist_authors", *SOFTMAX, *AUTHORS_SPLITS, "seed={seeds}")),
         Part("fedsoftmax_iid", ("experiment=softmax_mnist_authors", *SOFTMAX, *AUTHORS_IID, "seed={seeds}")),
-    ), report_extra=("--plot", "client_accuracy"), select_by="client_R90", views=(("tniid", "tags.partition = 'label_pairs'"),)),
+    ), report_extra=("--plot", "client_accuracy"), select_by="client_R90", views=(("tniid", "tags.partition = 'label_pairs' and params.`schedule.local_epochs` = '1'"),)),
     # Paper 001 on its authors' protocol (experiment=hybrid_fmnist_authors: the February 2023 code, raw pixels, the ConvNet's
     # softmax over the batch, a loss summed over the batch at lr 1e-3 = fedrun's mean loss at 0.064, shards of 30 dealt at random, the global
     # model's test accuracy). FedAvg is calibrated against the paper's R60 first. Runs stop once test accuracy reaches 60%
