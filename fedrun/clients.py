@@ -70,8 +70,9 @@ def cohort_losses(
     """F_i(w): each cohort client's training loss under ``params``, in one pass over their data (one pass per
     client when the model's outputs depend on their batch, ``BatchSoftmax``: two clients never share one)."""
     if hasattr(model, "eval_batch"):
-        indices = [torch.as_tensor(p, device=x.device) for p in parts]
-        loss = torch.cat([per_sample_loss(model, params, x[i], y[i])[0] for i in indices])
+        load_flat(model, params)  # once for all clients
+        with torch.inference_mode():
+            loss = torch.cat([_per_sample_loss(model, x[i], y[i])[0] for i in (torch.as_tensor(p, device=x.device) for p in parts)])
     else:
         index = torch.as_tensor(np.concatenate(parts), device=x.device)
         loss, _ = per_sample_loss(model, params, x[index], y[index])

@@ -44,8 +44,7 @@ class Partition:
         Returns:
             One sorted index array per client.
         """
-        if natural is not None:
-            raise ConfigError("partition", type(self).__name__.lower(), "natural: this dataset comes split per client")
+        self._refuse_natural(natural)
         eligible = self._eligible(labels)
         size = self._pool_size(len(eligible))
         check(
@@ -56,6 +55,10 @@ class Partition:
         )
         pool = rng.choice(eligible, size=size, replace=False) if size < len(eligible) else rng.permutation(eligible)
         return [np.sort(part) for part in self._split(pool, labels, rng)]
+
+    def _refuse_natural(self, natural: list[np.ndarray] | None) -> None:
+        if natural is not None:
+            raise ConfigError("partition", type(self).__name__.lower(), "natural: this dataset comes split per client")
 
     def _eligible(self, labels: np.ndarray) -> np.ndarray:
         return np.arange(len(labels))
@@ -308,8 +311,7 @@ class LabelSplit(Partition):
     def __call__(self, labels, rng, natural=None):
         if self.draw == "deal":
             return super().__call__(labels, rng, natural)
-        if natural is not None:
-            raise ConfigError("partition", "label_split", "natural: this dataset comes split per client")
+        self._refuse_natural(natural)
         by_label = {label: np.flatnonzero(labels == label) for label in self.owners()}
         parts = []
         for clients, owned in self.groups:
