@@ -32,6 +32,7 @@ from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
+from fedrun.state import Stateful
 
 FAIRNESS_PIECE = 8192  # samples per piece of the end-of-run per-client accuracy pass
 DISTRIBUTIONS = {"constant": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std", "min"), "lognormal": ("mean", "sigma")}
@@ -159,9 +160,10 @@ class AsyncEngine:
         saved = checkpoint.restored() if checkpoint else None
         if saved is not None:  # the whole simulation as it was at the end of the instant of aggregation saved["round"]
             w, version, jobs, buffer, pulled, events = saved["w"], saved["version"], saved["jobs"], saved["buffer"], saved["pulled"], saved["events"]
-            sampler, speed_rng, applied = saved["sampler"], saved["speed_rng"], saved["applied"]
-            vars(aggregator).update(saved["aggregator"])
-            vars(server).update(saved["server"])
+            sampler, applied = saved["sampler"], saved["applied"]
+            speed_rng.load_state_dict(saved["speed_rng"])
+            aggregator.load_state_dict(saved["aggregator"])
+            server.load_state_dict(saved["server"])
             result = RunResult(w, rows=saved["rows"])
         bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True, initial=version)
         start, done = time.perf_counter(), False
@@ -207,8 +209,8 @@ class AsyncEngine:
             if checkpoint and result.rows and result.rows[-1]["round"] > checkpoint.saved_round:  # aggregated at this instant
                 checkpoint.after_round(version, result.rows[-1]["round_wall_s"], done, lambda: {
                     "round": version, "engine": "async", "finished": done, "w": w, "version": version, "jobs": jobs,
-                    "buffer": buffer, "pulled": pulled, "events": events, "sampler": sampler, "speed_rng": speed_rng,
-                    "applied": applied, "aggregator": vars(aggregator), "server": vars(server), "rows": result.rows})
+                    "buffer": buffer, "pulled": pulled, "events": events, "sampler": sampler, "speed_rng": speed_rng.state_dict(),
+                    "applied": applied, "aggregator": aggregator.state_dict(), "server": server.state_dict(), "rows": result.rows})
         bar.close()
         result.summary, result.tables = self._fairness(model, result.params, x, y, clients, client_tests, group_of, applied)
         return result
@@ -270,7 +272,7 @@ class AsyncEngine:
         return summary, {"fairness.csv": table}
 
 
-class _Streams:
+class _Streams(Stateful):
     """Each client's random stream under ``seed`` and ``name``, made on first use (a list-like of generators)."""
 
     def __init__(self, seed: int, name: str):

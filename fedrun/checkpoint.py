@@ -5,6 +5,10 @@ server optimizer and aggregator objects with their state, every stateful random 
 rows so far, an asynchronous run's event heap and buffer); ``load`` gives it back. Mini-batch order,
 heterogeneity and client speeds come from streams keyed by (round, client), so they need no state.
 
+A checkpoint holds plain data only (``fedrun.state``) and is read with ``torch.load(weights_only=True)``: a
+checkpoint that names any other code (a crafted pickle in a shared run dir) is refused in one line, and nothing
+in it runs.
+
 Writes are atomic: a temporary file in the same directory, flushed and fsynced, then renamed over the
 previous checkpoint (and the directory fsynced), so a kill during a write leaves the previous checkpoint.
 
@@ -13,18 +17,32 @@ current round (checkpoint, then ``Stopped``); a second one stops at once.
 """
 
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
 
 import torch
 
-from fedrun.errors import check
+from fedrun.errors import ConfigError, check
+from fedrun.state import decode, encode
 
 FILE = "checkpoint.pt"
+RUN_FILE = "run.json"  # the run's MLflow run id and title, from its start: a run killed before its first checkpoint reopens them
 # A run that diverged leaves its reason here: it is a result (the same config and seed would diverge again at the
 # same round), so a resumed sweep skips the job, and ``resume=`` refuses the run, instead of making a second FAILED run.
 DIVERGED = "diverged.txt"
+
+
+def read(path: Path) -> dict:
+    """The state saved in the checkpoint file ``path``, read without running anything that it names."""
+    try:
+        return decode(torch.load(path, weights_only=True))
+    except pickle.UnpicklingError as exc:  # torch's message is a page; its first line says what was refused
+        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), str(exc).splitlines()[0])
+        raise ConfigError("checkpoint", str(path), f"a checkpoint of plain tensors, numbers and strings, which torch.load(weights_only=True) "
+                          f"reads; this one is not, and nothing in it was run ({reason[:160]}). One written by fedrun before "
+                          f"2026-11 that you trust: python -m fedrun.upgrade {Path(path).parent}") from None
 
 
 def diverged(directory: Path) -> str | None:
@@ -65,7 +83,7 @@ class Checkpoint:
         if not self.resume:
             return None
         if self._state is None:
-            self._state = torch.load(self.path, weights_only=False)
+            self._state = read(self.path)
             self.saved_round = self._state["round"]
         return self._state
 
@@ -80,7 +98,7 @@ class Checkpoint:
         """Write ``state`` (with its ``round``) atomically."""
         temporary = self.path.with_name(f".{FILE}.{os.getpid()}.tmp")
         with open(temporary, "wb") as handle:
-            torch.save({**state, "extra": self.extra}, handle)
+            torch.save(encode({**state, "extra": self.extra}), handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, self.path)

@@ -5,6 +5,7 @@ This is the only module that touches Hydra or OmegaConf; everything below it tak
 
 import atexit
 import inspect
+import json
 import os
 import re
 import signal
@@ -23,7 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
-from fedrun.checkpoint import DIVERGED, FILE, Checkpoint, Stopped, StopSignals, diverged
+from fedrun.checkpoint import DIVERGED, FILE, RUN_FILE, Checkpoint, Stopped, StopSignals, diverged
 from fedrun.datasets import SCALE_NAMES
 from fedrun.engine import STOP_ON
 from fedrun.errors import ConfigError, DivergenceError
@@ -137,22 +138,24 @@ def git_commit() -> str:
 
 
 def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
-    """For ``resume=<output dir>``: the config that run was started with, and its checkpoint to resume from.
+    """For ``resume=<output dir>``: the config that run was started with, and its checkpoint to resume from. A run
+    killed before its first checkpoint has none: it starts again from round 1 (``checkpoint.resume`` is False), in
+    the same dir and MLflow run, as a sweep's resume restarts such a job.
 
     Any other override is refused: the run continues exactly as it started (its results must equal an
     uninterrupted run's)."""
     directory = Path(hydra_cfg.runtime.cwd, cfg.resume).resolve()
     if (reason := diverged(directory)) is not None:
         raise ConfigError("resume", cfg.resume, f"a run that did not diverge (this one did, and would again: {reason})")
-    if not (directory / FILE).is_file() or not (directory / "config.yaml").is_file():
-        raise ConfigError("resume", cfg.resume, f"the output dir of a run with a checkpoint ({directory / FILE} not found)")
+    if not (directory / "config.yaml").is_file():
+        raise ConfigError("resume", cfg.resume, f"the output dir of a fedrun run ({directory / 'config.yaml'} not found)")
     others = [o for o in hydra_cfg.overrides.task if not o.startswith("resume=")]
     if others:
         raise ConfigError("resume", cfg.resume, f"no other overrides (the run continues with {directory / 'config.yaml'}); got {' '.join(others)}")
     saved = OmegaConf.load(directory / "config.yaml")
     saved.resume = str(directory)
-    checkpoint = Checkpoint(directory, saved.checkpoint.every, resume=True)
-    if checkpoint.restored()["finished"]:
+    checkpoint = Checkpoint(directory, saved.checkpoint.every, resume=(directory / FILE).is_file())
+    if checkpoint.resume and checkpoint.restored()["finished"]:
         raise ConfigError("resume", cfg.resume, f"a run that did not finish (this one finished at round {checkpoint.saved_round})")
     return saved, checkpoint
 
@@ -261,7 +264,8 @@ def main(cfg: DictConfig) -> float | None:
     output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         requeued = bool(os.environ.get("SUBMITIT_EXECUTOR")) and (output_dir / FILE).is_file()  # submitit restarted this job
-        if (cfg.resume or requeued) and hydra_cfg.mode == RunMode.MULTIRUN:  # this job of an earlier sweep, in its own dir
+        resuming = bool(cfg.resume) or requeued
+        if resuming and hydra_cfg.mode == RunMode.MULTIRUN:  # this job of an earlier sweep, in its own dir
             done = sweep_job(cfg, output_dir)
             if isinstance(done, str):  # a failed job stays failed: its FAILED run has the metrics of the rounds before
                 fail(hydra_cfg, f"fedrun: error: had diverged: {done}; skipped, its FAILED run is kept (delete {output_dir} to run it again)", 1)
@@ -275,6 +279,9 @@ def main(cfg: DictConfig) -> float | None:
             output_dir = checkpoint.path.parent
         else:
             checkpoint = Checkpoint(output_dir, cfg.checkpoint.every)
+        # Resumed (or requeued) before its first checkpoint: it starts again in the same dir, and in the same MLflow
+        # run when it had opened one (run.json, written once the run is open).
+        restart = resuming and not checkpoint.resume and (output_dir / RUN_FILE).is_file()
         check_run_keys(cfg)
         if cfg.tracking.enabled:  # an unreachable store fails now, in one line, not after loading and training
             preflight(resolve_uri(cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)))
@@ -311,6 +318,11 @@ def main(cfg: DictConfig) -> float | None:
         title = saved["extra"].get("title", title)  # this invocation's choices are the defaults
         print(f"fedrun: resuming {output_dir} after round {checkpoint.saved_round}", file=sys.stderr)
     else:
+        if restart:  # the rows the killed run wrote are measured again
+            tracker.rewind(0)
+            reopened = json.loads((output_dir / RUN_FILE).read_text())
+            title = reopened.get("title", title)
+            print(f"fedrun: restarting {output_dir} from round 1 (it was stopped before its first checkpoint)", file=sys.stderr)
         tracker.log_partition(parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"])
         OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
         tags["overrides"] = hydra_cfg.job.override_dirname or "(defaults)"
@@ -318,8 +330,10 @@ def main(cfg: DictConfig) -> float | None:
         parent = sweep_parent(output_dir.parent) if hydra_cfg.mode == RunMode.MULTIRUN else None  # a job's dir is <sweep dir>/<num>
         if parent and cfg.tracking.enabled:
             tags["mlflow.parentRunId"] = parent
-        tracker.start(flatten(OmegaConf.to_container(cfg, resolve=True)), tags, run_name(choices, hydra_cfg.overrides.task, cfg.seed))
+        tracker.start(flatten(OmegaConf.to_container(cfg, resolve=True)), tags, run_name(choices, hydra_cfg.overrides.task, cfg.seed),
+                      run_id=reopened.get("mlflow_run_id") if restart else None)
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
+    (output_dir / RUN_FILE).write_text(json.dumps(checkpoint.extra) + "\n")  # what a restart before the first checkpoint reopens
 
     status, reason, model, final, stopped, divergence = "FAILED", None, parts["model"], None, None, None
     submitit_handler = signal.getsignal(signal.SIGUSR2) if os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2") else None

@@ -157,8 +157,8 @@ def run(
     if saved is not None:  # everything the loop carries between rounds, as it was after round saved["round"]
         first = saved["round"] + 1
         params, previous, latest_accuracy, sampler = saved["params"], saved["previous"], saved["latest_accuracy"], saved["sampler"]
-        vars(aggregator).update(saved["aggregator"])
-        vars(server).update(saved["server"])
+        aggregator.load_state_dict(saved["aggregator"])
+        server.load_state_dict(saved["server"])
         fstar.cache.update(saved["fstar"])
         result = RunResult(params, rows=saved["rows"])
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
@@ -229,8 +229,8 @@ def run(
             if checkpoint:
                 checkpoint.after_round(t, row["round_wall_s"], last, lambda: {
                     "round": t, "engine": "sync", "finished": last, "params": params, "previous": previous,
-                    "latest_accuracy": latest_accuracy, "sampler": sampler, "aggregator": vars(aggregator),
-                    "server": vars(server), "fstar": fstar.cache, "rows": result.rows})
+                    "latest_accuracy": latest_accuracy, "sampler": sampler, "aggregator": aggregator.state_dict(),
+                    "server": server.state_dict(), "fstar": fstar.cache, "rows": result.rows})
             if last:
                 break
         bar.close()

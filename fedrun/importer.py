@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from fedrun.checkpoint import FILE, diverged
+from fedrun.checkpoint import FILE, diverged, read
 from fedrun.errors import ConfigError
 from fedrun.tracking import flatten, preflight, resolve_uri
 
@@ -30,9 +30,7 @@ BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics per call
 
 def finished(directory: Path, config: dict, rounds_written: int) -> bool:
     if (directory / FILE).exists():
-        import torch
-
-        return bool(torch.load(directory / FILE, weights_only=False).get("finished"))
+        return bool(read(directory / FILE).get("finished"))
     return rounds_written >= config.get("schedule", {}).get("rounds", math.inf)
 
 
@@ -44,6 +42,10 @@ def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
     if not (directory / "metrics.csv").is_file():
         raise ConfigError("directory", str(directory), "a fedrun output dir (with metrics.csv)")
     config = yaml.safe_load((directory / "config.yaml").read_text()) if (directory / "config.yaml").exists() else {}
+    metrics = pd.read_csv(directory / "metrics.csv")
+    reason = diverged(directory)  # the run failed, and says why
+    # Reads the checkpoint (a crafted one is refused here, before anything is logged).
+    status = "FAILED" if reason is not None else "FINISHED" if finished(directory, config, len(metrics)) else "KILLED"
     tracking = config.get("tracking", {})
     uri = uri or resolve_uri(tracking.get("uri", "sqlite:///outputs/mlflow.db"), Path.cwd())
     preflight(uri)
@@ -51,7 +53,6 @@ def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
     name = experiment or tracking.get("experiment", "fedrun")
     found = client.get_experiment_by_name(name)
     experiment_id = found.experiment_id if found else client.create_experiment(name)
-    metrics = pd.read_csv(directory / "metrics.csv")
     run = client.create_run(experiment_id, run_name=directory.name, tags={"imported_from": str(directory.resolve()), "output_dir": str(directory.resolve())})
     run_id = run.info.run_id
     params = flatten(config)
@@ -80,10 +81,8 @@ def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
     if summary_tags:
         client.log_batch(run_id, tags=summary_tags)
     client.log_artifacts(run_id, str(directory))
-    reason = diverged(directory)  # the run failed, and says why
     if reason is not None:
         client.set_tag(run_id, "failure_reason", f"DivergenceError: {reason}"[:5000])
-    status = "FAILED" if reason is not None else "FINISHED" if finished(directory, config, len(metrics)) else "KILLED"
     client.set_terminated(run_id, status)
     return run_id
 

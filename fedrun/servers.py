@@ -8,9 +8,10 @@ servers' second moment starts at tau^2 as Reddi et al. (2021) initialise it (``v
 import torch
 
 from fedrun.errors import check
+from fedrun.state import Stateful
 
 
-class ServerOptimizer:
+class ServerOptimizer(Stateful):
     """``server=sgd``: w <- w + server_lr * Delta (FedAvg's step when server_lr = 1).
 
     Args:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import FEDRUN, mlflow_runs, sweep_runs
-from fedrun.checkpoint import FILE, Checkpoint
+from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -110,6 +110,55 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     run = next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "killed"))
     assert run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "test_accuracy")][-1] == 8
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_in_its_dir_and_mlflow_run_and_equals_an_uninterrupted_one(tmp_path, store):
+    args = [*CASES["sync"], "checkpoint.every=100"]  # no checkpoint before the last round
+    whole = start(tmp_path, tmp_path / "whole", store, *args)
+    assert whole.wait() == 0, whole.communicate()[1][-3000:]
+    killed = start(tmp_path, tmp_path / "killed", store, *args)
+    kill_after(killed, tmp_path / "killed", 2)
+    assert killed.wait() == -signal.SIGKILL
+    assert not (tmp_path / "killed" / FILE).exists() and (tmp_path / "killed" / RUN_FILE).is_file() and rows_written(tmp_path / "killed") >= 2
+    resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'killed'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "restarting" in resumed.stderr and "from round 1" in resumed.stderr
+    pd.testing.assert_frame_equal(deterministic(tmp_path / "killed"), deterministic(tmp_path / "whole"))
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "killed" / "alpha.csv"), pd.read_csv(tmp_path / "whole" / "alpha.csv"))
+    client, runs = mlflow_runs(store, "resume")
+    mine = [r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "killed")]
+    assert len(mine) == 1 and mine[0].info.status == "FINISHED"  # the same MLflow run, reopened
+    whole_run = next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "whole"))
+    assert mine[0].data.metrics["test_accuracy"] == whole_run.data.metrics["test_accuracy"]
+    assert [m.step for m in client.get_metric_history(mine[0].info.run_id, "test_accuracy")][-1] == 8
+
+
+class Crafted:
+    """A pickle that runs a command when it is unpickled without ``weights_only``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_checkpoint_is_refused_in_one_line_by_resume_and_import_and_runs_nothing(tmp_path, compose_config):
+    from omegaconf import OmegaConf
+
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(compose_config("schedule.rounds=3"), run / "config.yaml", resolve=True)
+    (run / "metrics.csv").write_text("round,test_accuracy\n1,0.5\n")
+    marker = tmp_path / "pwned"
+    torch.save({"round": 1, "finished": False, "payload": Crafted(marker)}, run / FILE)
+    for cmd in ([FEDRUN, f"resume={run}"], [str(Path(FEDRUN).with_name("fedrun-import")), str(run), "--uri", f"sqlite:///{tmp_path / 'x.db'}"]):
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 2, done.stderr[-3000:]
+        last = done.stderr.strip().splitlines()
+        assert len(last) == 1 and f"checkpoint='{run / FILE}' is invalid" in last[0] and "weights_only" in last[0], done.stderr
+        assert "Traceback" not in done.stderr and not marker.exists()
+    assert not (tmp_path / "x.db").exists()  # refused before the store was touched
 
 
 def test_sigterm_stops_after_the_round_as_killed_with_artifacts_and_a_resume_command(tmp_path, store):

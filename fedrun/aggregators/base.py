@@ -10,9 +10,10 @@ import torch
 
 from fedrun.cohort import RoundView
 from fedrun.errors import check
+from fedrun.state import Stateful
 
 
-class Aggregator:
+class Aggregator(Stateful):
     """Base of the ``aggregator`` group.
 
     After each ``aggregate`` call, ``diagnostics`` holds numbers to log for the round (at least

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from fedrun.errors import check
+from fedrun.state import Stateful
 
 
 @dataclass
@@ -33,7 +34,7 @@ class BufferReport:
     pulled: list[torch.Tensor]
 
 
-class AsyncAggregator:
+class AsyncAggregator(Stateful):
     """Base of the buffered asynchronous aggregators; they run on the asynchronous engine.
 
     Args:

@@ -206,6 +206,16 @@ class Hybrid(Aggregator):
             self.phases.append((phase["aggregator"], rounds, accuracy))
         self.current = 0
 
+    def state_dict(self) -> dict:
+        """Its own attributes, with each phase's aggregator as that aggregator's state (the phases' ends are config)."""
+        return {**{k: v for k, v in vars(self).items() if k != "phases"}, "phases": [agg.state_dict() for agg, _, _ in self.phases]}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        for (agg, _, _), phase in zip(self.phases, state.pop("phases"), strict=True):
+            agg.load_state_dict(phase)
+        vars(self).update(state)
+
     def _ended(self, report: RoundView) -> bool:
         _, rounds, accuracy = self.phases[self.current]
         if rounds is not None and report.round > rounds:

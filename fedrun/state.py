@@ -1,0 +1,80 @@
+"""Explicit state: what a run carries between rounds, as plain data that ``torch.load(weights_only=True)`` reads.
+
+A checkpoint is a tree of tensors, numbers, strings, lists, tuples and dicts, and nothing that names code: a
+checkpoint file handed to ``fedrun resume=`` or ``fedrun-import`` (a run dir on a shared filesystem) cannot run
+anything when it is read. ``encode`` turns the few other things the engines keep into such a tree, each under
+a one-key dict that names its kind; ``decode`` turns them back:
+
+- a numpy array (a per-client counter) or numpy scalar (a metric computed with numpy) -> its tensor, dtype kept;
+- a numpy ``Generator`` -> its bit generator's name and state (a dict of ints), so that its next draws are the
+  same as the saved generator's;
+- a ``deque`` (FedStaleWeight's staleness windows) -> its items and ``maxlen``.
+
+Objects are not encoded: an aggregator, server optimizer or pipeline stage gives its state with ``state_dict()``
+and takes it back with ``load_state_dict()`` (``Stateful``); the objects themselves are built from the config.
+``fedrun.checkpoint`` encodes a whole state when it saves it and decodes it when it reads it.
+"""
+
+from collections import deque
+
+import numpy as np
+import torch
+
+PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
+ARRAY, SCALAR, GENERATOR, DEQUE = "__ndarray__", "__numpy_scalar__", "__numpy_generator__", "__deque__"
+
+
+def encode(value, where: str = "state"):
+    """``value`` as plain data (see the module docstring); anything else raises TypeError naming where it is."""
+    if isinstance(value, np.generic):  # before PLAIN: np.float64 is a float, but it must come back as np.float64
+        return {SCALAR: torch.from_numpy(np.asarray(value).reshape(1).copy())}
+    if isinstance(value, PLAIN):
+        return value
+    if isinstance(value, np.ndarray):
+        return {ARRAY: torch.from_numpy(np.ascontiguousarray(value).copy())}
+    if isinstance(value, np.random.Generator):
+        return {GENERATOR: {"bit_generator": type(value.bit_generator).__name__, "state": value.bit_generator.state}}
+    if isinstance(value, deque):
+        return {DEQUE: [encode(v, f"{where}[]") for v in value], "maxlen": value.maxlen}
+    if isinstance(value, (list, tuple)):
+        items = [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        return {k: encode(v, f"{where}[{k!r}]") for k, v in value.items()}
+    raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint cannot hold "
+                    "(give the object a state_dict() of tensors, numbers, strings, lists and dicts)")
+
+
+def decode(value):
+    """The inverse of ``encode``."""
+    if isinstance(value, dict):
+        if len(value) == 1 and ARRAY in value:
+            return value[ARRAY].numpy()
+        if len(value) == 1 and SCALAR in value:
+            return value[SCALAR].numpy()[0]
+        if len(value) == 1 and GENERATOR in value:
+            spec = value[GENERATOR]
+            bit_generator = getattr(np.random, spec["bit_generator"])()  # PCG64, Philox, ...: numpy's own names only
+            bit_generator.state = spec["state"]
+            return np.random.Generator(bit_generator)
+        if len(value) == 2 and DEQUE in value:
+            return deque((decode(v) for v in value[DEQUE]), maxlen=value["maxlen"])
+        return {k: decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(decode(v) for v in value)
+    return value
+
+
+class Stateful:
+    """``state_dict()`` / ``load_state_dict()`` for the parts of a run built from its config (aggregators, server
+    optimizers, pipeline stages). The default state is every attribute (settings included: the same config gives
+    the same values, and restoring them is harmless); a part that holds other parts overrides both."""
+
+    def state_dict(self) -> dict:
+        """What this part carries between rounds: data that ``encode`` takes (no objects)."""
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)

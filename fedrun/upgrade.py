@@ -1,0 +1,71 @@
+"""Convert checkpoints written by fedrun before explicit state into today's plain format.
+
+Until November 2026 a checkpoint pickled numpy generators and whole objects (a hybrid's phase aggregators, the
+asynchronous engine's speed streams); fedrun now reads checkpoints with ``torch.load(weights_only=True)`` and
+refuses those. If you trust a run dir (you wrote it), convert its checkpoint once:
+
+    python -m fedrun.upgrade outputs/2026-11-20/10-00-00 outputs/multirun/2026-11-20/11-00-00/*
+
+Each ``checkpoint.pt`` is read with ``weights_only=False`` (this runs whatever the file names: only for your own
+files), its objects are turned into their state dicts, and it is written back atomically; a checkpoint already in
+today's format is left alone.
+"""
+
+import argparse
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+
+from fedrun.checkpoint import FILE, Checkpoint, read
+from fedrun.errors import ConfigError
+
+
+def plain_state(value):
+    """An old checkpoint's state with every object replaced by its attributes (as ``Stateful.state_dict`` gives them)."""
+    if isinstance(value, dict):
+        out = {k: plain_state(v) for k, v in value.items()}
+        if isinstance(value.get("phases"), list) and all(isinstance(p, tuple) and hasattr(p[0], "__dict__") for p in value["phases"]):
+            out["phases"] = [plain_state(dict(vars(p[0]))) for p in value["phases"]]  # Hybrid: (aggregator, until_round, until_accuracy)
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [plain_state(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if type(value).__module__.startswith("fedrun."):  # an object of fedrun's (the async engine's speed streams)
+        return plain_state(dict(vars(value)))
+    return value
+
+
+def upgrade(directory: Path) -> bool:
+    """Rewrite ``directory``'s checkpoint in today's format; False when it already was (or there is none)."""
+    path = Path(directory) / FILE
+    if not path.is_file():
+        return False
+    try:
+        read(path)
+        return False
+    except ConfigError:
+        pass
+    state = plain_state(torch.load(path, weights_only=False))
+    checkpoint = Checkpoint(directory)
+    checkpoint.extra = state.pop("extra", {})
+    checkpoint.save(state)
+    read(path)  # it loads safely now
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m fedrun.upgrade", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directories", nargs="+", type=Path, help="run output dirs (each with a checkpoint.pt)")
+    args = parser.parse_args()
+    for directory in args.directories:
+        try:
+            print(f"{directory}: {'converted' if upgrade(directory) else 'nothing to do'}")
+        except (pickle.UnpicklingError, TypeError, AttributeError, RuntimeError) as exc:
+            print(f"python -m fedrun.upgrade: error: {directory / FILE}: {type(exc).__name__}: {str(exc).splitlines()[0]}", file=sys.stderr)
+            sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

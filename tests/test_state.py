@@ -1,0 +1,85 @@
+"""Explicit state (fedrun/state.py): what a checkpoint holds is plain data that torch.load(weights_only=True) reads."""
+
+import io
+from collections import deque
+
+import numpy as np
+import pytest
+import torch
+
+from fedrun.aggregators import FedSoftBetter, Hybrid
+from fedrun.aggregators.base import Aggregator
+from fedrun.state import decode, encode
+
+
+def through_a_file(value):
+    """encode, save, load with weights_only=True, decode: the checkpoint's path."""
+    buffer = io.BytesIO()
+    torch.save(encode(value), buffer)
+    buffer.seek(0)
+    return decode(torch.load(buffer, weights_only=True))
+
+
+def test_every_kind_of_state_comes_back_equal_with_its_type_and_dtype():
+    generator = np.random.default_rng(7)
+    generator.random(3)  # advanced: its state, not its seed, must come back
+    window = deque([1, 2], maxlen=4)
+    state = {"round": 3, "lr": 0.1, "name": "x", "none": None, "tensor": torch.arange(3.0), "counts": np.array([1, 2], dtype=np.int64),
+             "mean": np.float32(0.25), "rows": [{"acc": np.float64(0.5)}], "pair": (1, torch.ones(2)), "rng": generator,
+             "history": {4: window}, "big": 2**100}
+    back = through_a_file(state)
+    assert back["round"] == 3 and back["lr"] == 0.1 and back["name"] == "x" and back["none"] is None and back["big"] == 2**100
+    assert torch.equal(back["tensor"], state["tensor"])
+    assert back["counts"].dtype == np.int64 and back["counts"].tolist() == [1, 2]
+    assert type(back["mean"]) is np.float32 and back["mean"] == np.float32(0.25)
+    assert type(back["rows"][0]["acc"]) is np.float64 and back["rows"][0]["acc"] == 0.5
+    assert isinstance(back["pair"], tuple) and torch.equal(back["pair"][1], torch.ones(2))
+    assert back["history"][4] == window and back["history"][4].maxlen == 4
+    assert back["rng"].random(5).tolist() == generator.random(5).tolist()  # the same draws from here on
+
+
+def test_an_object_in_the_state_is_refused_when_saved_naming_where_it_is():
+    with pytest.raises(TypeError, match=r"state\['aggregator'\]\['inner'\] is a .*Aggregator, which a checkpoint cannot hold"):
+        encode({"aggregator": {"inner": Aggregator()}})
+
+
+def test_a_hybrids_state_holds_its_phases_states_and_restores_them_into_a_fresh_hybrid():
+    def hybrid():
+        return Hybrid([{"aggregator": FedSoftBetter(temperature=0.2), "until_round": 2}, {"aggregator": Aggregator()}])
+
+    first = hybrid()
+    first.current, first.tags["hybrid_phase_1_from_round"] = 1, "3"
+    first.phases[0][0].diagnostics = {"alpha_distance": 0.5}
+    again = hybrid()
+    again.load_state_dict(through_a_file(first.state_dict()))
+    assert again.current == 1 and again.tags == {"hybrid_phase_1_from_round": "3"}
+    assert again.phases[0][0].diagnostics == {"alpha_distance": 0.5} and again.phases[0][0] is not first.phases[0][0]
+
+
+def test_an_old_checkpoint_of_pickled_objects_is_refused_then_converted_by_fedrun_upgrade_and_resumes_the_same_state(tmp_path):
+    from fedrun.async_engine import _Streams
+    from fedrun.checkpoint import FILE, Checkpoint
+    from fedrun.errors import ConfigError
+    from fedrun.upgrade import upgrade
+
+    def hybrid():
+        return Hybrid([{"aggregator": FedSoftBetter(temperature=0.2), "until_round": 2}, {"aggregator": Aggregator()}])
+
+    old = hybrid()
+    old.current, old.phases[0][0].diagnostics = 1, {"alpha_distance": 0.5}
+    streams, sampler = _Streams(3, "speed"), np.random.default_rng(1)
+    streams[2].random(4)
+    # What fedrun wrote before explicit state: vars() of the objects, numpy generators and objects pickled whole.
+    torch.save({"round": 4, "finished": False, "sampler": sampler, "speed_rng": streams, "aggregator": vars(old),
+                "rows": [{"round": 1, "staleness_mean": np.float64(1.5)}], "extra": {"mlflow_run_id": "abc"}}, tmp_path / FILE)
+    with pytest.raises(ConfigError, match="python -m fedrun.upgrade"):
+        Checkpoint(tmp_path, resume=True).restored()
+    assert upgrade(tmp_path) and not upgrade(tmp_path)  # converted once; then it is in today's format
+    state = Checkpoint(tmp_path, resume=True).restored()
+    again, again_streams = hybrid(), _Streams(3, "speed")
+    again.load_state_dict(state["aggregator"])
+    again_streams.load_state_dict(state["speed_rng"])
+    assert again.current == 1 and again.phases[0][0].diagnostics == {"alpha_distance": 0.5}
+    assert again_streams[2].random(3).tolist() == streams[2].random(3).tolist()
+    assert state["sampler"].random(3).tolist() == sampler.random(3).tolist()
+    assert state["extra"] == {"mlflow_run_id": "abc"} and type(state["rows"][0]["staleness_mean"]) is np.float64
