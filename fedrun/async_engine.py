@@ -30,6 +30,7 @@ from fedrun.engine import RunResult, record
 from fedrun.errors import ConfigError, check
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
+from fedrun.pipeline import Pipeline
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
 from fedrun.state import Stateful
@@ -99,7 +100,7 @@ class AsyncEngine:
         check(concurrency is None or (isinstance(concurrency, int) and concurrency >= 1), "concurrency", concurrency, "null or an integer >= 1")
         self.max_time, self.concurrency = max_time, concurrency
 
-    def check(self, aggregator, heterogeneity) -> None:
+    def check(self, aggregator, heterogeneity, pipeline=None) -> None:
         """Refuse, before training, what this engine cannot run."""
         if not isinstance(aggregator, AsyncAggregator):
             raise ConfigError("engine", "async", f"sync for {type(aggregator).__name__}, a synchronous aggregator")
@@ -129,13 +130,17 @@ class AsyncEngine:
         client_tests: list[np.ndarray] | None = None,
         heterogeneity=None,
         checkpoint: Checkpoint | None = None,
+        pipeline: Pipeline | None = None,
     ):
         """Simulate until ``schedule.rounds`` aggregations (server versions) or ``max_time``.
 
         Same arguments as ``fedrun.engine.run``; each metrics row is one aggregation. Compute
-        heterogeneity comes from the speed groups here (``heterogeneity`` must be the equal-work default).
+        heterogeneity comes from the speed groups here (``heterogeneity`` must be the equal-work default). Each
+        arriving update passes the ``pipeline`` alone, as its client would send it; an aggregation's row logs the
+        mean of its buffered updates' stage diagnostics.
         """
-        self.check(aggregator, heterogeneity)
+        self.check(aggregator, heterogeneity, pipeline)
+        pipeline = pipeline or Pipeline()
         group_of = self.assign(len(clients))
         server = server or ServerOptimizer()
         # One client trains at a time here, so the loop backend; the device's layout still applies.
@@ -164,6 +169,7 @@ class AsyncEngine:
             speed_rng.load_state_dict(saved["speed_rng"])
             aggregator.load_state_dict(saved["aggregator"])
             server.load_state_dict(saved["server"])
+            pipeline.load_state_dict(saved["pipeline"])
             result = RunResult(w, rows=saved["rows"])
         bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True, initial=version)
         start, done = time.perf_counter(), False
@@ -179,8 +185,9 @@ class AsyncEngine:
                 from_version, w_pulled = pulled[c]
                 lr = base_lr * schedule.lr_decay**version
                 delta = train_cohort(model, w_pulled, x, y, [clients[c]], np.array([c]), optimizer, lr, schedule.work, seed, int(jobs[c])).deltas[0]
+                delta, stage_diagnostics = pipeline(delta[None], np.array([c]), version + 1) if pipeline else (delta[None], {})
                 aggregator.observe(c, version - from_version)
-                buffer.append((c, delta, version - from_version, w_pulled))
+                buffer.append((c, delta[0], version - from_version, w_pulled, stage_diagnostics))
                 if len(buffer) < aggregator.buffer_size:
                     continue
                 ids = np.array([b[0] for b in buffer])
@@ -188,13 +195,14 @@ class AsyncEngine:
                 report = BufferReport(ids, sizes[ids], staleness, version, [b[3] for b in buffer])
                 update, alpha = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
                 w = server.step(w, update)
-                version, buffer = version + 1, []
+                version, buffer, buffer_done = version + 1, [], buffer
                 alpha_all = np.bincount(ids, weights=alpha, minlength=len(clients))
                 applied += alpha_all
                 row = {"round": version, "virtual_time": now, "staleness_mean": staleness.mean(), "staleness_max": staleness.max(), "lr": lr,
                        "upload_mb": len(ids) * message_mb, "download_mb": len(ids) * message_mb}
                 row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
                 row.update(aggregator.diagnostics)
+                row.update({k: float(np.mean([b[4][k] for b in buffer_done])) for k in buffer_done[0][4]})
                 done = record(row, w, not torch.isfinite(w).all(), lr, schedule, lambda p: self._evaluate(model, p, x_test, y_test, label_sets),
                               result, on_round, {"alpha": alpha_all}, bar, start)
                 start = time.perf_counter()
@@ -210,7 +218,7 @@ class AsyncEngine:
                 checkpoint.after_round(version, result.rows[-1]["round_wall_s"], done, lambda: {
                     "round": version, "engine": "async", "finished": done, "w": w, "version": version, "jobs": jobs,
                     "buffer": buffer, "pulled": pulled, "events": events, "sampler": sampler, "speed_rng": speed_rng.state_dict(),
-                    "applied": applied, "aggregator": aggregator.state_dict(), "server": server.state_dict(), "rows": result.rows})
+                    "applied": applied, "aggregator": aggregator.state_dict(), "server": server.state_dict(), "pipeline": pipeline.state_dict(), "rows": result.rows})
         bar.close()
         result.summary, result.tables = self._fairness(model, result.params, x, y, clients, client_tests, group_of, applied)
         return result

@@ -81,7 +81,10 @@ def setup(cfg: DictConfig) -> dict:
         raise ConfigError("seed", seed, "an integer >= 0")
     groups = ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")
     objects = {group: build(group, cfg[group]) for group in groups}
-    objects["engine"].check(objects["aggregator"], objects["heterogeneity"])
+    # Each stage on its own, so that an error names its key (pipeline.stages.0.max_norm), then the pipeline around them.
+    stages = [build(f"pipeline.stages.{i}", stage) for i, stage in enumerate(cfg.pipeline.get("stages", []))]
+    objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
+    objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"])
     schedule = objects["schedule"]
     if schedule.stop_at_accuracy is not None and "client_accuracy" in STOP_ON[schedule.stop_on] and not objects["dataset"].client_test_fraction:
         raise ConfigError("schedule.stop_on", schedule.stop_on,
@@ -352,6 +355,7 @@ def main(cfg: DictConfig) -> float | None:
                 on_round=tracker.log_round,
                 client_tests=parts["client_tests"],
                 heterogeneity=parts["heterogeneity"],
+                pipeline=parts["pipeline"],
                 checkpoint=checkpoint,
             )
         load_flat(model, result.params)

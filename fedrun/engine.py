@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedrun.aggregators import Aggregator
+from fedrun.aggregators import MVR, Aggregator
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint
 from fedrun.clients import FStarEstimate, client_accuracy, evaluate
@@ -19,6 +19,7 @@ from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, DivergenceError, check
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
+from fedrun.pipeline import Pipeline
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
 
@@ -111,6 +112,7 @@ def run(
     client_tests: list[np.ndarray] | None = None,
     heterogeneity: EqualWork | None = None,
     checkpoint: Checkpoint | None = None,
+    pipeline: Pipeline | None = None,
 ) -> RunResult:
     """Run synchronous federated training.
 
@@ -130,6 +132,7 @@ def run(
             mean accuracy of the cohort's local models on them is logged as ``client_accuracy``.
         heterogeneity: How much local work each cohort client does (default: the schedule's).
         checkpoint: Where and when to checkpoint, and whether to resume from its file (see fedrun.checkpoint).
+        pipeline: The stages each round's updates pass between training and aggregation (default: none).
 
     Returns:
         The final model and the metrics rows.
@@ -141,6 +144,7 @@ def run(
     model.eval()
     server = server or ServerOptimizer()
     heterogeneity = heterogeneity or EqualWork()
+    pipeline = pipeline or Pipeline()
     sizes = np.array([len(part) for part in clients])
     base_lr = optimizer.keywords["lr"]
     params = flat_parameters(model)
@@ -159,6 +163,7 @@ def run(
         params, previous, latest_accuracy, sampler = saved["params"], saved["previous"], saved["latest_accuracy"], saved["sampler"]
         aggregator.load_state_dict(saved["aggregator"])
         server.load_state_dict(saved["server"])
+        pipeline.load_state_dict(saved["pipeline"])
         fstar.cache.update(saved["fstar"])
         result = RunResult(params, rows=saved["rows"])
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
@@ -182,7 +187,10 @@ def run(
             clock = time.perf_counter()
             trained = trainer(params, parts, cohort, lr, works, seed, t)
             train_s = time.perf_counter() - clock
-            deltas = trained.deltas
+            deltas = trained.deltas  # as trained: each client's local model (client_accuracy) is params + these
+            clock = time.perf_counter()
+            sent, stage_diagnostics = pipeline(deltas, cohort, t) if pipeline else (deltas, {})
+            pipeline_s = time.perf_counter() - clock
             # What the aggregator may read; the lazy signals cost nothing unless read. Bound to this round.
             report = RoundView(
                 cohort, sizes[cohort], round=t, accuracy=latest_accuracy, accuracy_source=accuracy_source, fstar=fstar,
@@ -197,11 +205,11 @@ def run(
             # The papers' client accuracy: each local model on its own held-out split, before aggregation.
             local_accuracy = client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort]) if client_tests else None
             clock = time.perf_counter()
-            update, alpha = aggregator.aggregate(params, deltas, report)
+            update, alpha = aggregator.aggregate(params, sent, report)
             params = server.step(params, update)
             diverged = not torch.isfinite(params).all()
             signals_s = sum(report.wall_s.values())  # lazy signals read while aggregating have their own columns
-            timings = {"aggregate_wall_s": time.perf_counter() - clock - signals_s}
+            timings = {"aggregate_wall_s": time.perf_counter() - clock - signals_s + pipeline_s}
 
             # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
             models = 2 if report.read("previous_deltas") else 1  # the previous model goes down, its update up
@@ -220,6 +228,7 @@ def run(
             if local_accuracy is not None:
                 row["client_accuracy"] = float(local_accuracy.mean())
             row.update(aggregator.diagnostics)
+            row.update(stage_diagnostics)
             row.update(timings)
             alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)
             alpha_all[cohort], steps_all[cohort] = alpha, trained.steps
@@ -230,7 +239,7 @@ def run(
                 checkpoint.after_round(t, row["round_wall_s"], last, lambda: {
                     "round": t, "engine": "sync", "finished": last, "params": params, "previous": previous,
                     "latest_accuracy": latest_accuracy, "sampler": sampler, "aggregator": aggregator.state_dict(),
-                    "server": server.state_dict(), "fstar": fstar.cache, "rows": result.rows})
+                    "server": server.state_dict(), "pipeline": pipeline.state_dict(), "fstar": fstar.cache, "rows": result.rows})
             if last:
                 break
         bar.close()
@@ -267,11 +276,14 @@ def record(row: dict, params: torch.Tensor, diverged: bool, lr: float, schedule:
 class SyncEngine:
     """The ``engine=sync`` option: runs ``run`` (a class, so unknown config keys fail when it is built)."""
 
-    def check(self, aggregator, heterogeneity) -> None:
+    def check(self, aggregator, heterogeneity, pipeline=None) -> None:
         """Refuse, before training, an aggregator this engine cannot run."""
         if not isinstance(aggregator, Aggregator):
             raise ConfigError("engine", "sync", f"async for {type(aggregator).__name__}, an asynchronous aggregator")
+        if pipeline and isinstance(aggregator, MVR):  # MVR reads a second update per client, which no stage would see
+            raise ConfigError("pipeline", [type(s).__name__ for s in pipeline.stages], "none with aggregator=mvr (its second update per "
+                              "client, from the previous model, would bypass the stages)")
 
     def __call__(self, **kwargs) -> RunResult:
-        self.check(kwargs["aggregator"], kwargs.get("heterogeneity"))
+        self.check(kwargs["aggregator"], kwargs.get("heterogeneity"), kwargs.get("pipeline"))
         return run(**kwargs)

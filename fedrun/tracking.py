@@ -32,7 +32,7 @@ PER_CLIENT = ("alpha", "local_steps")  # the per-client series the engines repor
 WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
 
 # Config groups whose chosen option becomes a run tag (and a grouping key in fedrun-report).
-CONFIG_GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity",
+CONFIG_GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "pipeline",
                  "device", "engine", "method", "experiment")
 
 

@@ -48,6 +48,9 @@ def upgrade(directory: Path) -> bool:
     except ConfigError:
         pass
     state = plain_state(torch.load(path, weights_only=False))
+    state.setdefault("pipeline", {"stages": []})  # before the update pipeline: no stage
+    if state.get("engine") == "async":  # a buffered update now carries its stages' diagnostics (none then)
+        state["buffer"] = [(*entry, {}) if len(entry) == 4 else entry for entry in state["buffer"]]
     checkpoint = Checkpoint(directory)
     checkpoint.extra = state.pop("extra", {})
     checkpoint.save(state)

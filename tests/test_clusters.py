@@ -15,7 +15,7 @@ import pytest
 
 from conftest import FEDRUN, mlflow_runs, sweep_runs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 submitit = pytest.importorskip("submitit")  # the [slurm] extra (in [dev])
 RAY = str(Path(sys.executable).parent / "ray")
 

@@ -12,7 +12,7 @@ from fedrun.errors import ConfigError
 
 CONF = Path(fedrun.conf.__file__).parent
 OPTIONS = sorted((d.name, f.stem) for d in CONF.iterdir() if d.is_dir() and not d.name.startswith("_") for f in d.glob("*.yaml"))
-OBJECT_GROUPS = ("dataset", "partition", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine")
+OBJECT_GROUPS = ("dataset", "partition", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine", "pipeline")
 GLOBAL_GROUPS = ("experiment", "sweep", "method")  # presets that set keys across groups
 # Small shapes that each model option accepts: images for the CNN, anything for the others.
 MODEL_INPUT = {"cnn": (1, 8, 8)}
@@ -20,7 +20,7 @@ MODEL_INPUT = {"cnn": (1, 8, 8)}
 
 def test_groups_are_found():
     groups = {g for g, _ in OPTIONS}
-    assert {"dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine", "method"} <= groups
+    assert {"dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine", "method", "pipeline"} <= groups
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -90,6 +90,9 @@ def test_working_combinations_build(compose_config, overrides):
         (["server=adam", "server.v0=one"], "server.v0='one'", "paper"),
         (["optimizer=storm", "optimizer.init=half"], "optimizer.init='half'", "minibatch or full"),
         (["schedule.stop_at_accuracy=0.9", "schedule.stop_on=client"], "schedule.stop_on='client'", "client_test_fraction is 0"),
+        (["pipeline=clip", "pipeline.stages.0.max_norm=-1"], "pipeline.stages.0.max_norm=-1", "a number > 0"),
+        (["pipeline=clip", "pipeline.stages.0.target_quantile=2"], "pipeline.stages.0.target_quantile=2", "[0, 1]"),
+        (["aggregator=mvr", "pipeline=clip"], "pipeline=['Clip']", "none with aggregator=mvr"),
     ],
 )
 def test_bad_values_fail_before_training_with_one_line(compose_config, overrides, key, allowed):

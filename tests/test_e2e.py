@@ -43,6 +43,7 @@ def test_main_job_logs_metrics_alpha_and_artifacts(fedrun, store):
     assert not (fedrun.cwd / "mlruns").exists()
 
 
+@pytest.mark.slow
 def test_multirun_makes_one_run_per_seed_and_same_seed_repeats_exactly(fedrun, store):
     fedrun("-m", "seed=0,1", *TINY, experiment="sweep")
     _, runs = mlflow_runs(store, "sweep")
@@ -70,6 +71,7 @@ def test_bad_value_stops_before_training_with_one_line(fedrun, store):
     assert runs == []
 
 
+@pytest.mark.slow
 def test_diverging_run_is_marked_failed_and_keeps_its_metrics(fedrun, store):
     done = fedrun("optimizer.lr=1e6", "schedule.rounds=5", "partition.num_clients=5", experiment="diverge", check=False)
     assert done.returncode != 0
@@ -92,6 +94,7 @@ def test_the_run_says_which_input_scale_it_ran_on(fedrun, store):
         "in [0, 1]) or raw (the stored values)")
 
 
+@pytest.mark.slow
 def test_mnist_runs_offline_from_fedrun_data(fedrun, store):
     fedrun("dataset=mnist", "partition=shards", "partition.num_clients=10", "partition.samples_per_client=200",
            "schedule.rounds=3", "schedule.batch_size=20", "tracking.enabled=false")
@@ -113,6 +116,7 @@ def test_missing_dataset_files_say_what_to_put_where(fedrun, tmp_path):
     assert "train-images-idx3-ubyte.gz" in line and "nowhere/FashionMNIST/raw" in line and "FEDRUN_DATA" in line
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="the presets use MNIST and Fashion-MNIST")
 def test_every_preset_runs_shrunk(fedrun):
     fedrun("-m", "experiment=glob(*)", "schedule.rounds=1", "partition.samples_per_client=20", "schedule.batch_size=10",
@@ -120,6 +124,7 @@ def test_every_preset_runs_shrunk(fedrun):
     assert len(job_dirs(fedrun.cwd, "multiruns")) == len(list((Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml")))
 
 
+@pytest.mark.slow
 def test_named_sweep_runs_every_point(fedrun, store):
     fedrun("sweep=topk", "hydra.sweeper.params.seed=0", "schedule.rounds=1", "partition.num_clients=5", experiment="topk")
     _, runs = mlflow_runs(store, "topk")
@@ -145,6 +150,7 @@ def test_async_run_logs_virtual_time_staleness_and_fairness_and_repeats_exactly(
     pd.testing.assert_frame_equal(first, second)
 
 
+@pytest.mark.slow
 def test_methods_set_three_groups_and_mvr_doubles_communication(fedrun, store):
     fedrun("-m", "method=fedavg,storm_vr", "schedule.rounds=2", "partition.num_clients=4", "schedule.local_steps=2",
            "heterogeneity=stragglers", "heterogeneity.fraction=0.5", experiment="methods")

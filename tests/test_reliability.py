@@ -76,16 +76,19 @@ def deterministic(out: Path) -> pd.DataFrame:
     return metrics[[c for c in metrics.columns if not c.endswith("_wall_s")]]
 
 
+ADAPTIVE_CLIP = ["pipeline=clip", "pipeline.stages.0.adaptive=true", "pipeline.stages.0.max_norm=0.05"]
 CASES = {
     # every stateful part of the synchronous engine: FedOpt moments, MVR's momentum and previous model, F* estimates
     "sync": ["aggregator=mvr", "server=adam", "schedule.rounds=8", "partition.num_clients=6", "device.backend=processes", "device.workers=2"],
+    # ... and a stateful stage of the update pipeline (the adaptive clip norm moves every round)
     "hybrid_fstar": ["aggregator=hybrid", "+aggregator.phases.0.aggregator.fstar=estimate", "aggregator.phases.0.until_round=5",
-                     "schedule.rounds=8", "partition.num_clients=6", "schedule.clients_per_round=0.5"],
-    # the asynchronous event heap, buffer, pulled versions and FedStaleWeight's staleness windows
-    "async": ["aggregator=fedstaleweight", "engine.concurrency=3", "schedule.rounds=8", "partition.num_clients=6"],
+                     "schedule.rounds=8", "partition.num_clients=6", "schedule.clients_per_round=0.5", *ADAPTIVE_CLIP],
+    # the asynchronous event heap, buffer, pulled versions and FedStaleWeight's staleness windows, and the adaptive clip norm
+    "async": ["aggregator=fedstaleweight", "engine.concurrency=3", "schedule.rounds=8", "partition.num_clients=6", *ADAPTIVE_CLIP],
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_path, store, case):
     args = [*CASES[case], "checkpoint.every=2"]
@@ -112,6 +115,7 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     assert [m.step for m in client.get_metric_history(run.info.run_id, "test_accuracy")][-1] == 8
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_restarts_in_its_dir_and_mlflow_run_and_equals_an_uninterrupted_one(tmp_path, store):
     args = [*CASES["sync"], "checkpoint.every=100"]  # no checkpoint before the last round
     whole = start(tmp_path, tmp_path / "whole", store, *args)
@@ -161,6 +165,7 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_by_resume_and_import_and_ru
     assert not (tmp_path / "x.db").exists()  # refused before the store was touched
 
 
+@pytest.mark.slow
 def test_sigterm_stops_after_the_round_as_killed_with_artifacts_and_a_resume_command(tmp_path, store):
     args = ["aggregator=fedsoftmax", "schedule.rounds=30", "partition.num_clients=6", "checkpoint.every=100"]
     stopped = start(tmp_path, tmp_path / "run", store, *args)
@@ -191,6 +196,7 @@ def test_resume_refuses_other_overrides_and_missing_checkpoints_in_one_line(tmp_
     assert done.returncode == 2 and "no other overrides" in done.stderr and "optimizer.lr=0.5" in done.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_whole_process_group_with_worker_processes_stops_cleanly(tmp_path, store):
     """As SLURM does at the time limit: every process of the job gets SIGTERM, the forked workers included."""
     cmd = [FEDRUN, "device=cpu", "schedule.rounds=30", "partition.num_clients=6", "checkpoint.every=100", "device.backend=processes",
@@ -209,6 +215,7 @@ def test_sigterm_to_the_whole_process_group_with_worker_processes_stops_cleanly(
     assert rows_written(tmp_path / "run") == 30
 
 
+@pytest.mark.slow
 def test_an_unreachable_tracking_server_fails_in_one_line_within_15_seconds(tmp_path):
     started = time.time()
     done = subprocess.run([FEDRUN, "tracking.uri=http://127.0.0.1:9", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
@@ -219,6 +226,7 @@ def test_an_unreachable_tracking_server_fails_in_one_line_within_15_seconds(tmp_
     assert not (tmp_path / "run" / "metrics.csv").exists()  # nothing loaded or trained
 
 
+@pytest.mark.slow
 def test_a_store_lost_mid_run_keeps_training_and_fedrun_import_brings_the_run_back(tmp_path):
     store = tmp_path / "lost.db"
     out = tmp_path / "run"
@@ -245,6 +253,7 @@ def test_a_store_lost_mid_run_keeps_training_and_fedrun_import_brings_the_run_ba
     assert "metrics.csv" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
+@pytest.mark.slow
 def test_fedrun_import_of_an_untracked_run_has_every_metric(tmp_path):
     out = tmp_path / "run"
     done = subprocess.run([FEDRUN, "schedule.rounds=4", "partition.num_clients=5", "tracking.enabled=false", f"hydra.run.dir={out}",
@@ -278,6 +287,7 @@ def test_diverging_run_prints_one_line_without_a_traceback(tmp_path):
     assert run.info.status == "FAILED" and run.data.tags["failure_reason"].startswith("DivergenceError: non-finite")
 
 
+@pytest.mark.slow
 def test_a_sweep_with_a_diverging_job_finishes_the_others_and_names_the_failed_overrides(tmp_path, store):
     done = subprocess.run([FEDRUN, "-m", "optimizer.lr=0.05,1e6,0.1", "schedule.rounds=3", "partition.num_clients=5",
                            f"hydra.sweep.dir={tmp_path / 'sweep'}", f"tracking.uri=sqlite:///{store}", "tracking.experiment=sweep_fail",
@@ -305,6 +315,7 @@ def test_a_sweep_with_a_diverging_job_finishes_the_others_and_names_the_failed_o
     assert refused.returncode == 2 and "a run that did not diverge (this one did, and would again: non-finite" in refused.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_skipping_finished_jobs_and_equals_an_uninterrupted_one(tmp_path, store):
     sweep = ["-m", "seed=0,1,2", "schedule.rounds=6", "partition.num_clients=5", "checkpoint.every=2"]
     common = [f"tracking.uri=sqlite:///{store}", "tracking.experiment=sweep_resume", "device=cpu"]

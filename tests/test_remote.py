@@ -13,7 +13,7 @@ import pytest
 
 from conftest import FEDRUN, mlflow_runs, sweep_runs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 
 

@@ -132,6 +132,7 @@ def test_censored_median_counts_unreached_runs_as_infinite():
     assert math.isnan(censored_median(np.array([])))
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
     fedrun("-m", "aggregator=fedavg,fedsoftmax", "seed=0,1", "schedule.rounds=3", "partition.num_clients=5", experiment="report")

@@ -31,6 +31,7 @@ def test_every_point_of_every_reproduction_sweep_composes(paper, compose_config)
     assert points >= 5
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="the presets use MNIST and Fashion-MNIST")
 def test_every_reproduction_command_runs_tiny_and_resumes(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "all", "--tiny", "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True)

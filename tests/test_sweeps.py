@@ -11,6 +11,7 @@ from fedrun.backends import usable_cores
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.slow
 def test_a_four_job_joblib_sweep_logs_four_runs_into_one_new_sqlite_store(tmp_path):
     store = tmp_path / "fresh.db"  # new: the jobs would race to create its tables and the experiment
     done = subprocess.run([FEDRUN, "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=0,1,2,3", "schedule.rounds=4",
@@ -29,6 +30,7 @@ def test_a_four_job_joblib_sweep_logs_four_runs_into_one_new_sqlite_store(tmp_pa
     assert {r.data.tags["torch_threads"] for r in runs} == {str(max(1, usable_cores() // 2))}  # cores / jobs: no oversubscription
 
 
+@pytest.mark.slow
 def test_device_threads_overrides_the_share_and_is_recorded(fedrun, store):
     fedrun("device.threads=1", "schedule.rounds=1", "partition.num_clients=5", experiment="threads")
     _, [run] = mlflow_runs(store, "threads")
@@ -51,6 +53,7 @@ def test_cores_per_job_follow_joblib_n_jobs_and_ray_num_cpus():
     assert job_cores(launcher(ray={"remote": {"num_cpus": 3}})) == 3  # what Ray gives each task
 
 
+@pytest.mark.slow
 def test_runs_have_short_names_the_overrides_as_a_tag_and_a_model_training_experiment(fedrun, store):
     done = fedrun("aggregator=fedsoftmax", "aggregator.temperature=0.5", "partition=shards", "schedule.rounds=1", "partition.num_clients=5",
                   "seed=3", experiment="names")

@@ -1,0 +1,101 @@
+"""The update pipeline: what happens to the clients' updates between local training and aggregation.
+
+The cohort's updates Delta_i (one row per client, stacked) pass through an ordered list of stages, the ``pipeline``
+config group (``pipeline=none``: no stage, the updates as trained). A stage is a small object with
+``__call__(deltas, clients, round) -> (deltas, diagnostics)``: it returns new rows (never edits its input) and
+numbers to log for the round, named ``<stage>/<what>``. A stage may keep per-client state (an error-feedback
+residual, an adaptive clip norm); it says what with ``state_dict()``, and the checkpoint keeps it.
+
+Clipping, compression and privacy noise are stages (pfl-research's postprocessors are the model). The
+synchronous engine passes each round's cohort through the pipeline; the asynchronous one passes each arriving
+update alone, as its client would before sending it.
+"""
+
+import math
+
+import numpy as np
+import torch
+
+from fedrun.errors import check
+from fedrun.state import Stateful
+
+
+class Stage(Stateful):
+    """One step of the pipeline. ``name`` prefixes its diagnostics."""
+
+    name = "stage"
+
+    def __call__(self, deltas: torch.Tensor, clients: np.ndarray, round_: int) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+
+class Clip(Stage):
+    """Scale each client's update to l2 norm at most C: Delta_i * min(1, C / ||Delta_i||), the per-update clipping
+    of DP-FedAvg (McMahan et al. 2018, Algorithm 1, "ClipFn"), as Flower and pfl-research clip. An update of norm
+    exactly C is left as it is.
+
+    With ``adaptive``, C follows a quantile of the update norms, as Andrew et al. 2021 ("Differentially private
+    learning with adaptive clipping", NeurIPS, Algorithm 1) without its privacy noise: after clipping a round
+    with C, b = the fraction of the round's updates whose norm was at most C (the *unclipped* fraction), and
+    C <- C * exp(-clip_lr * (b - target_quantile)): geometric, so C grows while fewer than the target fraction fit
+    under it and shrinks while more do. The next round uses the new C; C is this stage's state (checkpointed).
+
+    Logs ``clip/max_norm`` (the C used this round), ``clip/fraction_clipped`` (updates whose norm exceeded it) and
+    ``clip/norm_mean`` (mean norm before clipping).
+
+    Args:
+        max_norm: C > 0 (with ``adaptive``: its initial value).
+        adaptive: Follow ``target_quantile`` of the norms.
+        target_quantile: gamma in [0, 1], the fraction of updates meant to fit under C (Andrew et al.: 0.5).
+        clip_lr: eta_C > 0, the geometric step (Andrew et al.: 0.2).
+    """
+
+    name = "clip"
+
+    def __init__(self, max_norm: float = 1.0, adaptive: bool = False, target_quantile: float = 0.5, clip_lr: float = 0.2):
+        check(isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0, "max_norm", max_norm, "a number > 0")
+        check(isinstance(adaptive, bool), "adaptive", adaptive, "true or false")
+        check(isinstance(target_quantile, (int, float)) and 0 <= target_quantile <= 1, "target_quantile", target_quantile, "a number in [0, 1]")
+        check(isinstance(clip_lr, (int, float)) and clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
+        self.max_norm, self.adaptive, self.target_quantile, self.clip_lr = float(max_norm), adaptive, float(target_quantile), float(clip_lr)
+
+    def __call__(self, deltas, clients, round_):
+        norms = torch.linalg.vector_norm(deltas, dim=1)
+        over = norms > self.max_norm
+        # min(1, C / norm): exactly 1.0 for an update within the bound, so that such an update is unchanged bit for bit.
+        scale = torch.where(over, self.max_norm / norms, torch.ones_like(norms))
+        diagnostics = {"clip/max_norm": self.max_norm, "clip/fraction_clipped": float(over.double().mean()), "clip/norm_mean": float(norms.double().mean())}
+        if self.adaptive:
+            unclipped = 1.0 - diagnostics["clip/fraction_clipped"]
+            self.max_norm *= math.exp(-self.clip_lr * (unclipped - self.target_quantile))
+        return deltas * scale[:, None], diagnostics
+
+
+class Pipeline(Stateful):
+    """The stages in order; with none, updates pass unchanged (and nothing is logged).
+
+    Args:
+        stages: Stage objects, applied first to last.
+    """
+
+    def __init__(self, stages: list | tuple = ()):
+        for i, stage in enumerate(stages):
+            check(isinstance(stage, Stage), f"stages[{i}]", type(stage).__name__, "a stage (a class of fedrun.pipeline.Stage, e.g. fedrun.pipeline.Clip)")
+        self.stages = list(stages)
+
+    def __bool__(self) -> bool:
+        return bool(self.stages)
+
+    def __call__(self, deltas: torch.Tensor, clients: np.ndarray, round_: int) -> tuple[torch.Tensor, dict[str, float]]:
+        diagnostics: dict[str, float] = {}
+        for stage in self.stages:
+            deltas, more = stage(deltas, clients, round_)
+            diagnostics.update(more)
+        return deltas, diagnostics
+
+    def state_dict(self) -> dict:
+        return {"stages": [stage.state_dict() for stage in self.stages]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for stage, saved in zip(self.stages, state["stages"], strict=True):
+            stage.load_state_dict(saved)
