@@ -82,6 +82,7 @@ def test_diverging_run_is_marked_failed_and_keeps_its_metrics(fedrun, store):
     assert len(pd.read_csv(job / "metrics.csv")) >= 1  # the rounds before the failure are kept
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="needs FEDRUN_DATA pointing at a copy of the MNIST files")
 def test_the_run_says_which_input_scale_it_ran_on(fedrun, store):
     fedrun("dataset.scale=raw", "schedule.rounds=1", "partition.num_clients=5", experiment="scale")

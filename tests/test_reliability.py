@@ -272,6 +272,7 @@ def test_fedrun_import_of_an_untracked_run_has_every_metric(tmp_path):
     assert run.data.metrics["rounds_run"] == 4 and run.info.status == "FINISHED"
 
 
+@pytest.mark.slow
 def test_diverging_run_prints_one_line_without_a_traceback(tmp_path):
     done = subprocess.run([FEDRUN, "optimizer.lr=1e6", "schedule.rounds=5", "partition.num_clients=5", "tracking.enabled=false",
                            f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)
