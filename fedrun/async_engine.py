@@ -36,7 +36,12 @@ from fedrun.servers import ServerOptimizer
 from fedrun.state import Stateful
 
 FAIRNESS_PIECE = 8192  # samples per piece of the end-of-run per-client accuracy pass
-DISTRIBUTIONS = {"constant": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std", "min"), "lognormal": ("mean", "sigma")}
+DISTRIBUTIONS = {
+    "constant": ("value",),
+    "uniform": ("low", "high"),
+    "normal": ("mean", "std", "min"),
+    "lognormal": ("mean", "sigma"),
+}
 
 
 class SpeedGroup:
@@ -56,9 +61,24 @@ class SpeedGroup:
         check(distribution in DISTRIBUTIONS, f"speeds.{name}.distribution", distribution, ", ".join(DISTRIBUTIONS))
         wanted = set(DISTRIBUTIONS[distribution])
         check(set(params) == wanted, f"speeds.{name}", sorted(params), f"exactly {sorted(wanted)} for {distribution}")
-        check(clients is None or (isinstance(clients, int) and clients >= 1), f"speeds.{name}.clients", clients, "null or an integer >= 1")
-        low = {"constant": params.get("value"), "uniform": params.get("low"), "normal": params.get("min"), "lognormal": 0.0}[distribution]
-        check(low is not None and low >= 0 and (distribution != "uniform" or params["high"] >= params["low"]), f"speeds.{name}", params, "non-negative compute times")
+        check(
+            clients is None or (isinstance(clients, int) and clients >= 1),
+            f"speeds.{name}.clients",
+            clients,
+            "null or an integer >= 1",
+        )
+        low = {
+            "constant": params.get("value"),
+            "uniform": params.get("low"),
+            "normal": params.get("min"),
+            "lognormal": 0.0,
+        }[distribution]
+        check(
+            low is not None and low >= 0 and (distribution != "uniform" or params["high"] >= params["low"]),
+            f"speeds.{name}",
+            params,
+            "non-negative compute times",
+        )
         self.offline = sorted((float(a), float(b)) for a, b in (offline or []))
         for a, b in self.offline:
             check(b > a >= 0, f"speeds.{name}.offline", offline, "intervals [start, end) with 0 <= start < end")
@@ -95,9 +115,19 @@ class AsyncEngine:
     def __init__(self, speeds: list, max_time: float | None = None, concurrency: int | None = None):
         check(len(speeds) >= 1, "speeds", speeds, "a non-empty list of speed groups")
         self.groups = [SpeedGroup(**dict(g)) for g in speeds]
-        check(sum(g.clients is None for g in self.groups) <= 1, "speeds", [g.name for g in self.groups], "at most one group with clients: null")
+        check(
+            sum(g.clients is None for g in self.groups) <= 1,
+            "speeds",
+            [g.name for g in self.groups],
+            "at most one group with clients: null",
+        )
         check(max_time is None or max_time > 0, "max_time", max_time, "null or a number > 0")
-        check(concurrency is None or (isinstance(concurrency, int) and concurrency >= 1), "concurrency", concurrency, "null or an integer >= 1")
+        check(
+            concurrency is None or (isinstance(concurrency, int) and concurrency >= 1),
+            "concurrency",
+            concurrency,
+            "null or an integer >= 1",
+        )
         self.max_time, self.concurrency = max_time, concurrency
 
     def check(self, aggregator, heterogeneity, pipeline=None) -> None:
@@ -105,13 +135,19 @@ class AsyncEngine:
         if not isinstance(aggregator, AsyncAggregator):
             raise ConfigError("engine", "async", f"sync for {type(aggregator).__name__}, a synchronous aggregator")
         if heterogeneity is not None and type(heterogeneity) is not EqualWork:
-            raise ConfigError("heterogeneity", type(heterogeneity).__name__, "none with engine=async (speeds model the heterogeneity)")
+            raise ConfigError(
+                "heterogeneity", type(heterogeneity).__name__, "none with engine=async (speeds model the heterogeneity)"
+            )
 
     def assign(self, num_clients: int) -> np.ndarray:
         """Each client's speed group index."""
         fixed = sum(g.clients for g in self.groups if g.clients is not None)
         if fixed > num_clients or (fixed != num_clients and all(g.clients is not None for g in self.groups)):
-            raise ConfigError("engine.speeds", [g.clients for g in self.groups], f"group sizes that add up to the {num_clients} clients")
+            raise ConfigError(
+                "engine.speeds",
+                [g.clients for g in self.groups],
+                f"group sizes that add up to the {num_clients} clients",
+            )
         sizes = [g.clients if g.clients is not None else num_clients - fixed for g in self.groups]
         return np.repeat(np.arange(len(self.groups)), sizes)
 
@@ -164,7 +200,14 @@ class AsyncEngine:
         result = RunResult(w)
         saved = checkpoint.restored() if checkpoint else None
         if saved is not None:  # the whole simulation as it was at the end of the instant of aggregation saved["round"]
-            w, version, jobs, buffer, pulled, events = saved["w"], saved["version"], saved["jobs"], saved["buffer"], saved["pulled"], saved["events"]
+            w, version, jobs, buffer, pulled, events = (
+                saved["w"],
+                saved["version"],
+                saved["jobs"],
+                saved["buffer"],
+                saved["pulled"],
+                saved["events"],
+            )
             sampler, applied = saved["sampler"], saved["applied"]
             speed_rng.load_state_dict(saved["speed_rng"])
             aggregator.load_state_dict(saved["aggregator"])
@@ -184,8 +227,12 @@ class AsyncEngine:
                 jobs[c] += 1
                 from_version, w_pulled = pulled[c]
                 lr = base_lr * schedule.lr_decay**version
-                delta = train_cohort(model, w_pulled, x, y, [clients[c]], np.array([c]), optimizer, lr, schedule.work, seed, int(jobs[c])).deltas[0]
-                delta, stage_diagnostics = pipeline(delta[None], np.array([c]), version + 1) if pipeline else (delta[None], {})
+                delta = train_cohort(
+                    model, w_pulled, x, y, [clients[c]], np.array([c]), optimizer, lr, schedule.work, seed, int(jobs[c])
+                ).deltas[0]
+                delta, stage_diagnostics = (
+                    pipeline(delta[None], np.array([c]), version + 1) if pipeline else (delta[None], {})
+                )
                 aggregator.observe(c, version - from_version)
                 buffer.append((c, delta[0], version - from_version, w_pulled, stage_diagnostics))
                 if len(buffer) < aggregator.buffer_size:
@@ -198,13 +245,33 @@ class AsyncEngine:
                 version, buffer, buffer_done = version + 1, [], buffer
                 alpha_all = np.bincount(ids, weights=alpha, minlength=len(clients))
                 applied += alpha_all
-                row = {"round": version, "virtual_time": now, "staleness_mean": staleness.mean(), "staleness_max": staleness.max(), "lr": lr,
-                       "upload_mb": len(ids) * message_mb, "download_mb": len(ids) * message_mb}
-                row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
+                row = {
+                    "round": version,
+                    "virtual_time": now,
+                    "staleness_mean": staleness.mean(),
+                    "staleness_max": staleness.max(),
+                    "lr": lr,
+                    "upload_mb": len(ids) * message_mb,
+                    "download_mb": len(ids) * message_mb,
+                }
+                row.update(
+                    dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan)
+                )
                 row.update(aggregator.diagnostics)
                 row.update({k: float(np.mean([b[4][k] for b in buffer_done])) for k in buffer_done[0][4]})
-                done = record(row, w, not torch.isfinite(w).all(), lr, schedule, lambda p: self._evaluate(model, p, x_test, y_test, label_sets),
-                              result, on_round, {"alpha": alpha_all}, bar, start)
+                done = record(
+                    row,
+                    w,
+                    not torch.isfinite(w).all(),
+                    lr,
+                    schedule,
+                    lambda p: self._evaluate(model, p, x_test, y_test, label_sets),
+                    result,
+                    on_round,
+                    {"alpha": alpha_all},
+                    bar,
+                    start,
+                )
                 start = time.perf_counter()
                 bar.update()
                 if done:
@@ -214,13 +281,36 @@ class AsyncEngine:
             for c in self._next(arrived, pulled, len(clients), sampler):
                 pulled[c] = (version, w)
                 self._start(events, c, now, speed_rng, group_of)
-            if checkpoint and result.rows and result.rows[-1]["round"] > checkpoint.saved_round:  # aggregated at this instant
-                checkpoint.after_round(version, result.rows[-1]["round_wall_s"], done, lambda: {
-                    "round": version, "engine": "async", "finished": done, "w": w, "version": version, "jobs": jobs,
-                    "buffer": buffer, "pulled": pulled, "events": events, "sampler": sampler, "speed_rng": speed_rng.state_dict(),
-                    "applied": applied, "aggregator": aggregator.state_dict(), "server": server.state_dict(), "pipeline": pipeline.state_dict(), "rows": result.rows})
+            if (
+                checkpoint and result.rows and result.rows[-1]["round"] > checkpoint.saved_round
+            ):  # aggregated at this instant
+                checkpoint.after_round(
+                    version,
+                    result.rows[-1]["round_wall_s"],
+                    done,
+                    lambda: {
+                        "round": version,
+                        "engine": "async",
+                        "finished": done,
+                        "w": w,
+                        "version": version,
+                        "jobs": jobs,
+                        "buffer": buffer,
+                        "pulled": pulled,
+                        "events": events,
+                        "sampler": sampler,
+                        "speed_rng": speed_rng.state_dict(),
+                        "applied": applied,
+                        "aggregator": aggregator.state_dict(),
+                        "server": server.state_dict(),
+                        "pipeline": pipeline.state_dict(),
+                        "rows": result.rows,
+                    },
+                )
         bar.close()
-        result.summary, result.tables = self._fairness(model, result.params, x, y, clients, client_tests, group_of, applied)
+        result.summary, result.tables = self._fairness(
+            model, result.params, x, y, clients, client_tests, group_of, applied
+        )
         return result
 
     def _first(self, num_clients: int, sampler: np.random.Generator) -> list[int]:
@@ -248,7 +338,10 @@ class AsyncEngine:
     def _label_sets(self, data, clients, group_of) -> dict[str, np.ndarray]:
         """Each speed group's training labels, when the groups' label sets differ."""
         labels = data.y_train.numpy()
-        sets = {g.name: np.unique(labels[np.concatenate([clients[c] for c in np.flatnonzero(group_of == i)])]) for i, g in enumerate(self.groups)}
+        sets = {
+            g.name: np.unique(labels[np.concatenate([clients[c] for c in np.flatnonzero(group_of == i)])])
+            for i, g in enumerate(self.groups)
+        }
         distinct = len({tuple(s) for s in sets.values()}) > 1
         return sets if distinct else {}
 
@@ -267,16 +360,32 @@ class AsyncEngine:
         held_out = client_tests or clients
         # One pass over the distinct samples (clients may share some), then each client's mean.
         samples, position = np.unique(np.concatenate(held_out), return_inverse=True)
-        correct = np.concatenate([per_sample_loss(model, w, x[index], y[index])[1].cpu().numpy()  # in pieces: no copy of all the data
-                                  for index in torch.as_tensor(samples, device=x.device).split(FAIRNESS_PIECE)])[position]
+        correct = np.concatenate(
+            [
+                per_sample_loss(model, w, x[index], y[index])[1].cpu().numpy()  # in pieces: no copy of all the data
+                for index in torch.as_tensor(samples, device=x.device).split(FAIRNESS_PIECE)
+            ]
+        )[position]
         counts = np.array([len(p) for p in held_out])
         hits = np.bincount(np.repeat(np.arange(len(held_out)), counts), weights=correct, minlength=len(held_out))
         with np.errstate(invalid="ignore"):
             accuracy = hits / counts  # NaN for a client without samples
-        table = pd.DataFrame({"client": np.arange(len(clients)), "group": [self.groups[g].name for g in group_of],
-                              "weight_share": applied / total, "accuracy": accuracy})
-        summary = {f"weight_share/{g.name}": float(applied[group_of == i].sum() / total) for i, g in enumerate(self.groups)}
-        summary.update(client_accuracy_std=float(accuracy.std()), client_accuracy_min=float(accuracy.min()), client_accuracy_max=float(accuracy.max()))
+        table = pd.DataFrame(
+            {
+                "client": np.arange(len(clients)),
+                "group": [self.groups[g].name for g in group_of],
+                "weight_share": applied / total,
+                "accuracy": accuracy,
+            }
+        )
+        summary = {
+            f"weight_share/{g.name}": float(applied[group_of == i].sum() / total) for i, g in enumerate(self.groups)
+        }
+        summary.update(
+            client_accuracy_std=float(accuracy.std()),
+            client_accuracy_min=float(accuracy.min()),
+            client_accuracy_max=float(accuracy.max()),
+        )
         return summary, {"fairness.csv": table}
 
 

@@ -51,21 +51,58 @@ class Device:
             or cores / jobs in a parallel sweep, so parallel jobs never oversubscribe the machine.
     """
 
-    def __init__(self, kind: str = "auto", memory_format: str = "auto", backend: str = "auto", workers: int | None = None,
-                 chunk: int | None = None, threads: int | None = None):
+    def __init__(
+        self,
+        kind: str = "auto",
+        memory_format: str = "auto",
+        backend: str = "auto",
+        workers: int | None = None,
+        chunk: int | None = None,
+        threads: int | None = None,
+    ):
         check(kind in ("cpu", "cuda", "auto"), "kind", kind, "cpu, cuda or auto")
         if kind == "cuda":
             check(torch.cuda.is_available(), "kind", kind, "cpu or auto: this machine has no CUDA device")
-        check(memory_format in ("auto", "channels_last", "contiguous"), "memory_format", memory_format, "auto, channels_last or contiguous")
+        check(
+            memory_format in ("auto", "channels_last", "contiguous"),
+            "memory_format",
+            memory_format,
+            "auto, channels_last or contiguous",
+        )
         check(backend in ("auto", "loop", "processes", "vmap"), "backend", backend, "auto, loop, processes or vmap")
-        check(workers is None or (isinstance(workers, int) and workers >= 1), "workers", workers, "null or an integer >= 1")
+        check(
+            workers is None or (isinstance(workers, int) and workers >= 1),
+            "workers",
+            workers,
+            "null or an integer >= 1",
+        )
         check(chunk is None or (isinstance(chunk, int) and chunk >= 1), "chunk", chunk, "null or an integer >= 1")
-        check(threads is None or (isinstance(threads, int) and threads >= 1), "threads", threads, "null or an integer >= 1")
+        check(
+            threads is None or (isinstance(threads, int) and threads >= 1),
+            "threads",
+            threads,
+            "null or an integer >= 1",
+        )
         use_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
-        check(not (use_cuda and backend == "processes"), "backend", backend, "loop or auto on CUDA (worker processes are for CPUs)")
-        check(backend != "processes" or "fork" in multiprocessing.get_all_start_methods(), "backend", backend,
-              "loop or auto on a platform without fork")
-        self.kind, self.memory_format, self.backend, self.workers, self.chunk = kind, memory_format, backend, workers, chunk
+        check(
+            not (use_cuda and backend == "processes"),
+            "backend",
+            backend,
+            "loop or auto on CUDA (worker processes are for CPUs)",
+        )
+        check(
+            backend != "processes" or "fork" in multiprocessing.get_all_start_methods(),
+            "backend",
+            backend,
+            "loop or auto on a platform without fork",
+        )
+        self.kind, self.memory_format, self.backend, self.workers, self.chunk = (
+            kind,
+            memory_format,
+            backend,
+            workers,
+            chunk,
+        )
         self.threads, self.cores = threads, None  # cores: what this job may use, once ``use_cores`` says
         self.torch = torch.device("cuda" if use_cuda else "cpu")
 
@@ -86,8 +123,12 @@ class Device:
         """Move the model and tensors to the device, in the layout (images only). Returns the tensors."""
         layout = self.layout(tensors[0])
         model.to(self.torch).to(memory_format=layout)
-        return [None if t is None else t.to(self.torch).contiguous(memory_format=layout if t.dim() == 4 else torch.contiguous_format)
-                for t in tensors]
+        return [
+            None
+            if t is None
+            else t.to(self.torch).contiguous(memory_format=layout if t.dim() == 4 else torch.contiguous_format)
+            for t in tensors
+        ]
 
     def chosen_backend(self, passes_per_round: int, vmap_ok: bool = False) -> str:
         """The backend for a round of this many sample-passes (``vmap_ok``: the solver and model allow vmap)."""
@@ -124,7 +165,20 @@ class LoopTrainer:
         self.model, self.x, self.y, self.make_optimizer = model, x, y, make_optimizer
 
     def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
-        return train_cohort(self.model, global_params, self.x, self.y, parts, client_ids, self.make_optimizer, lr, work, seed, round_, stream)
+        return train_cohort(
+            self.model,
+            global_params,
+            self.x,
+            self.y,
+            parts,
+            client_ids,
+            self.make_optimizer,
+            lr,
+            work,
+            seed,
+            round_,
+            stream,
+        )
 
     def losses(self, params, parts, batch_size) -> ClientLosses:
         """F_i(params) of each client (``cohort_losses``)."""
@@ -137,8 +191,12 @@ class LoopTrainer:
 def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -> None:
     for end in inherited:  # the parent's ends, copied by fork: closed, so a dead parent means EOF here
         end.close()
-    torch.set_num_threads(1)  # first: one thread per worker (the workers are the parallelism), and OpenMP is safe after fork
-    if private:  # its own workspace: a model pickled to a forkserver worker shares the parent's memory (fork copies on write)
+    torch.set_num_threads(
+        1
+    )  # first: one thread per worker (the workers are the parallelism), and OpenMP is safe after fork
+    if (
+        private
+    ):  # its own workspace: a model pickled to a forkserver worker shares the parent's memory (fork copies on write)
         model = copy.deepcopy(model)
     for signum in (signal.SIGINT, signal.SIGTERM):  # the parent decides when to stop (a clean stop needs its workers)
         signal.signal(signum, signal.SIG_IGN)
@@ -153,7 +211,11 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
         try:
             if kind == "train":
                 params, parts, client_ids, works, lr, seed, round_, stream = args
-                connection.send(train_cohort(model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream))
+                connection.send(
+                    train_cohort(
+                        model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream
+                    )
+                )
             else:
                 params, parts, batch_size = args
                 connection.send(cohort_losses(model, params, x, y, parts, batch_size))
@@ -179,8 +241,14 @@ class ProcessTrainer:
         self.connections, self.processes = [], []
         for _ in range(workers):
             parent, child = context.Pipe()
-            inherited = self.connections + [parent] if start_method == "fork" else []  # only fork copies the parent's ends
-            process = context.Process(target=_worker, args=(child, inherited, model, x, y, make_optimizer, start_method != "fork"), daemon=True)
+            inherited = (
+                self.connections + [parent] if start_method == "fork" else []
+            )  # only fork copies the parent's ends
+            process = context.Process(
+                target=_worker,
+                args=(child, inherited, model, x, y, make_optimizer, start_method != "fork"),
+                daemon=True,
+            )
             process.start()
             child.close()
             self.connections.append(parent)
@@ -189,7 +257,11 @@ class ProcessTrainer:
     def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
         blocks = _blocks([passes(len(p), w) for p, w in zip(parts, works)], len(self.connections))
-        results = self._scatter("train", blocks, lambda lo, hi: (global_params, parts[lo:hi], client_ids[lo:hi], works[lo:hi], lr, seed, round_, stream))
+        results = self._scatter(
+            "train",
+            blocks,
+            lambda lo, hi: (global_params, parts[lo:hi], client_ids[lo:hi], works[lo:hi], lr, seed, round_, stream),
+        )
         return CohortUpdate(
             deltas=torch.cat([r.deltas for r in results]),
             local_losses=ClientLosses.concat([r.local_losses for r in results]),
@@ -199,7 +271,11 @@ class ProcessTrainer:
 
     def losses(self, params, parts, batch_size) -> ClientLosses:
         """F_i(params) of each client, the clients split over the workers by sample count."""
-        results = self._scatter("losses", _blocks([len(p) for p in parts], len(self.connections)), lambda lo, hi: (params, parts[lo:hi], batch_size))
+        results = self._scatter(
+            "losses",
+            _blocks([len(p) for p in parts], len(self.connections)),
+            lambda lo, hi: (params, parts[lo:hi], batch_size),
+        )
         return ClientLosses.concat(results)
 
     def _scatter(self, kind: str, blocks, arguments) -> list:

@@ -39,16 +39,24 @@ def read(path: Path) -> dict:
     try:
         return decode(torch.load(path, weights_only=True))
     except pickle.UnpicklingError as exc:  # torch's message is a page; its first line says what was refused
-        reason = next((line.strip() for line in str(exc).splitlines() if "Unsupported" in line), str(exc).splitlines()[0])
-        raise ConfigError("checkpoint", str(path), f"a checkpoint of plain tensors, numbers and strings, which torch.load(weights_only=True) "
-                          f"reads; this one is not, and nothing in it was run ({reason[:160]}). One written by fedrun before "
-                          f"2026-11 that you trust: python -m fedrun.upgrade {Path(path).parent}") from None
+        reason = next(
+            (line.strip() for line in str(exc).splitlines() if "Unsupported" in line), str(exc).splitlines()[0]
+        )
+        raise ConfigError(
+            "checkpoint",
+            str(path),
+            f"a checkpoint of plain tensors, numbers and strings, which torch.load(weights_only=True) "
+            f"reads; this one is not, and nothing in it was run ({reason[:160]}). One written by fedrun before "
+            f"2026-11 that you trust: python -m fedrun.upgrade {Path(path).parent}",
+        ) from None
 
 
 def diverged(directory: Path) -> str | None:
     """Why the run in ``directory`` diverged, or None when it did not."""
     path = Path(directory) / DIVERGED
     return path.read_text().strip() if path.is_file() else None
+
+
 SLOW_ROUND_S = 10.0  # the default: a checkpoint every round when rounds take longer than this, else every 10
 
 
@@ -71,7 +79,12 @@ class Checkpoint:
     """
 
     def __init__(self, directory: Path, every: int | None = None, resume: bool = False):
-        check(every is None or (isinstance(every, int) and every >= 1), "checkpoint.every", every, "null or an integer >= 1")
+        check(
+            every is None or (isinstance(every, int) and every >= 1),
+            "checkpoint.every",
+            every,
+            "null or an integer >= 1",
+        )
         self.path, self.every, self.resume = Path(directory) / FILE, every, resume
         self.stop_requested: str | None = None  # the name of the signal that asked for a stop
         self.saved_round = 0
@@ -137,7 +150,10 @@ class StopSignals:
             time.sleep(1)
             return
         self.checkpoint.stop_requested = name
-        print(f"\nfedrun: {name} received: stopping after this round with a checkpoint (send it again to stop at once)", flush=True)
+        print(
+            f"\nfedrun: {name} received: stopping after this round with a checkpoint (send it again to stop at once)",
+            flush=True,
+        )
 
     def __enter__(self) -> "StopSignals":
         try:

@@ -31,8 +31,16 @@ from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
 from fedrun.seeding import numpy_rng, torch_seed
-from fedrun.tracking import CONFIG_GROUPS, Tracker, close_sweep_run, flatten, open_sweep_run, preflight, resolve_uri, sweep_parent
-
+from fedrun.tracking import (
+    CONFIG_GROUPS,
+    Tracker,
+    close_sweep_run,
+    flatten,
+    open_sweep_run,
+    preflight,
+    resolve_uri,
+    sweep_parent,
+)
 
 # ``${fedrun.either:a,b}``: a unless it is null or empty, else b (the run dir of ``resume=<dir>`` is that dir).
 OmegaConf.register_new_resolver("fedrun.either", lambda value, default: value if value else default, replace=True)
@@ -55,20 +63,36 @@ def _explain(group: str, node: DictConfig, cause: BaseException) -> ConfigError:
     target = node.get("_target_")
     constructor = None
     try:
-        constructor = getattr(hydra.utils.get_object(target), "__init__")
+        constructor = hydra.utils.get_object(target).__init__
         hints = typing.get_type_hints(constructor)
     except Exception:  # a target without usable annotations: fall back to the constructor's own message
         hints = {}
     arguments = {k: v for k, v in OmegaConf.to_container(node).items() if not k.startswith("_")}
     unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
     if unknown and unknown.group(1) in arguments:
-        known = [name for name in inspect.signature(constructor).parameters if name not in ("self", "params", "args", "kwargs")] if constructor else []
-        return ConfigError(f"{group}.{unknown.group(1)}", arguments[unknown.group(1)], f"a key of {group} ({', '.join(known)})" if known else f"a key of {target}")
+        known = (
+            [
+                name
+                for name in inspect.signature(constructor).parameters
+                if name not in ("self", "params", "args", "kwargs")
+            ]
+            if constructor
+            else []
+        )
+        return ConfigError(
+            f"{group}.{unknown.group(1)}",
+            arguments[unknown.group(1)],
+            f"a key of {group} ({', '.join(known)})" if known else f"a key of {target}",
+        )
     for key, value in arguments.items():
         types = typing.get_args(hints.get(key)) or (hints.get(key),)
         if (int in types or float in types) and isinstance(value, (str, bool)):
             return ConfigError(f"{group}.{key}", value, "a number" if float in types else "an integer")
-    quoted = [key for key, value in arguments.items() if isinstance(value, (int, float)) and re.search(rf"(?<![\w.-]){re.escape(str(value))}(?![\w.])", str(cause))]
+    quoted = [
+        key
+        for key, value in arguments.items()
+        if isinstance(value, (int, float)) and re.search(rf"(?<![\w.-]){re.escape(str(value))}(?![\w.])", str(cause))
+    ]
     if len(quoted) == 1:
         return ConfigError(f"{group}.{quoted[0]}", arguments[quoted[0]], f"a value {target} accepts ({cause})")
     return ConfigError(group, arguments, f"valid arguments for {target} ({cause})")
@@ -86,9 +110,16 @@ def setup(cfg: DictConfig) -> dict:
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
     objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"])
     schedule = objects["schedule"]
-    if schedule.stop_at_accuracy is not None and "client_accuracy" in STOP_ON[schedule.stop_on] and not objects["dataset"].client_test_fraction:
-        raise ConfigError("schedule.stop_on", schedule.stop_on,
-                          "test while dataset.client_test_fraction is 0 (client_accuracy needs each client's held-out samples)")
+    if (
+        schedule.stop_at_accuracy is not None
+        and "client_accuracy" in STOP_ON[schedule.stop_on]
+        and not objects["dataset"].client_test_fraction
+    ):
+        raise ConfigError(
+            "schedule.stop_on",
+            schedule.stop_on,
+            "test while dataset.client_test_fraction is 0 (client_accuracy needs each client's held-out samples)",
+        )
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])
@@ -106,7 +137,9 @@ def setup(cfg: DictConfig) -> dict:
     client_tests = None
     if objects["dataset"].client_test_fraction > 0:
         try:
-            clients, client_tests = hold_out(clients, objects["dataset"].client_test_fraction, numpy_rng(seed, "client_test"))
+            clients, client_tests = hold_out(
+                clients, objects["dataset"].client_test_fraction, numpy_rng(seed, "client_test")
+            )
         except ConfigError as exc:
             raise exc.within("dataset") from None
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
@@ -118,15 +151,25 @@ def check_run_keys(cfg: DictConfig) -> None:
     """The root-level keys that no constructor checks."""
     targets = cfg.metrics.r_targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, (int, float)) and 0 < t <= 1 for t in targets):
-        raise ConfigError("metrics.r_targets", OmegaConf.to_container(targets) if OmegaConf.is_config(targets) else targets, "a list of accuracies in (0, 1]")
+        raise ConfigError(
+            "metrics.r_targets",
+            OmegaConf.to_container(targets) if OmegaConf.is_config(targets) else targets,
+            "a list of accuracies in (0, 1]",
+        )
     tracking = cfg.tracking
     if not isinstance(tracking.enabled, bool):
         raise ConfigError("tracking.enabled", tracking.enabled, "true or false")
     if not isinstance(tracking.uri, str) or not tracking.uri:
-        raise ConfigError("tracking.uri", tracking.uri, "an MLflow tracking URI (sqlite:///path.db, http://host:port, ...)")
+        raise ConfigError(
+            "tracking.uri", tracking.uri, "an MLflow tracking URI (sqlite:///path.db, http://host:port, ...)"
+        )
     if not isinstance(tracking.experiment, str) or not tracking.experiment:
         raise ConfigError("tracking.experiment", tracking.experiment, "a non-empty experiment name")
-    if not isinstance(tracking.max_alpha_series, int) or isinstance(tracking.max_alpha_series, bool) or tracking.max_alpha_series < 0:
+    if (
+        not isinstance(tracking.max_alpha_series, int)
+        or isinstance(tracking.max_alpha_series, bool)
+        or tracking.max_alpha_series < 0
+    ):
         raise ConfigError("tracking.max_alpha_series", tracking.max_alpha_series, "an integer >= 0")
 
 
@@ -151,15 +194,23 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
     if (reason := diverged(directory)) is not None:
         raise ConfigError("resume", cfg.resume, f"a run that did not diverge (this one did, and would again: {reason})")
     if not (directory / "config.yaml").is_file():
-        raise ConfigError("resume", cfg.resume, f"the output dir of a fedrun run ({directory / 'config.yaml'} not found)")
+        raise ConfigError(
+            "resume", cfg.resume, f"the output dir of a fedrun run ({directory / 'config.yaml'} not found)"
+        )
     others = [o for o in hydra_cfg.overrides.task if not o.startswith("resume=")]
     if others:
-        raise ConfigError("resume", cfg.resume, f"no other overrides (the run continues with {directory / 'config.yaml'}); got {' '.join(others)}")
+        raise ConfigError(
+            "resume",
+            cfg.resume,
+            f"no other overrides (the run continues with {directory / 'config.yaml'}); got {' '.join(others)}",
+        )
     saved = OmegaConf.load(directory / "config.yaml")
     saved.resume = str(directory)
     checkpoint = Checkpoint(directory, saved.checkpoint.every, resume=(directory / FILE).is_file())
     if checkpoint.resume and checkpoint.restored()["finished"]:
-        raise ConfigError("resume", cfg.resume, f"a run that did not finish (this one finished at round {checkpoint.saved_round})")
+        raise ConfigError(
+            "resume", cfg.resume, f"a run that did not finish (this one finished at round {checkpoint.saved_round})"
+        )
     return saved, checkpoint
 
 
@@ -171,7 +222,9 @@ def fail(hydra_cfg, line: str, code: int) -> typing.NoReturn:
     """Print the one-line reason; exit with ``code``, or in a sweep fail only this job (Hydra runs the rest and
     reports the failed jobs' overrides at the end)."""
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        line = line.replace("fedrun: error: ", f"fedrun: error: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}): ", 1)
+        line = line.replace(
+            "fedrun: error: ", f"fedrun: error: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}): ", 1
+        )
         print(line, file=sys.stderr)
         raise JobFailed(line)
     print(line, file=sys.stderr)
@@ -195,13 +248,18 @@ def description(cfg: DictConfig, choices: dict, overrides: str, output_dir: Path
     """The run's description in the MLflow UI (markdown): each config group's choice and its values, the
     overrides, the seed and the output dir."""
     scale = f" ({SCALE_NAMES[cfg.dataset.scale]})" if "scale" in cfg.dataset else ""
-    lines = [f"**{choices.get('aggregator', '')}** on **{choices.get('dataset', '')}**{scale}, partition **{choices.get('partition', '')}**, "
-             f"seed {cfg.seed}", ""]
+    lines = [
+        f"**{choices.get('aggregator', '')}** on **{choices.get('dataset', '')}**{scale}, partition **{choices.get('partition', '')}**, "
+        f"seed {cfg.seed}",
+        "",
+    ]
     for group in CONFIG_GROUPS:
         node = cfg.get(group)
         if not isinstance(node, DictConfig):
             continue
-        values = ", ".join(f"{k}={v}" for k, v in flatten(OmegaConf.to_container(node, resolve=True)).items() if not k.startswith("_"))
+        values = ", ".join(
+            f"{k}={v}" for k, v in flatten(OmegaConf.to_container(node, resolve=True)).items() if not k.startswith("_")
+        )
         lines.append(f"- {group}: `{choices.get(group, '')}` {values}")
     lines += ["", f"Overrides: `{overrides}`", "", f"Output: `{output_dir}`"]
     return "\n".join(lines)
@@ -234,9 +292,16 @@ class SweepRun(Callback):
         preflight(uri)
         overrides = [o for o in config.hydra.overrides.task if not o.startswith(("tracking.", "hydra.", "resume="))]
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
-        tags = {"fedrun.role": "sweep", "sweep_dir": str(sweep_dir), "overrides": " ".join(config.hydra.overrides.task) or "(defaults)", "git_commit": git_commit(),
-                "mlflow.note.content": f"Sweep of {' '.join(overrides) or 'the defaults'}; its jobs are this run's children. Output: `{sweep_dir}`"}
-        run_id = open_sweep_run(uri, config.tracking.experiment, sweep_dir, ("sweep " + " ".join(overrides))[:250], tags)
+        tags = {
+            "fedrun.role": "sweep",
+            "sweep_dir": str(sweep_dir),
+            "overrides": " ".join(config.hydra.overrides.task) or "(defaults)",
+            "git_commit": git_commit(),
+            "mlflow.note.content": f"Sweep of {' '.join(overrides) or 'the defaults'}; its jobs are this run's children. Output: `{sweep_dir}`",
+        }
+        run_id = open_sweep_run(
+            uri, config.tracking.experiment, sweep_dir, ("sweep " + " ".join(overrides))[:250], tags
+        )
         atexit.register(close_sweep_run, uri, run_id)
 
 
@@ -253,7 +318,11 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
     if mine != OmegaConf.to_container(saved, resolve=True):
         before = flatten(OmegaConf.to_container(saved))
         changed = sorted(k for k, v in flatten(mine).items() if before.get(k) != v)
-        raise ConfigError("resume", cfg.resume, f"the same sweep (job dir {job_dir} was started with other values of {', '.join(changed)})")
+        raise ConfigError(
+            "resume",
+            cfg.resume,
+            f"the same sweep (job dir {job_dir} was started with other values of {', '.join(changed)})",
+        )
     if reason is not None:
         return reason
     state = Checkpoint(job_dir, resume=True).restored()
@@ -266,14 +335,23 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        requeued = bool(os.environ.get("SUBMITIT_EXECUTOR")) and (output_dir / FILE).is_file()  # submitit restarted this job
+        requeued = (
+            bool(os.environ.get("SUBMITIT_EXECUTOR")) and (output_dir / FILE).is_file()
+        )  # submitit restarted this job
         resuming = bool(cfg.resume) or requeued
         if resuming and hydra_cfg.mode == RunMode.MULTIRUN:  # this job of an earlier sweep, in its own dir
             done = sweep_job(cfg, output_dir)
             if isinstance(done, str):  # a failed job stays failed: its FAILED run has the metrics of the rounds before
-                fail(hydra_cfg, f"fedrun: error: had diverged: {done}; skipped, its FAILED run is kept (delete {output_dir} to run it again)", 1)
+                fail(
+                    hydra_cfg,
+                    f"fedrun: error: had diverged: {done}; skipped, its FAILED run is kept (delete {output_dir} to run it again)",
+                    1,
+                )
             if done is not None:
-                print(f"fedrun: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}) had finished: skipped", file=sys.stderr)
+                print(
+                    f"fedrun: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}) had finished: skipped",
+                    file=sys.stderr,
+                )
                 return done
             checkpoint = Checkpoint(output_dir, cfg.checkpoint.every, resume=(output_dir / FILE).is_file())
             cfg.resume = None  # what the job's config.yaml says: it is the sweep's job, not a resume of something else
@@ -292,7 +370,9 @@ def main(cfg: DictConfig) -> float | None:
     except (ConfigError, FileNotFoundError) as exc:
         fail(hydra_cfg, f"fedrun: error: {exc}", 2)
 
-    choices = {group: hydra_cfg.runtime.choices[group] for group in CONFIG_GROUPS if hydra_cfg.runtime.choices.get(group)}
+    choices = {
+        group: hydra_cfg.runtime.choices[group] for group in CONFIG_GROUPS if hydra_cfg.runtime.choices.get(group)
+    }
     tags = {
         **choices,
         "seed": str(cfg.seed),
@@ -300,7 +380,9 @@ def main(cfg: DictConfig) -> float | None:
         "git_commit": git_commit(),
         "torch_version": torch.__version__,
         "num_clients": str(len(parts["clients"])),
-        "torch_threads": str(parts["device"].use_cores(job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores())),
+        "torch_threads": str(
+            parts["device"].use_cores(job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores())
+        ),
     }
     if "scale" in cfg.dataset:  # the input scale changes what a learning rate and a temperature mean: say it on the run
         tags["input_scale"] = str(cfg.dataset.scale)
@@ -313,7 +395,10 @@ def main(cfg: DictConfig) -> float | None:
         max_alpha_series=cfg.tracking.max_alpha_series,
         r_targets=tuple(cfg.metrics.r_targets),
     )
-    title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset", "method")) + f" seed={cfg.seed}"
+    title = (
+        " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset", "method"))
+        + f" seed={cfg.seed}"
+    )
     if checkpoint.resume:  # the same files and MLflow run, from the round after the checkpoint
         saved = checkpoint.restored()
         tracker.rewind(checkpoint.saved_round)
@@ -325,21 +410,36 @@ def main(cfg: DictConfig) -> float | None:
             tracker.rewind(0)
             reopened = json.loads((output_dir / RUN_FILE).read_text())
             title = reopened.get("title", title)
-            print(f"fedrun: restarting {output_dir} from round 1 (it was stopped before its first checkpoint)", file=sys.stderr)
-        tracker.log_partition(parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"])
+            print(
+                f"fedrun: restarting {output_dir} from round 1 (it was stopped before its first checkpoint)",
+                file=sys.stderr,
+            )
+        tracker.log_partition(
+            parts["clients"], parts["data"].y_train.numpy(), parts["data"].num_classes, parts["client_tests"]
+        )
         OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
         tags["overrides"] = hydra_cfg.job.override_dirname or "(defaults)"
         tags["mlflow.note.content"] = description(cfg, choices, tags["overrides"], output_dir)
-        parent = sweep_parent(output_dir.parent) if hydra_cfg.mode == RunMode.MULTIRUN else None  # a job's dir is <sweep dir>/<num>
+        parent = (
+            sweep_parent(output_dir.parent) if hydra_cfg.mode == RunMode.MULTIRUN else None
+        )  # a job's dir is <sweep dir>/<num>
         if parent and cfg.tracking.enabled:
             tags["mlflow.parentRunId"] = parent
-        tracker.start(flatten(OmegaConf.to_container(cfg, resolve=True)), tags, run_name(choices, hydra_cfg.overrides.task, cfg.seed),
-                      run_id=reopened.get("mlflow_run_id") if restart else None)
+        tracker.start(
+            flatten(OmegaConf.to_container(cfg, resolve=True)),
+            tags,
+            run_name(choices, hydra_cfg.overrides.task, cfg.seed),
+            run_id=reopened.get("mlflow_run_id") if restart else None,
+        )
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
-    (output_dir / RUN_FILE).write_text(json.dumps(checkpoint.extra) + "\n")  # what a restart before the first checkpoint reopens
+    (output_dir / RUN_FILE).write_text(
+        json.dumps(checkpoint.extra) + "\n"
+    )  # what a restart before the first checkpoint reopens
 
     status, reason, model, final, stopped, divergence = "FAILED", None, parts["model"], None, None, None
-    submitit_handler = signal.getsignal(signal.SIGUSR2) if os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2") else None
+    submitit_handler = (
+        signal.getsignal(signal.SIGUSR2) if os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2") else None
+    )
     try:
         with StopSignals(checkpoint):
             result = parts["engine"](
@@ -373,15 +473,29 @@ def main(cfg: DictConfig) -> float | None:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
         tracker.finish(status, model=final, reason=reason, title=title, tags=parts["aggregator"].tags)
         if tracker.lost:
-            print(f"fedrun: MLflow missed part of this run ({tracker.lost}); {output_dir} has all of it. Import it with:\n"
-                  f"  fedrun-import {output_dir}", file=sys.stderr)
+            print(
+                f"fedrun: MLflow missed part of this run ({tracker.lost}); {output_dir} has all of it. Import it with:\n"
+                f"  fedrun-import {output_dir}",
+                file=sys.stderr,
+            )
     if divergence is not None:
         (output_dir / DIVERGED).write_text(f"{divergence}\n")
-        fail(hydra_cfg, f"fedrun: error: training diverged: {divergence}; the run is marked FAILED and keeps the metrics of "
-             f"the rounds before ({output_dir})", 1)
-    print(f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
-          f"  fedrun resume={output_dir}", file=sys.stderr)
+        fail(
+            hydra_cfg,
+            f"fedrun: error: training diverged: {divergence}; the run is marked FAILED and keeps the metrics of "
+            f"the rounds before ({output_dir})",
+            1,
+        )
+    print(
+        f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
+        f"  fedrun resume={output_dir}",
+        file=sys.stderr,
+    )
     if stopped.signal_name == "SIGUSR2" and callable(submitit_handler):  # the time limit is near: submitit requeues the
-        print("fedrun: handing the job to submitit to requeue; it resumes from this checkpoint", file=sys.stderr, flush=True)
+        print(
+            "fedrun: handing the job to submitit to requeue; it resumes from this checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         submitit_handler(signal.SIGUSR2, None)  # job, which then resumes here from the checkpoint (``requeued``)
     sys.exit(128 + signal.Signals[stopped.signal_name].value)

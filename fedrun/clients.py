@@ -28,7 +28,9 @@ def eval_chunk(model: nn.Module, device: torch.device) -> int:
     return getattr(model, "eval_batch", None) or EVAL_BATCH.get(device.type, EVAL_BATCH["cuda"])
 
 
-def per_sample_loss(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def per_sample_loss(
+    model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy and correctness of every sample under the flat parameters ``params``."""
     load_flat(model, params)
     with torch.inference_mode():  # no autograd bookkeeping at all: cheaper than no_grad
@@ -72,7 +74,9 @@ def cohort_losses(
     if hasattr(model, "eval_batch"):
         load_flat(model, params)  # once for all clients
         with torch.inference_mode():
-            loss = torch.cat([_per_sample_loss(model, x[i], y[i])[0] for i in (torch.as_tensor(p, device=x.device) for p in parts)])
+            loss = torch.cat(
+                [_per_sample_loss(model, x[i], y[i])[0] for i in (torch.as_tensor(p, device=x.device) for p in parts)]
+            )
     else:
         index = torch.as_tensor(np.concatenate(parts), device=x.device)
         loss, _ = per_sample_loss(model, params, x[index], y[index])
@@ -84,7 +88,12 @@ def cohort_losses(
 
 
 def client_accuracy(
-    model: nn.Module, global_params: torch.Tensor, deltas: torch.Tensor, x: torch.Tensor, y: torch.Tensor, tests: list[np.ndarray]
+    model: nn.Module,
+    global_params: torch.Tensor,
+    deltas: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    tests: list[np.ndarray],
 ) -> np.ndarray:
     """Each local model's (w + Delta_i) accuracy on its client's own held-out samples."""
     accuracy = []
@@ -108,7 +117,9 @@ def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator:
         done += 1
 
 
-def _loss_closure(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, chosen: torch.Tensor):
+def _loss_closure(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, chosen: torch.Tensor
+):
     """The closure solvers step with: the mean loss over the ``chosen`` samples, gradients freshly computed."""
 
     def closure():
@@ -127,7 +138,13 @@ def plain_sgd_step(optimizer: torch.optim.Optimizer):
     if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
         return None
     group = optimizer.param_groups[0]
-    if group["momentum"] or group["weight_decay"] or group["maximize"] or group.get("differentiable") or not isinstance(group["lr"], float):
+    if (
+        group["momentum"]
+        or group["weight_decay"]
+        or group["maximize"]
+        or group.get("differentiable")
+        or not isinstance(group["lr"], float)
+    ):
         return None
     params, lr = group["params"], group["lr"]
 
@@ -246,7 +263,20 @@ class FStarEstimate:
         work = LocalWork(self.batch_size, local_epochs=1)
         for epoch in range(1, epochs + 1):
             lr = self.make_optimizer.keywords["lr"]
-            update = train_cohort(self.model, w, self.x, self.y, [part], np.array([client]), self.make_optimizer, lr, work, self.seed, epoch, "fstar")
+            update = train_cohort(
+                self.model,
+                w,
+                self.x,
+                self.y,
+                [part],
+                np.array([client]),
+                self.make_optimizer,
+                lr,
+                work,
+                self.seed,
+                epoch,
+                "fstar",
+            )
             w = w + update.deltas[0]
             losses = cohort_losses(self.model, w, self.x, self.y, [part], self.batch_size)
             best_mean, best_authors = min(best_mean, losses.mean[0]), min(best_authors, losses.authors[0])

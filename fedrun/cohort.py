@@ -89,13 +89,32 @@ class RoundView:
         **signals: Further signals by name.
     """
 
-    def __init__(self, clients: np.ndarray, sizes: np.ndarray, losses=None, round: int = 1, local_losses=None,
-                 accuracy: float = math.nan, accuracy_source: str = "test_accuracy", fstar=None, steps=None,
-                 coefficient_norms=None, previous_deltas=None, **signals):
+    def __init__(
+        self,
+        clients: np.ndarray,
+        sizes: np.ndarray,
+        losses=None,
+        round: int = 1,
+        local_losses=None,
+        accuracy: float = math.nan,
+        accuracy_source: str = "test_accuracy",
+        fstar=None,
+        steps=None,
+        coefficient_norms=None,
+        previous_deltas=None,
+        **signals,
+    ):
         self.clients, self.sizes, self.round = clients, sizes, round
         self.accuracy, self.accuracy_source = accuracy, accuracy_source
-        self._signals = dict(losses=losses, local_losses=local_losses, fstar=fstar, steps=steps,
-                             coefficient_norms=coefficient_norms, previous_deltas=previous_deltas, **signals)
+        self._signals = dict(
+            losses=losses,
+            local_losses=local_losses,
+            fstar=fstar,
+            steps=steps,
+            coefficient_norms=coefficient_norms,
+            previous_deltas=previous_deltas,
+            **signals,
+        )
         self.wall_s: dict[str, float] = {}  # seconds each lazy signal took, once read
 
     def __getattr__(self, name: str):

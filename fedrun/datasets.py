@@ -95,7 +95,12 @@ SCALE_NAMES = {"standard": "standardised", "unit": "pixels / max, in [0, 1]", "r
 
 
 def _check_scale(scale: str) -> str:
-    check(scale in SCALES, "scale", scale, "standard (per-channel standardisation), unit (pixels / max, in [0, 1]) or raw (the stored values)")
+    check(
+        scale in SCALES,
+        "scale",
+        scale,
+        "standard (per-channel standardisation), unit (pixels / max, in [0, 1]) or raw (the stored values)",
+    )
     return scale
 
 
@@ -119,8 +124,14 @@ class Digits(Dataset):
         val_fraction, client_test_fraction: See ``Dataset``.
     """
 
-    def __init__(self, test_fraction: float = 0.2, split_seed: int = 0, scale: str = "standard", val_fraction: float = 0.0,
-                 client_test_fraction: float = 0.0):
+    def __init__(
+        self,
+        test_fraction: float = 0.2,
+        split_seed: int = 0,
+        scale: str = "standard",
+        val_fraction: float = 0.0,
+        client_test_fraction: float = 0.0,
+    ):
         super().__init__(val_fraction, client_test_fraction)
         check(0.0 < test_fraction < 1.0, "test_fraction", test_fraction, "a fraction in (0, 1)")
         self.test_fraction, self.split_seed, self.scale = test_fraction, split_seed, _check_scale(scale)
@@ -169,8 +180,14 @@ class TorchvisionImages(Dataset):
     std: tuple[float, ...]
     num_classes = 10
 
-    def __init__(self, root: str | None = None, download: bool = True, scale: str = "standard", val_fraction: float = 0.0,
-                 client_test_fraction: float = 0.0):
+    def __init__(
+        self,
+        root: str | None = None,
+        download: bool = True,
+        scale: str = "standard",
+        val_fraction: float = 0.0,
+        client_test_fraction: float = 0.0,
+    ):
         super().__init__(val_fraction, client_test_fraction)
         self.root = Path(root).expanduser() if root else default_root()
         self.download, self.scale = download, _check_scale(scale)
@@ -333,4 +350,3 @@ class Synthetic(Dataset):
         as_x = lambda parts: torch.tensor(np.concatenate(parts), dtype=torch.float32)  # noqa: E731
         as_y = lambda parts: torch.tensor(np.concatenate(parts), dtype=torch.int64)  # noqa: E731
         return as_x(train_x), as_y(train_y), as_x(test_x), as_y(test_y), natural
-

@@ -23,8 +23,11 @@ from fedrun.pipeline import Pipeline
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
 
-
-STOP_ON = {"test": ("test_accuracy",), "client": ("client_accuracy",), "both": ("test_accuracy", "client_accuracy")}  # the row columns
+STOP_ON = {
+    "test": ("test_accuracy",),
+    "client": ("client_accuracy",),
+    "both": ("test_accuracy", "client_accuracy"),
+}  # the row columns
 
 
 @dataclass
@@ -56,14 +59,38 @@ class Schedule:
 
     def __post_init__(self):
         check(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
-        check(isinstance(self.local_epochs, int) and self.local_epochs >= 1, "local_epochs", self.local_epochs, "an integer >= 1")
-        check(self.local_steps is None or (isinstance(self.local_steps, int) and self.local_steps >= 1), "local_steps", self.local_steps, "null or an integer >= 1")
-        check(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
+        check(
+            isinstance(self.local_epochs, int) and self.local_epochs >= 1,
+            "local_epochs",
+            self.local_epochs,
+            "an integer >= 1",
+        )
+        check(
+            self.local_steps is None or (isinstance(self.local_steps, int) and self.local_steps >= 1),
+            "local_steps",
+            self.local_steps,
+            "null or an integer >= 1",
+        )
+        check(
+            isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1"
+        )
         check(0 < self.clients_per_round <= 1, "clients_per_round", self.clients_per_round, "a fraction in (0, 1]")
         check(0 < self.lr_decay <= 1, "lr_decay", self.lr_decay, "a factor in (0, 1]")
-        check(isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
-        check(self.stop_at_accuracy is None or 0 < self.stop_at_accuracy <= 1, "stop_at_accuracy", self.stop_at_accuracy, "null or a fraction in (0, 1]")
-        check(self.stop_on in STOP_ON, "stop_on", self.stop_on, "test, client (client_accuracy, with dataset.client_test_fraction > 0) or both")
+        check(
+            isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1"
+        )
+        check(
+            self.stop_at_accuracy is None or 0 < self.stop_at_accuracy <= 1,
+            "stop_at_accuracy",
+            self.stop_at_accuracy,
+            "null or a fraction in (0, 1]",
+        )
+        check(
+            self.stop_on in STOP_ON,
+            "stop_on",
+            self.stop_on,
+            "test, client (client_accuracy, with dataset.client_test_fraction > 0) or both",
+        )
 
     @property
     def work(self) -> LocalWork:
@@ -75,7 +102,9 @@ class Schedule:
 
     def reached(self, row: dict) -> bool:
         """Whether the round's accuracies that ``stop_on`` names (NaN when not evaluated) meet ``stop_at_accuracy``."""
-        return self.stop_at_accuracy is not None and all(row.get(name, math.nan) >= self.stop_at_accuracy for name in STOP_ON[self.stop_on])
+        return self.stop_at_accuracy is not None and all(
+            row.get(name, math.nan) >= self.stop_at_accuracy for name in STOP_ON[self.stop_on]
+        )
 
     def cohort_size(self, num_clients: int) -> int:
         return max(1, int(round(self.clients_per_round * num_clients)))
@@ -140,7 +169,13 @@ def run(
     device = as_device(device)
     has_val = data.x_val is not None and len(data.y_val) > 0
     x, y, x_test, y_test, x_val, y_val = device.prepare(
-        model, data.x_train, data.y_train, data.x_test, data.y_test, *((data.x_val, data.y_val) if has_val else (None, None)))
+        model,
+        data.x_train,
+        data.y_train,
+        data.x_test,
+        data.y_test,
+        *((data.x_val, data.y_val) if has_val else (None, None)),
+    )
     model.eval()
     server = server or ServerOptimizer()
     heterogeneity = heterogeneity or EqualWork()
@@ -160,7 +195,12 @@ def run(
     saved = checkpoint.restored() if checkpoint else None
     if saved is not None:  # everything the loop carries between rounds, as it was after round saved["round"]
         first = saved["round"] + 1
-        params, previous, latest_accuracy, sampler = saved["params"], saved["previous"], saved["latest_accuracy"], saved["sampler"]
+        params, previous, latest_accuracy, sampler = (
+            saved["params"],
+            saved["previous"],
+            saved["latest_accuracy"],
+            saved["sampler"],
+        )
         aggregator.load_state_dict(saved["aggregator"])
         server.load_state_dict(saved["server"])
         pipeline.load_state_dict(saved["pipeline"])
@@ -175,7 +215,14 @@ def run(
         return columns
 
     try:
-        bar = tqdm(range(first, schedule.rounds + 1), desc="rounds", unit="round", dynamic_ncols=True, initial=first - 1, total=schedule.rounds)
+        bar = tqdm(
+            range(first, schedule.rounds + 1),
+            desc="rounds",
+            unit="round",
+            dynamic_ncols=True,
+            initial=first - 1,
+            total=schedule.rounds,
+        )
         for t in bar:
             start = time.perf_counter()
             cohort = np.sort(sampler.choice(len(clients), size=m, replace=False))
@@ -193,17 +240,31 @@ def run(
             pipeline_s = time.perf_counter() - clock
             # What the aggregator may read; the lazy signals cost nothing unless read. Bound to this round.
             report = RoundView(
-                cohort, sizes[cohort], round=t, accuracy=latest_accuracy, accuracy_source=accuracy_source, fstar=fstar,
-                local_losses=trained.local_losses, steps=trained.steps, coefficient_norms=trained.coefficient_norms,
+                cohort,
+                sizes[cohort],
+                round=t,
+                accuracy=latest_accuracy,
+                accuracy_source=accuracy_source,
+                fstar=fstar,
+                local_losses=trained.local_losses,
+                steps=trained.steps,
+                coefficient_norms=trained.coefficient_norms,
                 # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t.
                 losses=Lazy(lambda w=params, parts=parts: trainer.losses(w, parts, schedule.batch_size)),
                 # From the previous global model on the same mini-batches (same round and client keys); MVR.
-                previous_deltas=Lazy(lambda w=previous, parts=parts, cohort=cohort, works=works, lr=lr:
-                                     None if w is None else trainer(w, parts, cohort, lr, works, seed, t).deltas),
+                previous_deltas=Lazy(
+                    lambda w=previous, parts=parts, cohort=cohort, works=works, lr=lr: (
+                        None if w is None else trainer(w, parts, cohort, lr, works, seed, t).deltas
+                    )
+                ),
             )
             previous = params
             # The papers' client accuracy: each local model on its own held-out split, before aggregation.
-            local_accuracy = client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort]) if client_tests else None
+            local_accuracy = (
+                client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort])
+                if client_tests
+                else None
+            )
             clock = time.perf_counter()
             update, alpha = aggregator.aggregate(params, sent, report)
             params = server.step(params, update)
@@ -221,10 +282,19 @@ def run(
                 train_loss = float(np.average(report.losses.mean, weights=sizes[cohort]))
             timings["loss_wall_s"] = report.wall_s.get("losses", 0.0)
             timings["train_wall_s"] = train_s + report.wall_s.get("previous_deltas", 0.0)
-            row = {"round": t, "train_loss": train_loss, "lr": lr,
-                   "upload_mb": models * len(cohort) * message_mb, "download_mb": models * len(cohort) * message_mb,
-                   "local_steps_mean": float(trained.steps.mean())}
-            row.update(dict.fromkeys(["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan))
+            row = {
+                "round": t,
+                "train_loss": train_loss,
+                "lr": lr,
+                "upload_mb": models * len(cohort) * message_mb,
+                "download_mb": models * len(cohort) * message_mb,
+                "local_steps_mean": float(trained.steps.mean()),
+            }
+            row.update(
+                dict.fromkeys(
+                    ["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan
+                )
+            )
             if local_accuracy is not None:
                 row["client_accuracy"] = float(local_accuracy.mean())
             row.update(aggregator.diagnostics)
@@ -232,14 +302,41 @@ def run(
             row.update(timings)
             alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)
             alpha_all[cohort], steps_all[cohort] = alpha, trained.steps
-            last = record(row, params, diverged, lr, schedule, measure, result, on_round, {"alpha": alpha_all, "local_steps": steps_all}, bar, start)
+            last = record(
+                row,
+                params,
+                diverged,
+                lr,
+                schedule,
+                measure,
+                result,
+                on_round,
+                {"alpha": alpha_all, "local_steps": steps_all},
+                bar,
+                start,
+            )
             if schedule.evaluates(t):
                 latest_accuracy = row[accuracy_source]
             if checkpoint:
-                checkpoint.after_round(t, row["round_wall_s"], last, lambda: {
-                    "round": t, "engine": "sync", "finished": last, "params": params, "previous": previous,
-                    "latest_accuracy": latest_accuracy, "sampler": sampler, "aggregator": aggregator.state_dict(),
-                    "server": server.state_dict(), "pipeline": pipeline.state_dict(), "fstar": fstar.cache, "rows": result.rows})
+                checkpoint.after_round(
+                    t,
+                    row["round_wall_s"],
+                    last,
+                    lambda: {
+                        "round": t,
+                        "engine": "sync",
+                        "finished": last,
+                        "params": params,
+                        "previous": previous,
+                        "latest_accuracy": latest_accuracy,
+                        "sampler": sampler,
+                        "aggregator": aggregator.state_dict(),
+                        "server": server.state_dict(),
+                        "pipeline": pipeline.state_dict(),
+                        "fstar": fstar.cache,
+                        "rows": result.rows,
+                    },
+                )
             if last:
                 break
         bar.close()
@@ -248,8 +345,19 @@ def run(
     return result
 
 
-def record(row: dict, params: torch.Tensor, diverged: bool, lr: float, schedule: Schedule, measure: Callable[[torch.Tensor], dict],
-           result: RunResult, on_round: Callable[[dict, dict], None], per_client: dict, bar, started: float) -> bool:
+def record(
+    row: dict,
+    params: torch.Tensor,
+    diverged: bool,
+    lr: float,
+    schedule: Schedule,
+    measure: Callable[[torch.Tensor], dict],
+    result: RunResult,
+    on_round: Callable[[dict, dict], None],
+    per_client: dict,
+    bar,
+    started: float,
+) -> bool:
     """Finish and report one aggregation's row, the same way for both engines.
 
     Evaluates the new global model when the schedule says so (``measure(params)`` gives the columns, which
@@ -281,8 +389,12 @@ class SyncEngine:
         if not isinstance(aggregator, Aggregator):
             raise ConfigError("engine", "sync", f"async for {type(aggregator).__name__}, an asynchronous aggregator")
         if pipeline and isinstance(aggregator, MVR):  # MVR reads a second update per client, which no stage would see
-            raise ConfigError("pipeline", [type(s).__name__ for s in pipeline.stages], "none with aggregator=mvr (its second update per "
-                              "client, from the previous model, would bypass the stages)")
+            raise ConfigError(
+                "pipeline",
+                [type(s).__name__ for s in pipeline.stages],
+                "none with aggregator=mvr (its second update per "
+                "client, from the previous model, would bypass the stages)",
+            )
 
     def __call__(self, **kwargs) -> RunResult:
         self.check(kwargs["aggregator"], kwargs.get("heterogeneity"), kwargs.get("pipeline"))

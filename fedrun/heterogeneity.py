@@ -12,7 +12,9 @@ from fedrun.seeding import numpy_rng
 class EqualWork:
     """``heterogeneity=none``: every client does the schedule's work."""
 
-    def plan(self, round_: int, cohort: np.ndarray, sizes: np.ndarray, work: LocalWork, seed: int) -> list[LocalWork | None]:
+    def plan(
+        self, round_: int, cohort: np.ndarray, sizes: np.ndarray, work: LocalWork, seed: int
+    ) -> list[LocalWork | None]:
         """Each cohort client's work this round, or None for a client that drops out."""
         return [work] * len(cohort)
 
@@ -37,7 +39,10 @@ class RandomSteps(EqualWork):
 
     def plan(self, round_, cohort, sizes, work, seed):
         keys = [(round_, int(c)) if self.redraw else (int(c),) for c in cohort]
-        return [LocalWork(work.batch_size, local_steps=int(numpy_rng(seed, "work", *k).integers(self.low, self.high + 1))) for k in keys]
+        return [
+            LocalWork(work.batch_size, local_steps=int(numpy_rng(seed, "work", *k).integers(self.low, self.high + 1)))
+            for k in keys
+        ]
 
 
 class Stragglers(EqualWork):
@@ -62,7 +67,9 @@ class Stragglers(EqualWork):
             if i not in stragglers:
                 plan.append(work)
             elif self.mode == "partial":
-                plan.append(LocalWork(work.batch_size, local_steps=int(rng.integers(1, full_steps(int(size), work) + 1))))
+                plan.append(
+                    LocalWork(work.batch_size, local_steps=int(rng.integers(1, full_steps(int(size), work) + 1)))
+                )
             else:
                 plan.append(None)
         return plan

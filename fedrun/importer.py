@@ -53,21 +53,36 @@ def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
     name = experiment or tracking.get("experiment", "fedrun")
     found = client.get_experiment_by_name(name)
     experiment_id = found.experiment_id if found else client.create_experiment(name)
-    run = client.create_run(experiment_id, run_name=directory.name, tags={"imported_from": str(directory.resolve()), "output_dir": str(directory.resolve())})
+    run = client.create_run(
+        experiment_id,
+        run_name=directory.name,
+        tags={"imported_from": str(directory.resolve()), "output_dir": str(directory.resolve())},
+    )
     run_id = run.info.run_id
     params = flatten(config)
     items = list(params.items())
     for start in range(0, len(items), 100):
-        client.log_batch(run_id, params=[mlflow.entities.Param(k, str(v)[:6000]) for k, v in items[start : start + 100]])
+        client.log_batch(
+            run_id, params=[mlflow.entities.Param(k, str(v)[:6000]) for k, v in items[start : start + 100]]
+        )
     now = int(time.time() * 1000)
-    series = [Metric(column, float(value), now, int(step)) for column in metrics.columns if column != "round"
-              for step, value in zip(metrics["round"], metrics[column]) if not pd.isna(value)]
+    series = [
+        Metric(column, float(value), now, int(step))
+        for column in metrics.columns
+        if column != "round"
+        for step, value in zip(metrics["round"], metrics[column])
+        if not pd.isna(value)
+    ]
     alpha_path = directory / "alpha.csv"
     if alpha_path.exists():
         alpha = pd.read_csv(alpha_path)
         clients = [c for c in alpha.columns if c.startswith("client_")]
         if clients and len(clients) <= tracking.get("max_alpha_series", 100):
-            series += [Metric(f"alpha/{c}", float(v), now, int(step)) for c in clients for step, v in zip(alpha["round"], alpha[c])]
+            series += [
+                Metric(f"alpha/{c}", float(v), now, int(step))
+                for c in clients
+                for step, v in zip(alpha["round"], alpha[c])
+            ]
     summary_tags = []
     if (directory / "summary.csv").exists():
         summary = pd.read_csv(directory / "summary.csv", index_col=0)["value"]
@@ -88,7 +103,9 @@ def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="fedrun-import", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fedrun-import", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("directories", nargs="+", type=Path, help="run output dirs")
     parser.add_argument("--uri", help="MLflow tracking URI (default: the run's tracking.uri, relative to here)")
     parser.add_argument("--experiment", help="MLflow experiment (default: the run's tracking.experiment)")

@@ -93,5 +93,7 @@ def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, 
                 continue
             values[prefix + r_name(target)] = reached
             if "virtual_time" in metrics:  # asynchronous runs: the R-index in virtual time too
-                values[prefix + r_name(target) + "_time"] = float(metrics.loc[metrics["round"] == reached, "virtual_time"].iloc[0])
+                values[prefix + r_name(target) + "_time"] = float(
+                    metrics.loc[metrics["round"] == reached, "virtual_time"].iloc[0]
+                )
     return {k: v for k, v in values.items() if not math.isnan(v)}, tags

@@ -7,7 +7,6 @@ from torch import nn
 
 from fedrun.errors import ConfigError, check
 
-
 HEADS = {
     "logits": "the class scores, as every paper describes",
     "batch_softmax": "a softmax over the batch dimension, the authors' February 2023 ConvNet (paper 001's code)",
@@ -47,10 +46,18 @@ class CNN(nn.Sequential):
             training (their test loader's 1000, train.py:161 at 10622fb); outputs depend on it. Unused with logits.
     """
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, padding: int | None = None, head: str = "logits",
-                 eval_batch: int = 1000):
+    def __init__(
+        self,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        padding: int | None = None,
+        head: str = "logits",
+        eval_batch: int = 1000,
+    ):
         if len(input_shape) != 3:
-            raise ConfigError("model", "cnn", f"mlp or logistic for inputs of shape {tuple(input_shape)} (cnn needs images)")
+            raise ConfigError(
+                "model", "cnn", f"mlp or logistic for inputs of shape {tuple(input_shape)} (cnn needs images)"
+            )
         channels, height, width = input_shape
         side = min(height, width)
         if padding is None:

@@ -91,8 +91,18 @@ class STORM(torch.optim.Optimizer):
         weight_decay: L2 term added to every gradient.
     """
 
-    def __init__(self, params, lr: float = 0.05, beta: float = 0.2, init: str = "minibatch", adaptive: bool = False,
-                 k0: float = 0.1, w0: float = 0.1, sigma2: float = 1.0, weight_decay: float = 0.0):
+    def __init__(
+        self,
+        params,
+        lr: float = 0.05,
+        beta: float = 0.2,
+        init: str = "minibatch",
+        adaptive: bool = False,
+        k0: float = 0.1,
+        w0: float = 0.1,
+        sigma2: float = 1.0,
+        weight_decay: float = 0.0,
+    ):
         check(lr > 0, "lr", lr, "a number > 0")
         check(0 <= beta <= 1, "beta", beta, "a number in [0, 1]")
         check(init in ("minibatch", "full"), "init", init, "minibatch or full")
@@ -114,7 +124,9 @@ class STORM(torch.optim.Optimizer):
     def start_round(self, round_: int, full_closure) -> None:
         """Called before the client's first step: the round t the server announced, and a closure giving
         the loss over all of the client's samples (for ``init: full``)."""
-        self.eta = self.step_size(round_, self.k0, self.w0, self.sigma2) if self.adaptive else self.param_groups[0]["lr"]
+        self.eta = (
+            self.step_size(round_, self.k0, self.w0, self.sigma2) if self.adaptive else self.param_groups[0]["lr"]
+        )
         self._full_closure, self._round = full_closure, round_
 
     def coefficient_norm(self, steps: int) -> float:
@@ -131,9 +143,19 @@ class STORM(torch.optim.Optimizer):
         group = self.param_groups[0]
         params = group["params"]
         first = "direction" not in self.state[params[0]]
-        check(not self.adaptive or self._round is not None, "adaptive", self.adaptive, "false when the trainer announces no round (start_round)")
+        check(
+            not self.adaptive or self._round is not None,
+            "adaptive",
+            self.adaptive,
+            "false when the trainer announces no round (start_round)",
+        )
         if first and self.init == "full":
-            check(self._full_closure is not None, "init", self.init, "minibatch when the trainer gives no full-data closure")
+            check(
+                self._full_closure is not None,
+                "init",
+                self.init,
+                "minibatch when the trainer gives no full-data closure",
+            )
             with torch.enable_grad():
                 loss = closure()  # the mini-batch's loss, for the running local loss; its gradient is not used
             _, directions = self._gradients(self._full_closure, params, group["weight_decay"])
@@ -149,7 +171,9 @@ class STORM(torch.optim.Optimizer):
                 for p, value in zip(params, current):
                     p.copy_(value)
                 keep = 1 - group["beta"]
-                directions = [g + keep * (self.state[p]["direction"] - gp) for p, g, gp in zip(params, grads, previous_grads)]
+                directions = [
+                    g + keep * (self.state[p]["direction"] - gp) for p, g, gp in zip(params, grads, previous_grads)
+                ]
         for p, d in zip(params, directions):
             self.state[p]["direction"] = d
             self.state[p]["previous"] = p.detach().clone()

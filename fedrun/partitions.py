@@ -64,7 +64,12 @@ class Partition:
         return np.arange(len(labels))
 
     def _pool_size(self, available: int) -> int:
-        check(self.num_clients <= available, "num_clients", self.num_clients, f"at most {available}, the samples there are to split")
+        check(
+            self.num_clients <= available,
+            "num_clients",
+            self.num_clients,
+            f"at most {available}, the samples there are to split",
+        )
         if self.samples_per_client is None:
             return available
         wanted = self.num_clients * self.samples_per_client
@@ -147,12 +152,31 @@ class Shards(Partition):
         deal: str = "equal",
     ):
         super().__init__(num_clients, samples_per_client)
-        check(deal in ("equal", "random"), "deal", deal,
-              "equal (shards_per_client shards to every client) or random (every shard to a random client, the authors' code of paper 001)")
+        check(
+            deal in ("equal", "random"),
+            "deal",
+            deal,
+            "equal (shards_per_client shards to every client) or random (every shard to a random client, the authors' code of paper 001)",
+        )
         self.deal = deal
-        check(isinstance(shards_per_client, int) and shards_per_client >= 1, "shards_per_client", shards_per_client, "an integer >= 1")
-        check(shard_size is None or (isinstance(shard_size, int) and shard_size >= 1), "shard_size", shard_size, "null or an integer >= 1")
-        check(shard_source in ("dataset", "pool"), "shard_source", shard_source, "dataset (McMahan et al.: shards of the whole training set) or pool")
+        check(
+            isinstance(shards_per_client, int) and shards_per_client >= 1,
+            "shards_per_client",
+            shards_per_client,
+            "an integer >= 1",
+        )
+        check(
+            shard_size is None or (isinstance(shard_size, int) and shard_size >= 1),
+            "shard_size",
+            shard_size,
+            "null or an integer >= 1",
+        )
+        check(
+            shard_source in ("dataset", "pool"),
+            "shard_source",
+            shard_source,
+            "dataset (McMahan et al.: shards of the whole training set) or pool",
+        )
         if shard_size is not None and samples_per_client is not None:
             check(
                 shard_size * shards_per_client == samples_per_client,
@@ -174,8 +198,12 @@ class Shards(Partition):
     def _pool_size(self, available):
         num_shards = self.num_clients * self.shards_per_client
         most = available // self.shards_per_client
-        check(self.num_clients <= most, "num_clients", self.num_clients,
-              f"at most {most}: {available} samples give at most that many clients {self.shards_per_client} shards each")
+        check(
+            self.num_clients <= most,
+            "num_clients",
+            self.num_clients,
+            f"at most {most}: {available} samples give at most that many clients {self.shards_per_client} shards each",
+        )
         if self.shard_source == "dataset" and self.shard_size is not None:
             check(
                 num_shards * self.shard_size <= available,
@@ -211,7 +239,9 @@ class Shards(Partition):
         by_label = pool[: cut * size][np.argsort(labels[pool[: cut * size]], kind="stable")]
         shards = np.split(by_label, cut)
         if self.deal == "random":  # datasplitting.py:17-22: shards.pop() from the end; clients without one first
-            owner = np.concatenate([rng.permutation(self.num_clients), rng.integers(self.num_clients, size=cut - self.num_clients)])
+            owner = np.concatenate(
+                [rng.permutation(self.num_clients), rng.integers(self.num_clients, size=cut - self.num_clients)]
+            )
             mine = [np.flatnonzero(owner == client) for client in range(self.num_clients)]
             return [np.concatenate([shards[cut - 1 - k] for k in ks]) for ks in mine]
         dealt = rng.choice(cut, size=num_shards, replace=False).reshape(self.num_clients, self.shards_per_client)
@@ -260,7 +290,9 @@ class Dirichlet(Partition):
             if min(len(p) for p in parts) >= self.min_size:
                 return parts
         raise ConfigError(
-            "min_size", self.min_size, f"a size reached within {self.max_tries} Dirichlet({self.alpha}) draws; lower it or raise alpha"
+            "min_size",
+            self.min_size,
+            f"a size reached within {self.max_tries} Dirichlet({self.alpha}) draws; lower it or raise alpha",
         )
 
 
@@ -285,12 +317,22 @@ class LabelSplit(Partition):
         draw: ``deal`` or ``independent``.
     """
 
-    def __init__(self, groups: list, num_clients: int | None = None, samples_per_client: int | None = None, draw: str = "deal"):
+    def __init__(
+        self, groups: list, num_clients: int | None = None, samples_per_client: int | None = None, draw: str = "deal"
+    ):
         check(len(groups) >= 1, "groups", groups, "a non-empty list of {clients: n, labels: [...]}")
-        check(draw in ("deal", "independent"), "draw", draw,
-              "deal (each label's samples dealt over its owners, disjoint) or independent (every client draws its own, the authors' code of paper 000)")
-        check(draw == "deal" or samples_per_client is not None, "samples_per_client", samples_per_client,
-              "an integer with draw=independent (each client's size)")
+        check(
+            draw in ("deal", "independent"),
+            "draw",
+            draw,
+            "deal (each label's samples dealt over its owners, disjoint) or independent (every client draws its own, the authors' code of paper 000)",
+        )
+        check(
+            draw == "deal" or samples_per_client is not None,
+            "samples_per_client",
+            samples_per_client,
+            "an integer with draw=independent (each client's size)",
+        )
         self.draw = draw
         self.groups = [(int(g["clients"]), [int(label) for label in g["labels"]]) for g in groups]
         for clients, owned in self.groups:
@@ -316,12 +358,23 @@ class LabelSplit(Partition):
         parts = []
         for clients, owned in self.groups:
             per_label = int(self.samples_per_client / len(owned))  # int(numbers_list[c][n] * size), datasplitting.py:69
-            check(per_label >= 1, "samples_per_client", self.samples_per_client, f"at least {len(owned)} for clients owning labels {owned}")
+            check(
+                per_label >= 1,
+                "samples_per_client",
+                self.samples_per_client,
+                f"at least {len(owned)} for clients owning labels {owned}",
+            )
             for label in owned:
-                check(per_label <= len(by_label[label]), "samples_per_client", self.samples_per_client,
-                      f"at most {len(by_label[label]) * len(owned)} ({len(by_label[label])} samples of label {label})")
+                check(
+                    per_label <= len(by_label[label]),
+                    "samples_per_client",
+                    self.samples_per_client,
+                    f"at most {len(by_label[label]) * len(owned)} ({len(by_label[label])} samples of label {label})",
+                )
             for _ in range(clients):
-                parts.append(np.sort(np.concatenate([rng.choice(by_label[label], per_label, replace=False) for label in owned])))
+                parts.append(
+                    np.sort(np.concatenate([rng.choice(by_label[label], per_label, replace=False) for label in owned]))
+                )
         return parts
 
     def _eligible(self, labels):
@@ -335,7 +388,12 @@ class LabelSplit(Partition):
             for i, sample in enumerate(members):
                 parts[clients[(start + i) % len(clients)]].append(sample)
         for client, part in enumerate(parts):
-            check(len(part) > 0, "groups", self.groups, f"label sets with samples for every client (client {client} got none)")
+            check(
+                len(part) > 0,
+                "groups",
+                self.groups,
+                f"label sets with samples for every client (client {client} got none)",
+            )
         return [np.asarray(p, dtype=np.int64) for p in parts]
 
 
@@ -353,14 +411,25 @@ class Natural(Partition):
 
     def __call__(self, labels, rng, natural=None):
         if natural is None:
-            raise ConfigError("partition", "natural", "iid, shards, dirichlet or label_split: this dataset does not come split per client")
-        check(self.requested in (None, len(natural)), "num_clients", self.requested, f"null or {len(natural)}, the dataset's clients")
+            raise ConfigError(
+                "partition",
+                "natural",
+                "iid, shards, dirichlet or label_split: this dataset does not come split per client",
+            )
+        check(
+            self.requested in (None, len(natural)),
+            "num_clients",
+            self.requested,
+            f"null or {len(natural)}, the dataset's clients",
+        )
         if self.samples_per_client is None:
             return [np.sort(part) for part in natural]
         return [np.sort(rng.permutation(part)[: self.samples_per_client]) for part in natural]
 
 
-def hold_out(parts: list[np.ndarray], fraction: float, rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def hold_out(
+    parts: list[np.ndarray], fraction: float, rng: np.random.Generator
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Split each client's samples into (train, own test): ``fraction`` of them, at least one, held out.
 
     Returns:

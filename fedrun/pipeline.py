@@ -52,19 +52,40 @@ class Clip(Stage):
 
     name = "clip"
 
-    def __init__(self, max_norm: float = 1.0, adaptive: bool = False, target_quantile: float = 0.5, clip_lr: float = 0.2):
-        check(isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0, "max_norm", max_norm, "a number > 0")
+    def __init__(
+        self, max_norm: float = 1.0, adaptive: bool = False, target_quantile: float = 0.5, clip_lr: float = 0.2
+    ):
+        check(
+            isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0,
+            "max_norm",
+            max_norm,
+            "a number > 0",
+        )
         check(isinstance(adaptive, bool), "adaptive", adaptive, "true or false")
-        check(isinstance(target_quantile, (int, float)) and 0 <= target_quantile <= 1, "target_quantile", target_quantile, "a number in [0, 1]")
+        check(
+            isinstance(target_quantile, (int, float)) and 0 <= target_quantile <= 1,
+            "target_quantile",
+            target_quantile,
+            "a number in [0, 1]",
+        )
         check(isinstance(clip_lr, (int, float)) and clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
-        self.max_norm, self.adaptive, self.target_quantile, self.clip_lr = float(max_norm), adaptive, float(target_quantile), float(clip_lr)
+        self.max_norm, self.adaptive, self.target_quantile, self.clip_lr = (
+            float(max_norm),
+            adaptive,
+            float(target_quantile),
+            float(clip_lr),
+        )
 
     def __call__(self, deltas, clients, round_):
         norms = torch.linalg.vector_norm(deltas, dim=1)
         over = norms > self.max_norm
         # min(1, C / norm): exactly 1.0 for an update within the bound, so that such an update is unchanged bit for bit.
         scale = torch.where(over, self.max_norm / norms, torch.ones_like(norms))
-        diagnostics = {"clip/max_norm": self.max_norm, "clip/fraction_clipped": float(over.double().mean()), "clip/norm_mean": float(norms.double().mean())}
+        diagnostics = {
+            "clip/max_norm": self.max_norm,
+            "clip/fraction_clipped": float(over.double().mean()),
+            "clip/norm_mean": float(norms.double().mean()),
+        }
         if self.adaptive:
             unclipped = 1.0 - diagnostics["clip/fraction_clipped"]
             self.max_norm *= math.exp(-self.clip_lr * (unclipped - self.target_quantile))
@@ -80,7 +101,12 @@ class Pipeline(Stateful):
 
     def __init__(self, stages: list | tuple = ()):
         for i, stage in enumerate(stages):
-            check(isinstance(stage, Stage), f"stages[{i}]", type(stage).__name__, "a stage (a class of fedrun.pipeline.Stage, e.g. fedrun.pipeline.Clip)")
+            check(
+                isinstance(stage, Stage),
+                f"stages[{i}]",
+                type(stage).__name__,
+                "a stage (a class of fedrun.pipeline.Stage, e.g. fedrun.pipeline.Clip)",
+            )
         self.stages = list(stages)
 
     def __bool__(self) -> bool:

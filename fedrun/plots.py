@@ -7,19 +7,27 @@ import matplotlib
 matplotlib.use("Agg")  # files only: runs are headless
 
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 
 
 def plot_curves(metrics: pd.DataFrame, path: Path, title: str = "") -> Path:
     """Accuracy and loss per round, evaluated rounds only."""
     fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for column, label in (("test_accuracy", "test"), ("val_accuracy", "validation"), ("client_accuracy", "clients' local models, own held-out data")):
+    for column, label in (
+        ("test_accuracy", "test"),
+        ("val_accuracy", "validation"),
+        ("client_accuracy", "clients' local models, own held-out data"),
+    ):
         if column in metrics and metrics[column].notna().any():
             evaluated = metrics[metrics[column].notna()]
             acc_ax.plot(evaluated["round"], evaluated[column], marker=".", label=label)
-    for column, label in (("train_loss", "train (global model, cohort)"), ("test_loss", "test"), ("val_loss", "validation")):
+    for column, label in (
+        ("train_loss", "train (global model, cohort)"),
+        ("test_loss", "test"),
+        ("val_loss", "validation"),
+    ):
         if column in metrics and metrics[column].notna().any():
             evaluated = metrics[metrics[column].notna()]
             loss_ax.plot(evaluated["round"], evaluated[column], marker=".", label=label)
@@ -49,17 +57,27 @@ def plot_alpha_heatmap(alpha: pd.DataFrame, path: Path, title: str = "", top: in
     values = alpha.drop(columns="round").to_numpy()
     rounds, clients = values.shape
     fig, ax = plt.subplots(figsize=(min(16, 4 + 0.12 * clients), min(12, 2.5 + 0.12 * rounds)))
-    image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower",
-                      extent=(-0.5, clients - 0.5, alpha["round"].iloc[0] - 0.5, alpha["round"].iloc[-1] + 0.5))
+    image = ax.imshow(
+        values,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        origin="lower",
+        extent=(-0.5, clients - 0.5, alpha["round"].iloc[0] - 0.5, alpha["round"].iloc[-1] + 0.5),
+    )
     if top > 0:
         rows, cols = np.nonzero(_top_mask(values, top))
-        ax.scatter(cols, alpha["round"].to_numpy()[rows], s=6, c="red", marker="s", label=f"top {top} alpha of the round")
+        ax.scatter(
+            cols, alpha["round"].to_numpy()[rows], s=6, c="red", marker="s", label=f"top {top} alpha of the round"
+        )
         ax.legend(loc="upper right", fontsize="small")
     fig.colorbar(image, ax=ax, label="alpha (aggregation weight)")
     ax.set(xlabel="client", ylabel="round", title=title or "aggregation weight per client and round")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ids = [int(c.split("_", 1)[1]) for c in alpha.columns if c != "round"]  # a subset's columns are not 0..n-1
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: str(ids[int(round(v))]) if 0 <= round(v) < len(ids) else ""))
+    ax.xaxis.set_major_formatter(
+        FuncFormatter(lambda v, _: str(ids[int(round(v))]) if 0 <= round(v) < len(ids) else "")
+    )
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

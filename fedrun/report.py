@@ -35,6 +35,7 @@ def group_keys(runs: pd.DataFrame) -> list[str]:
     changes with a ``method`` or ``experiment`` choice, the groups that choose other groups (``method=storm_vr``
     sets ``aggregator=mvr`` and ``optimizer=storm``): those come first.
     """
+
     def varies(column: str, by: list[str]) -> bool:
         values = runs[column].fillna("-").astype(str)
         if not by:
@@ -42,10 +43,15 @@ def group_keys(runs: pd.DataFrame) -> list[str]:
         return values.groupby([runs[k].fillna("-").astype(str) for k in by]).nunique().max() > 1
 
     meta = [f"tags.{t}" for t in META_GROUPS if f"tags.{t}" in runs and varies(f"tags.{t}", [])]
-    keys = meta + [f"tags.{t}" for t in CONFIG_GROUPS if t not in META_GROUPS and f"tags.{t}" in runs and varies(f"tags.{t}", meta)]
+    keys = meta + [
+        f"tags.{t}" for t in CONFIG_GROUPS if t not in META_GROUPS and f"tags.{t}" in runs and varies(f"tags.{t}", meta)
+    ]
     params = [
-        c for c in runs.columns
-        if c.startswith("params.") and not c.endswith("._target_") and not c[len("params."):].startswith(IGNORED_PARAMS)
+        c
+        for c in runs.columns
+        if c.startswith("params.")
+        and not c.endswith("._target_")
+        and not c[len("params.") :].startswith(IGNORED_PARAMS)
     ]
     return keys + sorted(c for c in params if varies(c, keys))  # sorted: the same table whatever order MLflow returns
 
@@ -59,7 +65,10 @@ def groups(runs: pd.DataFrame, keys: list[str]):
     if not keys:
         yield (), runs
         return
-    parts = [((values if isinstance(values, tuple) else (values,)), group) for values, group in runs.fillna({k: "-" for k in keys}).groupby(keys)]
+    parts = [
+        ((values if isinstance(values, tuple) else (values,)), group)
+        for values, group in runs.fillna({k: "-" for k in keys}).groupby(keys)
+    ]
     yield from sorted(parts, key=lambda part: tuple(_natural(v) for v in part[0]))
 
 
@@ -122,7 +131,9 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
     base = runs[runs[key].astype(str) == baseline]
     if base.empty:
         values = ", ".join(sorted(runs[key].astype(str).unique(), key=_natural))
-        raise ValueError(f"--paired {label(key)}={baseline}: no finished run has {label(key)} = {baseline!r} (there: {values})")
+        raise ValueError(
+            f"--paired {label(key)}={baseline}: no finished run has {label(key)} = {baseline!r} (there: {values})"
+        )
     match = ["params.seed"] + [k for k in keys if k != key and (base[k] != "-").any()]
     rows = []
     for values, group in groups(runs[runs[key].astype(str) != baseline], keys):
@@ -149,11 +160,15 @@ def paired_markdown(table: pd.DataFrame, keys: list[str], key: str, baseline: st
         for m in metrics:
             digits = 1 if R_INDEX.match(m) else 4
             n, lower, higher = int(row[f"{m}_pairs"]), int(row[f"{m}_lower"]), int(row[f"{m}_higher"])
-            cells.append(f"{_cell(row[f'{m}_diff'], row[f'{m}_ci95'], digits)} ({n}: {lower}-/{n - lower - higher}=/{higher}+)")
+            cells.append(
+                f"{_cell(row[f'{m}_diff'], row[f'{m}_ci95'], digits)} ({n}: {lower}-/{n - lower - higher}=/{higher}+)"
+            )
         rows.append(cells)
-    return (f"Paired by seed, against {label(key)} = {baseline}: mean difference (this group - baseline) ± 95% CI "
-            "(pairs: how many lower/equal/higher than the baseline)\n\n"
-            + _markdown_table(names + ["pairs"] + [f"Δ {m}" for m in metrics], rows))
+    return (
+        f"Paired by seed, against {label(key)} = {baseline}: mean difference (this group - baseline) ± 95% CI "
+        "(pairs: how many lower/equal/higher than the baseline)\n\n"
+        + _markdown_table(names + ["pairs"] + [f"Δ {m}" for m in metrics], rows)
+    )
 
 
 def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -202,7 +217,9 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
             cell = _cell(row[f"{m}_mean"], row[f"{m}_ci95"], 1 if is_r else 4)
             cells.append(f"{cell} ({int(row[f'{m}_reached'])}/{runs})" if is_r else cell)
             if is_r:
-                cells.append(_median_cell(row[f"{m}_median"], row.get("rounds_max", math.nan), R_INDEX.match(m)["time"]))
+                cells.append(
+                    _median_cell(row[f"{m}_median"], row.get("rounds_max", math.nan), R_INDEX.match(m)["time"])
+                )
         rows.append(cells)
     return _markdown_table(header, rows)
 
@@ -230,7 +247,9 @@ def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accu
     return out
 
 
-def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: str = "test accuracy", step: str = "round") -> Path:
+def plot_bands(
+    groups: dict[str, pd.DataFrame], path: Path, title: str, metric: str = "test accuracy", step: str = "round"
+) -> Path:
     """Mean ``metric`` per ``step`` (a round; an aggregation of the async engine) with its 95% Student-t band, one
     line per group."""
     from fedrun.plots import MaxNLocator, plt
@@ -239,7 +258,9 @@ def plot_bands(groups: dict[str, pd.DataFrame], path: Path, title: str, metric: 
     below = len(groups) > 4 or max(map(len, groups), default=0) > 40
     fig, ax = plt.subplots(figsize=(9, 5 + (0.22 * len(groups) if below else 0)), layout="constrained")
     # A mean of values in [0, 1] (an accuracy, a share) lies in [0, 1]: a wide band (few runs) is cut there.
-    unit = all(np.nanmin(f.to_numpy()) >= 0 and np.nanmax(f.to_numpy()) <= 1 for f in groups.values() if f.notna().any().any())
+    unit = all(
+        np.nanmin(f.to_numpy()) >= 0 and np.nanmax(f.to_numpy()) <= 1 for f in groups.values() if f.notna().any().any()
+    )
     for name, frame in groups.items():
         stats = np.array([mean_ci(frame.loc[r].dropna().to_numpy()) for r in frame.index])
         low, high = stats[:, 0] - np.nan_to_num(stats[:, 1]), stats[:, 0] + np.nan_to_num(stats[:, 1])
@@ -268,18 +289,42 @@ def step_name(runs: pd.DataFrame) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="fedrun-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="fedrun-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--experiment", required=True, help="MLflow experiment name (tracking.experiment)")
-    parser.add_argument("--tracking-uri", default="sqlite:///outputs/mlflow.db", help="default: %(default)s (relative to here)")
-    parser.add_argument("--group-by", nargs="+", metavar="KEY", help="config keys or group names (default: every key that varies, except seed)")
-    parser.add_argument("--filter", metavar="EXPR", help="MLflow search filter, e.g. \"params.`aggregator.temperature` = '1.0'\"")
-    parser.add_argument("--metrics", nargs="+", default=[], metavar="METRIC",
-                        help="further columns: each run's last value of these metrics, e.g. accuracy/slow weight_share/slow")
-    parser.add_argument("--plot", nargs="+", default=[], metavar="METRIC",
-                        help="further band plots, one per metric logged each round, e.g. accuracy/slow (accuracy_slow.png)")
-    parser.add_argument("--paired", metavar="KEY=BASELINE",
-                        help="also each group's per-seed difference from the runs with KEY = BASELINE (e.g. aggregator=fedavg), "
-                             "paired on the seed and the other keys; written to paired.md and paired.csv")
+    parser.add_argument(
+        "--tracking-uri", default="sqlite:///outputs/mlflow.db", help="default: %(default)s (relative to here)"
+    )
+    parser.add_argument(
+        "--group-by",
+        nargs="+",
+        metavar="KEY",
+        help="config keys or group names (default: every key that varies, except seed)",
+    )
+    parser.add_argument(
+        "--filter", metavar="EXPR", help="MLflow search filter, e.g. \"params.`aggregator.temperature` = '1.0'\""
+    )
+    parser.add_argument(
+        "--metrics",
+        nargs="+",
+        default=[],
+        metavar="METRIC",
+        help="further columns: each run's last value of these metrics, e.g. accuracy/slow weight_share/slow",
+    )
+    parser.add_argument(
+        "--plot",
+        nargs="+",
+        default=[],
+        metavar="METRIC",
+        help="further band plots, one per metric logged each round, e.g. accuracy/slow (accuracy_slow.png)",
+    )
+    parser.add_argument(
+        "--paired",
+        metavar="KEY=BASELINE",
+        help="also each group's per-seed difference from the runs with KEY = BASELINE (e.g. aggregator=fedavg), "
+        "paired on the seed and the other keys; written to paired.md and paired.csv",
+    )
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
     args = parser.parse_args(argv)
 
@@ -299,47 +344,80 @@ def main(argv: list[str] | None = None) -> None:
         runs = runs[runs[SWEEP_TAG] != "sweep"]
     finished = runs[runs["status"] == "FINISHED"] if len(runs) else runs
     if finished.empty:
-        raise SystemExit(f"fedrun-report: error: no finished runs in {args.experiment!r}" + (f" matching {args.filter!r}" if args.filter else ""))
+        raise SystemExit(
+            f"fedrun-report: error: no finished runs in {args.experiment!r}"
+            + (f" matching {args.filter!r}" if args.filter else "")
+        )
     if args.group_by:
         keys = []
         for key in args.group_by:
             column = f"tags.{key}" if key in CONFIG_GROUPS else f"params.{key}"
             if column not in finished:
-                raise SystemExit(f"fedrun-report: error: --group-by {key!r} is neither a group ({', '.join(CONFIG_GROUPS)}) nor a logged config key")
+                raise SystemExit(
+                    f"fedrun-report: error: --group-by {key!r} is neither a group ({', '.join(CONFIG_GROUPS)}) nor a logged config key"
+                )
             keys.append(column)
     else:
         keys = group_keys(finished)
 
-    logged = sorted(c[len("metrics."):] for c in finished.columns if c.startswith("metrics.") and finished[c].notna().any())
+    logged = sorted(
+        c[len("metrics.") :] for c in finished.columns if c.startswith("metrics.") and finished[c].notna().any()
+    )
     for metric in args.metrics + args.plot:
         if metric not in logged:
-            raise SystemExit(f"fedrun-report: error: metric {metric!r} was not logged by these runs (logged: {', '.join(logged)})")
+            raise SystemExit(
+                f"fedrun-report: error: metric {metric!r} was not logged by these runs (logged: {', '.join(logged)})"
+            )
     out = args.out or Path("outputs") / "report" / args.experiment
     out.mkdir(parents=True, exist_ok=True)
     if args.paired:
         name, sep, baseline = args.paired.partition("=")
         column = f"tags.{name}" if name in CONFIG_GROUPS else f"params.{name}"
-        alone = sep and column in finished and bool((finished[column].astype(str) == baseline).all())  # nothing else ran (yet)
+        alone = (
+            sep and column in finished and bool((finished[column].astype(str) == baseline).all())
+        )  # nothing else ran (yet)
         if not sep or (column not in keys and not alone):
-            raise SystemExit(f"fedrun-report: error: --paired {args.paired!r}: KEY=BASELINE with KEY one of the table's keys "
-                             f"({', '.join(label(k) for k in keys) or 'none'})")
+            raise SystemExit(
+                f"fedrun-report: error: --paired {args.paired!r}: KEY=BASELINE with KEY one of the table's keys "
+                f"({', '.join(label(k) for k in keys) or 'none'})"
+            )
         try:
             pairs = pd.DataFrame() if alone else paired(finished, keys, column, baseline, tuple(args.metrics))
         except ValueError as error:
             raise SystemExit(f"fedrun-report: error: {error}") from None
     table = summarise(finished, keys, tuple(args.metrics))
     text = markdown(table, keys)
-    (out / "report.md").write_text(f"# {args.experiment}\n\n{len(finished)} finished runs ({len(runs) - len(finished)} others left out).\n\n" + text)
+    (out / "report.md").write_text(
+        f"# {args.experiment}\n\n{len(finished)} finished runs ({len(runs) - len(finished)} others left out).\n\n"
+        + text
+    )
     table.to_csv(out / "report.csv", index=False)
     step = step_name(finished)
-    plots = [plot_bands(curves(client, finished, keys), out / "accuracy.png", f"{args.experiment}: mean test accuracy, 95% CI band", step=step)]
+    plots = [
+        plot_bands(
+            curves(client, finished, keys),
+            out / "accuracy.png",
+            f"{args.experiment}: mean test accuracy, 95% CI band",
+            step=step,
+        )
+    ]
     for metric in dict.fromkeys(args.plot):
-        plots.append(plot_bands(curves(client, finished, keys, metric), out / (re.sub(r"\W", "_", metric) + ".png"),
-                                f"{args.experiment}: mean {metric}, 95% CI band", metric, step))
+        plots.append(
+            plot_bands(
+                curves(client, finished, keys, metric),
+                out / (re.sub(r"\W", "_", metric) + ".png"),
+                f"{args.experiment}: mean {metric}, 95% CI band",
+                metric,
+                step,
+            )
+        )
     written = [out / "report.md", out / "report.csv", *plots]
     if args.paired:
-        pair_text = (f"Paired by seed, against {name} = {baseline}: every run is a baseline run, nothing to pair.\n" if alone
-                     else paired_markdown(pairs, keys, column, baseline))
+        pair_text = (
+            f"Paired by seed, against {name} = {baseline}: every run is a baseline run, nothing to pair.\n"
+            if alone
+            else paired_markdown(pairs, keys, column, baseline)
+        )
         (out / "paired.md").write_text(pair_text)
         pairs.to_csv(out / "paired.csv", index=False)
         text += "\n" + pair_text

@@ -62,7 +62,9 @@ class ServerAdaptive(ServerOptimizer):
         v0: ``paper`` (v starts at tau^2) or ``zero``.
     """
 
-    def __init__(self, server_lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, eps: float = 1e-3, v0: str = "paper"):
+    def __init__(
+        self, server_lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, eps: float = 1e-3, v0: str = "paper"
+    ):
         super().__init__(server_lr)
         check(0 <= beta1 < 1, "beta1", beta1, "a number in [0, 1)")
         check(0 <= beta2 < 1, "beta2", beta2, "a number in [0, 1)")

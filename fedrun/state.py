@@ -41,8 +41,10 @@ def encode(value, where: str = "state"):
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
         return {k: encode(v, f"{where}[{k!r}]") for k, v in value.items()}
-    raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint cannot hold "
-                    "(give the object a state_dict() of tensors, numbers, strings, lists and dicts)")
+    raise TypeError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint cannot hold "
+        "(give the object a state_dict() of tensors, numbers, strings, lists and dicts)"
+    )
 
 
 def decode(value):

@@ -25,15 +25,27 @@ from fedrun.errors import ConfigError
 from fedrun.metrics import summarise
 from fedrun.plots import plot_alpha_heatmap, plot_curves
 
-
 # MLflow 3 opens an experiment without this tag as a GenAI one (traces, token usage); fedrun's are model training.
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 PER_CLIENT = ("alpha", "local_steps")  # the per-client series the engines report (``<name>.csv``)
 WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
 
 # Config groups whose chosen option becomes a run tag (and a grouping key in fedrun-report).
-CONFIG_GROUPS = ("dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "pipeline",
-                 "device", "engine", "method", "experiment")
+CONFIG_GROUPS = (
+    "dataset",
+    "partition",
+    "model",
+    "aggregator",
+    "optimizer",
+    "server",
+    "schedule",
+    "heterogeneity",
+    "pipeline",
+    "device",
+    "engine",
+    "method",
+    "experiment",
+)
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
@@ -51,8 +63,8 @@ def flatten(config: dict, prefix: str = "") -> dict:
 def resolve_uri(uri: str, start_dir: Path) -> str:
     """Make a relative ``sqlite:///`` URI absolute against the directory fedrun was started in."""
     prefix = "sqlite:///"
-    if uri.startswith(prefix) and not Path(uri[len(prefix):]).is_absolute():
-        db = (start_dir / uri[len(prefix):]).resolve()
+    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_absolute():
+        db = (start_dir / uri[len(prefix) :]).resolve()
         db.parent.mkdir(parents=True, exist_ok=True)
         return prefix + str(db)
     return uri
@@ -71,15 +83,21 @@ def preflight(uri: str) -> None:
         try:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PREFLIGHT_TIMEOUT_S).read()
         except (OSError, ValueError) as exc:
-            raise ConfigError("tracking.uri", uri, f"a reachable MLflow server ({getattr(exc, 'reason', exc)}); "
-                              "or tracking.enabled=false and fedrun-import later") from None
+            raise ConfigError(
+                "tracking.uri",
+                uri,
+                f"a reachable MLflow server ({getattr(exc, 'reason', exc)}); "
+                "or tracking.enabled=false and fedrun-import later",
+            ) from None
         return
     import mlflow
 
     try:
         mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as exc:  # a scheme MLflow does not know, a database it cannot open
-        raise ConfigError("tracking.uri", uri, f"a tracking URI MLflow can open ({str(exc).splitlines()[0][:200]})") from None
+        raise ConfigError(
+            "tracking.uri", uri, f"a tracking URI MLflow can open ({str(exc).splitlines()[0][:200]})"
+        ) from None
 
 
 def retried(call, attempts: int = 8):
@@ -128,12 +146,25 @@ def close_sweep_run(uri: str, run_id: str) -> str:
 
     client = mlflow.MlflowClient(tracking_uri=uri)
     run = retried(lambda: client.get_run(run_id))
-    children = retried(lambda: client.search_runs([run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
-                                                  max_results=50_000))
-    counts = {state: sum(child.info.status == state for child in children) for state in ("FINISHED", "FAILED", "KILLED", "RUNNING")}
+    children = retried(
+        lambda: client.search_runs(
+            [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=50_000
+        )
+    )
+    counts = {
+        state: sum(child.info.status == state for child in children)
+        for state in ("FINISHED", "FAILED", "KILLED", "RUNNING")
+    }
     status = "FAILED" if counts["FAILED"] else "KILLED" if counts["KILLED"] or counts["RUNNING"] else "FINISHED"
-    retried(lambda: client.log_batch(run_id, metrics=[mlflow.entities.Metric(f"jobs_{state.lower()}", n, int(time.time() * 1000), 0)
-                                                      for state, n in counts.items()]))
+    retried(
+        lambda: client.log_batch(
+            run_id,
+            metrics=[
+                mlflow.entities.Metric(f"jobs_{state.lower()}", n, int(time.time() * 1000), 0)
+                for state, n in counts.items()
+            ],
+        )
+    )
     retried(lambda: client.set_terminated(run_id, status))
     return status
 
@@ -201,7 +232,9 @@ class Tracker:
             self.run_id, self.experiment_key = info.run_id, info.experiment_id
             return
         experiment_id = self.experiment_id(self.uri, self.experiment)
-        self.run_id = retried(lambda: mlflow.start_run(experiment_id=experiment_id, run_name=run_name, log_system_metrics=False)).info.run_id
+        self.run_id = retried(
+            lambda: mlflow.start_run(experiment_id=experiment_id, run_name=run_name, log_system_metrics=False)
+        ).info.run_id
         self.experiment_key = experiment_id
         retried(lambda: mlflow.log_params(params))
         retried(lambda: mlflow.set_tags(tags))
@@ -219,7 +252,11 @@ class Tracker:
                     retried(lambda: client.set_experiment_tag(experiment.experiment_id, KIND_TAG, KIND))
                 return experiment.experiment_id
             # A local store keeps artifacts beside the database, never in a stray ./mlruns.
-            location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
+            location = (
+                (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri()
+                if uri.startswith("sqlite:///")
+                else None
+            )
             try:
                 return client.create_experiment(name, artifact_location=location, tags={KIND_TAG: KIND})
             except Exception:  # another job created it meanwhile: read it back
@@ -228,8 +265,12 @@ class Tracker:
 
     def _lost(self, exc: Exception) -> None:
         self.lost = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}" if str(exc) else type(exc).__name__
-        print(f"\nfedrun: warning: MLflow stopped taking this run's data ({self.lost}); training goes on and every round "
-              f"goes to {self.metrics_path}. Afterwards: fedrun-import {self.dir}", file=sys.stderr, flush=True)
+        print(
+            f"\nfedrun: warning: MLflow stopped taking this run's data ({self.lost}); training goes on and every round "
+            f"goes to {self.metrics_path}. Afterwards: fedrun-import {self.dir}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def rewind(self, round_: int) -> None:
         """Keep only the rows of rounds <= ``round_`` in the per-round CSV files (those a killed run wrote after
@@ -251,9 +292,15 @@ class Tracker:
         if self.metrics_path.exists():
             self.rows = pd.read_csv(self.metrics_path).to_dict("records")
 
-    def log_partition(self, clients: list[np.ndarray], labels: np.ndarray, num_classes: int, held_out: list[np.ndarray] | None = None) -> None:
+    def log_partition(
+        self, clients: list[np.ndarray], labels: np.ndarray, num_classes: int, held_out: list[np.ndarray] | None = None
+    ) -> None:
         """Write ``partition.csv``: per client its training samples, held-out samples (when any) and count per label."""
-        counts = np.stack([np.bincount(labels[part], minlength=num_classes) for part in clients]) if clients else np.zeros((0, num_classes))
+        counts = (
+            np.stack([np.bincount(labels[part], minlength=num_classes) for part in clients])
+            if clients
+            else np.zeros((0, num_classes))
+        )
         table = pd.DataFrame(counts, columns=[f"label_{c}" for c in range(num_classes)])
         table.insert(0, "samples", [len(part) for part in clients])
         if held_out is not None:
@@ -268,7 +315,10 @@ class Tracker:
         self.rows.append(dict(row))
         for name, values in per_client.items():
             if self.wide:
-                self._append(self.dir / f"{name}.csv", {"round": row["round"], **{f"client_{i}": v for i, v in enumerate(values)}})
+                self._append(
+                    self.dir / f"{name}.csv",
+                    {"round": row["round"], **{f"client_{i}": v for i, v in enumerate(values)}},
+                )
             else:
                 self._append_long(self.dir / f"{name}.csv", name, row["round"], values)
         alpha = per_client["alpha"]
@@ -323,7 +373,12 @@ class Tracker:
             table.to_csv(self.dir / name, index=False)
 
     def finish(
-        self, status: str, model: torch.nn.Module | None = None, reason: str | None = None, title: str = "", tags: dict | None = None
+        self,
+        status: str,
+        model: torch.nn.Module | None = None,
+        reason: str | None = None,
+        title: str = "",
+        tags: dict | None = None,
     ) -> None:
         """Write the summary, final model and plots; log them as artifacts; end the MLflow run.
 
@@ -345,7 +400,12 @@ class Tracker:
         if metrics is not None:
             plot_curves(metrics, self.dir / "curves.png", title)
             alpha = pd.read_csv(self.alpha_path)
-            plot_alpha_heatmap(alpha if self.wide else widest(alpha, "alpha", HEATMAP_CLIENTS), self.dir / "alpha_heatmap.png", title, top=10)
+            plot_alpha_heatmap(
+                alpha if self.wide else widest(alpha, "alpha", HEATMAP_CLIENTS),
+                self.dir / "alpha_heatmap.png",
+                title,
+                top=10,
+            )
         pd.Series({**values, **tags}, dtype=object).to_csv(self.dir / "summary.csv", header=["value"])
         if not self.enabled or self.run_id is None:
             return

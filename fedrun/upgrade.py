@@ -26,8 +26,12 @@ def plain_state(value):
     """An old checkpoint's state with every object replaced by its attributes (as ``Stateful.state_dict`` gives them)."""
     if isinstance(value, dict):
         out = {k: plain_state(v) for k, v in value.items()}
-        if isinstance(value.get("phases"), list) and all(isinstance(p, tuple) and hasattr(p[0], "__dict__") for p in value["phases"]):
-            out["phases"] = [plain_state(dict(vars(p[0]))) for p in value["phases"]]  # Hybrid: (aggregator, until_round, until_accuracy)
+        if isinstance(value.get("phases"), list) and all(
+            isinstance(p, tuple) and hasattr(p[0], "__dict__") for p in value["phases"]
+        ):
+            out["phases"] = [
+                plain_state(dict(vars(p[0]))) for p in value["phases"]
+            ]  # Hybrid: (aggregator, until_round, until_accuracy)
         return out
     if isinstance(value, (list, tuple)):
         items = [plain_state(v) for v in value]
@@ -59,14 +63,19 @@ def upgrade(directory: Path) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m fedrun.upgrade", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fedrun.upgrade", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("directories", nargs="+", type=Path, help="run output dirs (each with a checkpoint.pt)")
     args = parser.parse_args()
     for directory in args.directories:
         try:
             print(f"{directory}: {'converted' if upgrade(directory) else 'nothing to do'}")
         except (pickle.UnpicklingError, TypeError, AttributeError, RuntimeError) as exc:
-            print(f"python -m fedrun.upgrade: error: {directory / FILE}: {type(exc).__name__}: {str(exc).splitlines()[0]}", file=sys.stderr)
+            print(
+                f"python -m fedrun.upgrade: error: {directory / FILE}: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+                file=sys.stderr,
+            )
             sys.exit(2)
 
 

@@ -54,10 +54,23 @@ class SGDRule:
         group = probe.param_groups[0]
         if group.get("maximize") or len(probe.param_groups) != 1:
             return None
-        return SGDRule(group["lr"], group["momentum"], group["dampening"], group["nesterov"], group["weight_decay"], group.get("mu", 0.0))
+        return SGDRule(
+            group["lr"],
+            group["momentum"],
+            group["dampening"],
+            group["nesterov"],
+            group["weight_decay"],
+            group.get("mu", 0.0),
+        )
 
-    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], buffers: list[torch.Tensor | None],
-             anchor: list[torch.Tensor], first: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def step(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        buffers: list[torch.Tensor | None],
+        anchor: list[torch.Tensor],
+        first: bool,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """New parameters and momentum buffers, in the order of operations of ProxSGD.step and torch's sgd."""
         new_params, new_buffers = [], []
         for p, g, buffer, a in zip(params, grads, buffers, anchor):
@@ -81,7 +94,9 @@ def vmap_supported(make_optimizer, model: nn.Module) -> str | None:
     if SGDRule.of(make_optimizer, getattr(make_optimizer, "keywords", {}).get("lr", 0.1)) is None:
         return "loop or processes for this optimizer (vmap has the closed-form update of sgd and prox only)"
     if any(True for _ in model.buffers()) or any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
-        return "loop or processes for models with buffers or dropout (batch norm statistics and random masks are per call)"
+        return (
+            "loop or processes for models with buffers or dropout (batch norm statistics and random masks are per call)"
+        )
     if any(isinstance(m, BatchSoftmax) for m in model.modules()):
         return "loop or processes for model.head=batch_softmax (a padded sample would enter the softmax over the batch)"
     return None
@@ -115,19 +130,44 @@ class VmapTrainer:
         works = work if isinstance(work, list) else [work] * len(parts)
         rule = SGDRule.of(self.make_optimizer, lr)
         size = self.chunk or max(1, len(parts))
-        pieces = [self._train(global_params, parts[lo : lo + size], client_ids[lo : lo + size], works[lo : lo + size], rule, seed, round_, stream)
-                  for lo in range(0, len(parts), size)]
+        pieces = [
+            self._train(
+                global_params,
+                parts[lo : lo + size],
+                client_ids[lo : lo + size],
+                works[lo : lo + size],
+                rule,
+                seed,
+                round_,
+                stream,
+            )
+            for lo in range(0, len(parts), size)
+        ]
         return CohortUpdate(
-            deltas=torch.cat([p.deltas for p in pieces]) if pieces else global_params.new_empty(0, global_params.numel()),
+            deltas=torch.cat([p.deltas for p in pieces])
+            if pieces
+            else global_params.new_empty(0, global_params.numel()),
             local_losses=ClientLosses.concat([p.local_losses for p in pieces]),
             steps=np.concatenate([p.steps for p in pieces]) if pieces else np.zeros(0, dtype=int),
             coefficient_norms=np.concatenate([p.coefficient_norms for p in pieces]) if pieces else np.zeros(0),
         )
 
-    def _train(self, global_params, parts, client_ids, works: list[LocalWork], rule: SGDRule, seed, round_, stream) -> CohortUpdate:
+    def _train(
+        self, global_params, parts, client_ids, works: list[LocalWork], rule: SGDRule, seed, round_, stream
+    ) -> CohortUpdate:
         clients, device = len(parts), self.x.device
-        batches = [list(_batches(len(part), job.batch_size, job.local_epochs, job.local_steps, torch_generator(seed, stream, round_, int(client))))
-                   for part, client, job in zip(parts, client_ids, works)]
+        batches = [
+            list(
+                _batches(
+                    len(part),
+                    job.batch_size,
+                    job.local_epochs,
+                    job.local_steps,
+                    torch_generator(seed, stream, round_, int(client)),
+                )
+            )
+            for part, client, job in zip(parts, client_ids, works)
+        ]
         steps = np.array([len(b) for b in batches])
         most, width = int(steps.max(initial=0)), max(job.batch_size for job in works)
         index, mask = _padded_index(parts, batches, steps, most, width, global_params.dtype)
@@ -140,7 +180,9 @@ class VmapTrainer:
         losses = torch.empty(clients, most, dtype=global_params.dtype, device=device)
         for k in range(most):
             chosen = index[:, k]
-            grads, losses[:, k] = self._grad(dict(zip(self.names, params)), self.x[chosen], self.y[chosen], mask[:, k], counts[:, k])
+            grads, losses[:, k] = self._grad(
+                dict(zip(self.names, params)), self.x[chosen], self.y[chosen], mask[:, k], counts[:, k]
+            )
             new_params, new_buffers = rule.step(params, [grads[n] for n in self.names], buffers, anchor, first=k == 0)
             params = [_where(active[:, k], new, old) for new, old in zip(new_params, params)]
             buffers = [new if old is None else _where(active[:, k], new, old) for new, old in zip(new_buffers, buffers)]
@@ -181,7 +223,9 @@ def _padded_index(parts, batches, steps: np.ndarray, most: int, width: int, dtyp
     flat = [batch for client_batches in batches for batch in client_batches]
     if not flat:
         return index, mask
-    local = torch.nn.utils.rnn.pad_sequence(flat, batch_first=True)  # [batches, longest], padded with 0: the client's first sample
+    local = torch.nn.utils.rnn.pad_sequence(
+        flat, batch_first=True
+    )  # [batches, longest], padded with 0: the client's first sample
     local = torch.nn.functional.pad(local, (0, width - local.shape[1]))
     lengths = torch.tensor([len(batch) for batch in flat])
     clients = torch.as_tensor(np.repeat(np.arange(len(parts)), steps))

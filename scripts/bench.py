@@ -64,18 +64,46 @@ MNIST, CIFAR = (1, 28, 28), (3, 32, 32)
 WORKLOADS = {
     "papers": dict(clients=50, samples=200, cohort=50, epochs=2, batch=64, test=10_000, eval_every=1),
     "cross-device": dict(clients=1_000, samples=50, cohort=50, epochs=1, batch=10, test=10_000, eval_every=10),
-    "1000-clients": dict(clients=1_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10, references=False),
+    "1000-clients": dict(
+        clients=1_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10, references=False
+    ),
     "10000-clients": dict(clients=10_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10),
-    "async-1000": dict(clients=1_000, samples=50, concurrency=100, buffer=10, epochs=1, batch=10, test=10_000, eval_every=10, references=False),
-    "async-10000": dict(clients=10_000, samples=50, concurrency=100, buffer=10, epochs=1, batch=10, test=10_000, eval_every=10, references=False),
-    "cifar10-pfl": dict(clients=1_000, samples=50, cohort=50, epochs=1, batch=10, test=10_000, eval_every=10, shape=CIFAR),
+    "async-1000": dict(
+        clients=1_000,
+        samples=50,
+        concurrency=100,
+        buffer=10,
+        epochs=1,
+        batch=10,
+        test=10_000,
+        eval_every=10,
+        references=False,
+    ),
+    "async-10000": dict(
+        clients=10_000,
+        samples=50,
+        concurrency=100,
+        buffer=10,
+        epochs=1,
+        batch=10,
+        test=10_000,
+        eval_every=10,
+        references=False,
+    ),
+    "cifar10-pfl": dict(
+        clients=1_000, samples=50, cohort=50, epochs=1, batch=10, test=10_000, eval_every=10, shape=CIFAR
+    ),
 }
-DEFAULT = {"cpu": ["papers", "cross-device", "1000-clients", "10000-clients", "async-1000", "async-10000"],
-           "cuda": ["papers", "cross-device", "cifar10-pfl"]}
+DEFAULT = {
+    "cpu": ["papers", "cross-device", "1000-clients", "10000-clients", "async-1000", "async-10000"],
+    "cuda": ["papers", "cross-device", "cifar10-pfl"],
+}
 BACKENDS = {"cpu": ["loop", "processes"], "cuda": ["loop", "vmap"]}
 POOL = 50_000  # distinct training samples at most; larger populations share them (see the module docstring)
 LR = 0.05
-MLFLOW = importlib.util.find_spec("mlflow") is not None  # without it (a bare GPU machine), logging is the CSV files alone
+MLFLOW = (
+    importlib.util.find_spec("mlflow") is not None
+)  # without it (a bare GPU machine), logging is the CSV files alone
 
 
 def synthetic(spec: dict, device: torch.device, seed: int = 0) -> tuple[FederatedData, list[np.ndarray]]:
@@ -97,8 +125,13 @@ def synthetic(spec: dict, device: torch.device, seed: int = 0) -> tuple[Federate
 def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rounds: int, device: Device) -> dict:
     torch.manual_seed(0)
     model = CNN(spec.get("shape", MNIST), 10)
-    schedule = Schedule(rounds=rounds, local_epochs=spec["epochs"], batch_size=spec["batch"], eval_every=spec["eval_every"],
-                        clients_per_round=spec.get("cohort", 1) / spec["clients"])
+    schedule = Schedule(
+        rounds=rounds,
+        local_epochs=spec["epochs"],
+        batch_size=spec["batch"],
+        eval_every=spec["eval_every"],
+        clients_per_round=spec.get("cohort", 1) / spec["clients"],
+    )
     rows, logging = [], []
     with tempfile.TemporaryDirectory() as scratch:
         tracker = Tracker(Path(scratch) / "run", len(clients), MLFLOW, f"sqlite:///{scratch}/mlflow.db", "bench")
@@ -112,13 +145,29 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
 
         optimizer = functools.partial(torch.optim.SGD, lr=LR)
         if "concurrency" in spec:
-            engine = AsyncEngine([{"name": "all", "clients": None, "distribution": "uniform", "low": 1.0, "high": 10.0}],
-                                 concurrency=spec["concurrency"])
-            engine(model, data, clients, FedBuff(buffer_size=spec["buffer"]), optimizer, schedule, device, 0, on_round=on_round)
+            engine = AsyncEngine(
+                [{"name": "all", "clients": None, "distribution": "uniform", "low": 1.0, "high": 10.0}],
+                concurrency=spec["concurrency"],
+            )
+            engine(
+                model,
+                data,
+                clients,
+                FedBuff(buffer_size=spec["buffer"]),
+                optimizer,
+                schedule,
+                device,
+                0,
+                on_round=on_round,
+            )
         else:
             run(model, data, clients, FedAvg(), optimizer, schedule, device, 0, on_round=on_round)
         tracker.finish("FINISHED")
-    parts = {k: per_round(spec, [r[f"{k}_wall_s"] for r in rows]) for k in ("train", "loss", "aggregate", "eval") if f"{k}_wall_s" in rows[0]}
+    parts = {
+        k: per_round(spec, [r[f"{k}_wall_s"] for r in rows])
+        for k in ("train", "loss", "aggregate", "eval")
+        if f"{k}_wall_s" in rows[0]
+    }
     parts["logging"] = per_round(spec, logging)
     total = [r["round_wall_s"] + log for r, log in zip(rows, logging)]
     return {"s_per_round": per_round(spec, total), "parts": parts, "final_accuracy": rows[-1]["test_accuracy"]}
@@ -133,8 +182,16 @@ def per_round(spec: dict, seconds: list[float]) -> float:
 
 def naive_model(shape) -> nn.Module:
     side = (shape[1] - 2) // 2
-    return nn.Sequential(nn.Conv2d(shape[0], 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Flatten(), nn.Linear(64 * ((side - 2) // 2) ** 2, 10))
+    return nn.Sequential(
+        nn.Conv2d(shape[0], 32, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * ((side - 2) // 2) ** 2, 10),
+    )
 
 
 def bench_naive(spec: dict, data: FederatedData, clients: list[np.ndarray], rounds: int) -> float:
@@ -187,7 +244,9 @@ def _floor(spec: dict, data: FederatedData, memory_format: torch.memory_format) 
     passes = spec["cohort"] * spec["samples"] * spec["epochs"]
     torch.manual_seed(0)
     device = data.x_train.device
-    model = CNN(spec.get("shape", MNIST), 10).to(device).to(memory_format=memory_format)  # ReLU after pooling: the cheaper exact order
+    model = (
+        CNN(spec.get("shape", MNIST), 10).to(device).to(memory_format=memory_format)
+    )  # ReLU after pooling: the cheaper exact order
     x, y = data.x_train.contiguous(memory_format=memory_format), data.y_train
     x_test = data.x_test.contiguous(memory_format=memory_format)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -250,7 +309,9 @@ def workload(name: str, kind: str, backends: list[str], args) -> dict:
     for _ in range(args.repeats):  # interleaved, so a slow phase of a shared machine hits every figure alike
         for what in whats:
             cmd = [sys.executable, __file__, "--child", name, what, "--device", kind]
-            cmd += (["--rounds", str(args.rounds)] if args.rounds else []) + (["--threads", str(args.threads)] if args.threads else [])
+            cmd += (["--rounds", str(args.rounds)] if args.rounds else []) + (
+                ["--threads", str(args.threads)] if args.threads else []
+            )
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"{name} / {what} failed:\n{out.stderr[-3000:]}")
@@ -260,11 +321,17 @@ def workload(name: str, kind: str, backends: list[str], args) -> dict:
     chosen = Device(kind).chosen_backend(passes, vmap_ok=True)
     chosen = chosen if chosen in backends else backends[0]
     fedrun = best[chosen]
-    result = {"workload": name, "device": kind, "s_per_round": round(fedrun["s_per_round"], 4),
-              "naive_s_per_round": round(best["naive"]["s_per_round"], 4) if "naive" in best else None,
-              "floor_s_per_round": round(best["floor"]["s_per_round"], 4) if "floor" in best else None,
-              "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs[chosen]), 1), "backend": chosen,
-              "parts": {k: round(v, 4) for k, v in fedrun["parts"].items()}, "final_accuracy": fedrun["final_accuracy"]}
+    result = {
+        "workload": name,
+        "device": kind,
+        "s_per_round": round(fedrun["s_per_round"], 4),
+        "naive_s_per_round": round(best["naive"]["s_per_round"], 4) if "naive" in best else None,
+        "floor_s_per_round": round(best["floor"]["s_per_round"], 4) if "floor" in best else None,
+        "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs[chosen]), 1),
+        "backend": chosen,
+        "parts": {k: round(v, 4) for k, v in fedrun["parts"].items()},
+        "final_accuracy": fedrun["final_accuracy"],
+    }
     for backend in backends:
         result[f"{backend}_s_per_round"] = round(best[backend]["s_per_round"], 4)
         if "peak_gpu_mb" in best[backend]:
@@ -274,8 +341,11 @@ def workload(name: str, kind: str, backends: list[str], args) -> dict:
 
 def describe(result: dict) -> str:
     parts = ", ".join(f"{k} {v:.3f}" for k, v in result["parts"].items())
-    others = ", ".join(f"{k[: -len('_s_per_round')]} {v:.3f}" for k, v in result.items()
-                       if k.endswith("_s_per_round") and k not in ("naive_s_per_round", "floor_s_per_round"))
+    others = ", ".join(
+        f"{k[: -len('_s_per_round')]} {v:.3f}"
+        for k, v in result.items()
+        if k.endswith("_s_per_round") and k not in ("naive_s_per_round", "floor_s_per_round")
+    )
     line = f"{result['workload']}: fedrun {result['s_per_round']:.3f} s/round with backend {result['backend']} ({parts}; {others})"
     for reference in ("naive", "floor"):
         value = result[f"{reference}_s_per_round"]
@@ -288,11 +358,30 @@ def describe(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="default: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in DEFAULT.items()))
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=list(WORKLOADS),
+        help="default: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in DEFAULT.items()),
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--backends", nargs="+", choices=["loop", "processes", "vmap"], help="default: loop processes on cpu, loop vmap on cuda")
-    parser.add_argument("--rounds", type=int, help="rounds per measurement, the first eval_every of them a warm-up (default: 4, or two evaluation periods)")
-    parser.add_argument("--repeats", type=int, default=2, help="measurements of each figure, interleaved; the fastest counts (default: 2)")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        choices=["loop", "processes", "vmap"],
+        help="default: loop processes on cpu, loop vmap on cuda",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds per measurement, the first eval_every of them a warm-up (default: 4, or two evaluation periods)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="measurements of each figure, interleaved; the fastest counts (default: 2)",
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -309,8 +398,11 @@ def main() -> None:
     for small, large in (("1000-clients", "10000-clients"), ("async-1000", "async-10000")):
         found = {r["workload"]: r for r in results}
         if small in found and large in found:
-            print(f"{large} / {small}: {found[large]['s_per_round'] / found[small]['s_per_round']:.2f}x seconds per round, "
-                  f"{found[large]['peak_rss_mb'] / found[small]['peak_rss_mb']:.2f}x peak RSS", flush=True)
+            print(
+                f"{large} / {small}: {found[large]['s_per_round'] / found[small]['s_per_round']:.2f}x seconds per round, "
+                f"{found[large]['peak_rss_mb'] / found[small]['peak_rss_mb']:.2f}x peak RSS",
+                flush=True,
+            )
     print(json.dumps(results))
 
 

@@ -29,8 +29,10 @@ def main() -> None:
         metrics = pd.read_csv(csv)
     rounds = metrics["round_wall_s"]
     print(f"overrides: {' '.join(args.overrides) or '(defaults)'}")
-    print(f"rounds: {len(rounds)}  s/round: mean {rounds.mean():.2f}  median {rounds.median():.2f}  "
-          f"min {rounds.min():.2f}  max {rounds.max():.2f}")
+    print(
+        f"rounds: {len(rounds)}  s/round: mean {rounds.mean():.2f}  median {rounds.median():.2f}  "
+        f"min {rounds.min():.2f}  max {rounds.max():.2f}"
+    )
     print(f"whole command: {total:.1f} s  final test accuracy: {metrics['test_accuracy'].dropna().iloc[-1]:.4f}")
 
 

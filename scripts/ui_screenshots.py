@@ -44,15 +44,33 @@ def free_port() -> int:
 def demo_store(folder: Path) -> str:
     """A new SQLite store holding one 4-job sweep (FedAvg and FedSoftMax, two seeds, 10 rounds on digits)."""
     uri = f"sqlite:///{folder / 'mlflow.db'}"
-    subprocess.run([str(BIN / "fedrun"), "-m", "aggregator=fedavg,fedsoftmax", "seed=0,1", "schedule.rounds=10", "partition=shards",
-                    "partition.num_clients=10", "schedule.clients_per_round=0.5", f"tracking.uri={uri}", "tracking.experiment=fedrun",
-                    f"hydra.sweep.dir={folder / 'sweep'}"], check=True, cwd=folder)
+    subprocess.run(
+        [
+            str(BIN / "fedrun"),
+            "-m",
+            "aggregator=fedavg,fedsoftmax",
+            "seed=0,1",
+            "schedule.rounds=10",
+            "partition=shards",
+            "partition.num_clients=10",
+            "schedule.clients_per_round=0.5",
+            f"tracking.uri={uri}",
+            "tracking.experiment=fedrun",
+            f"hydra.sweep.dir={folder / 'sweep'}",
+        ],
+        check=True,
+        cwd=folder,
+    )
     return uri
 
 
 def start_ui(uri: str, port: int) -> subprocess.Popen:
-    process = subprocess.Popen([str(BIN / "mlflow"), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        [str(BIN / "mlflow"), "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -60,7 +78,7 @@ def start_ui(uri: str, port: int) -> subprocess.Popen:
             return process
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("ui_screenshots: mlflow ui did not start")
+                raise SystemExit("ui_screenshots: mlflow ui did not start") from None
             time.sleep(0.5)
 
 
@@ -69,9 +87,23 @@ def screenshot(url: str, path: Path, size: str = "1600,1000") -> None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         raise SystemExit("ui_screenshots: no chromium on PATH (apt-get install chromium)")
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--run-all-compositor-stages-before-draw",
-                    f"--window-size={size}", "--virtual-time-budget=15000", f"--screenshot={path}", url],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--run-all-compositor-stages-before-draw",
+            f"--window-size={size}",
+            "--virtual-time-budget=15000",
+            f"--screenshot={path}",
+            url,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     print(f"{path}: {url}")
 
 
@@ -103,16 +135,25 @@ def main() -> None:
     try:
         base, eid = f"http://127.0.0.1:{port}/#", experiment.experiment_id
         ml = "workflowType=machine_learning"  # the "Model training" pages, not the GenAI traces overview
-        flat = "orderByKey=" + urllib.parse.quote("tags.`mlflow.runName`") + "&orderByAsc=true"  # not by date: jobs unnested
+        flat = (
+            "orderByKey=" + urllib.parse.quote("tags.`mlflow.runName`") + "&orderByAsc=true"
+        )  # not by date: jobs unnested
         run = jobs[0].info.run_id
         compare = urllib.parse.quote(json.dumps([r.info.run_id for r in children[:4]]))
         screenshot(f"{base}/experiments/{eid}/runs?{ml}", args.out / "experiment.png")
         screenshot(f"{base}/experiments/{eid}/runs?{ml}&{flat}", args.out / "experiment_jobs.png")
-        screenshot(f"{base}/experiments/{eid}/runs?{ml}&{flat}&compareRunsMode=CHART", args.out / "experiment_charts.png", "1600,1400")
+        screenshot(
+            f"{base}/experiments/{eid}/runs?{ml}&{flat}&compareRunsMode=CHART",
+            args.out / "experiment_charts.png",
+            "1600,1400",
+        )
         screenshot(f"{base}/experiments/{eid}/runs/{run}?{ml}", args.out / "run_overview.png", "1600,1400")
         screenshot(f"{base}/experiments/{eid}/runs/{run}/model-metrics?{ml}", args.out / "run_metrics.png", "1600,1400")
-        screenshot(f"{base}/compare-runs?runs={compare}&experiments={urllib.parse.quote(json.dumps([eid]))}&{ml}", args.out / "compare.png",
-                   "1600,1400")
+        screenshot(
+            f"{base}/compare-runs?runs={compare}&experiments={urllib.parse.quote(json.dumps([eid]))}&{ml}",
+            args.out / "compare.png",
+            "1600,1400",
+        )
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)

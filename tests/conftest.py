@@ -32,7 +32,9 @@ def fedrun(tmp_path, store):
 
     def _run(*args, experiment="e2e", check=True):
         cmd = [FEDRUN, *args, f"tracking.uri=sqlite:///{store}", f"tracking.experiment={experiment}", "device=cpu"]
-        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+        done = subprocess.run(
+            cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "0"}
+        )
         if check and done.returncode != 0:
             raise AssertionError(f"fedrun failed ({done.returncode}):\n{done.stderr[-3000:]}")
         return done

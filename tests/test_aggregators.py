@@ -8,17 +8,17 @@ import torch
 from numpy.testing import assert_allclose
 
 from fedrun.aggregators import (
-    RoundView,
+    MVR,
     FedAvg,
     FedBetter,
     FedBetterK,
     FedMax,
     FedMaxK,
-    FedSoftBetter,
     FedNova,
+    FedSoftBetter,
     FedSoftMax,
     Hybrid,
-    MVR,
+    RoundView,
 )
 from fedrun.clients import ClientLosses
 from fedrun.errors import ConfigError
@@ -198,8 +198,14 @@ def test_hybrid_switches_at_the_right_accuracy_and_never_back():
         (lambda: FedMax(loss_scale="sum"), "loss_scale"),
         (lambda: FedSoftMax(anneal="linear"), "temperature_final"),
         (lambda: Hybrid([{"aggregator": FedMax()}, {"aggregator": FedAvg()}]), "phases"),
-        (lambda: Hybrid([{"aggregator": FedNova(), "until_round": 2}, {"aggregator": FedAvg()}]), r"phases\[0\].aggregator='FedNova'"),
-        (lambda: Hybrid([{"aggregator": FedAvg(), "until_round": 2}, {"aggregator": MVR()}]), r"phases\[1\].aggregator='MVR'"),
+        (
+            lambda: Hybrid([{"aggregator": FedNova(), "until_round": 2}, {"aggregator": FedAvg()}]),
+            r"phases\[0\].aggregator='FedNova'",
+        ),
+        (
+            lambda: Hybrid([{"aggregator": FedAvg(), "until_round": 2}, {"aggregator": MVR()}]),
+            r"phases\[1\].aggregator='MVR'",
+        ),
     ],
 )
 def test_bad_values_name_the_key(make, key):

@@ -17,8 +17,13 @@ from fedrun.models import Logistic
 from fedrun.seeding import torch_seed
 
 g = torch.Generator().manual_seed(0)
-DATA = FederatedData(torch.randn(30, 4, generator=g), torch.randint(0, 3, (30,), generator=g),
-                     torch.randn(12, 4, generator=g), torch.randint(0, 3, (12,), generator=g), num_classes=3)
+DATA = FederatedData(
+    torch.randn(30, 4, generator=g),
+    torch.randint(0, 3, (30,), generator=g),
+    torch.randn(12, 4, generator=g),
+    torch.randint(0, 3, (12,), generator=g),
+    num_classes=3,
+)
 CLIENTS = [np.arange(0, 10), np.arange(10, 20), np.arange(20, 30)]
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -49,8 +54,17 @@ def test_hand_traced_events_for_three_constant_clients():
     # Arrivals at one instant are taken in id order; everyone restarts with the newest model of that instant.
     agg = Recording(buffer_size=2)
     rows = []
-    AsyncEngine(constant(1.0, 2.0, 3.0))(model(), DATA, CLIENTS, agg, SGD, Schedule(rounds=5, local_steps=1, batch_size=5),
-                                         torch.device("cpu"), 0, on_round=lambda row, alpha: rows.append((row, alpha)))
+    AsyncEngine(constant(1.0, 2.0, 3.0))(
+        model(),
+        DATA,
+        CLIENTS,
+        agg,
+        SGD,
+        Schedule(rounds=5, local_steps=1, batch_size=5),
+        torch.device("cpu"),
+        0,
+        on_round=lambda row, alpha: rows.append((row, alpha)),
+    )
     assert agg.seen == [
         (0, [0, 0], [0, 0]),  # t=2: c0 (its 1st and 2nd update) -> version 1; c1 (pulled v0) waits, staleness 1
         (1, [1, 0], [1, 0]),  # t=3: c1 + c0 -> v2; c2 (pulled v0) waits with staleness 2
@@ -66,10 +80,28 @@ def test_hand_traced_events_for_three_constant_clients():
 def test_fedbuff_with_b_equal_to_clients_and_equal_speeds_is_synchronous_fedavg():
     schedule = Schedule(rounds=4, local_steps=3, batch_size=4)
     sync_rows, async_rows = [], []
-    sync = run(model(), DATA, CLIENTS, FedAvg(weighting="uniform"), SGD, schedule, torch.device("cpu"), 0,
-               on_round=lambda row, alpha: sync_rows.append(row))
-    buffered = AsyncEngine(constant(1.0, 1.0, 1.0))(model(), DATA, CLIENTS, FedBuff(buffer_size=3), SGD, schedule,
-                                                    torch.device("cpu"), 0, on_round=lambda row, alpha: async_rows.append(row))
+    sync = run(
+        model(),
+        DATA,
+        CLIENTS,
+        FedAvg(weighting="uniform"),
+        SGD,
+        schedule,
+        torch.device("cpu"),
+        0,
+        on_round=lambda row, alpha: sync_rows.append(row),
+    )
+    buffered = AsyncEngine(constant(1.0, 1.0, 1.0))(
+        model(),
+        DATA,
+        CLIENTS,
+        FedBuff(buffer_size=3),
+        SGD,
+        schedule,
+        torch.device("cpu"),
+        0,
+        on_round=lambda row, alpha: async_rows.append(row),
+    )
     torch.testing.assert_close(buffered.params, sync.params)
     assert [r["test_accuracy"] for r in async_rows] == [r["test_accuracy"] for r in sync_rows]
     assert all(r["staleness_max"] == 0 for r in async_rows)
@@ -129,7 +161,9 @@ def test_fedbuff_staleness_scaling_is_not_renormalised_and_fedasync_mixing_by_ha
     # Equal staleness 4: every weight 1 / (K sqrt(5)), summing to 1/sqrt(5) = 0.4472, not 1.
     w = FedBuff(buffer_size=3, staleness_scaling=True).weights(buffer([0, 1, 2], [4, 4, 4]))
     assert_allclose(w, [1 / (3 * math.sqrt(5))] * 3)
-    update, _ = FedBuff(buffer_size=3, staleness_scaling=True).aggregate(torch.zeros(1), torch.ones(3, 1), buffer([0, 1, 2], [4, 4, 4]))
+    update, _ = FedBuff(buffer_size=3, staleness_scaling=True).aggregate(
+        torch.zeros(1), torch.ones(3, 1), buffer([0, 1, 2], [4, 4, 4])
+    )
     assert_allclose(update.numpy(), [1 / math.sqrt(5)], rtol=1e-6)  # the stale buffer moves the model less
     assert_allclose(FedBuff(buffer_size=2).weights(buffer([0, 1], [0, 3])), [0.5, 0.5])  # s = 1: plain 1/K
     # w = 0, the update started from 2 and moved by 2: w_local = 4; tau = 3 -> s = 4^-0.5 = 0.5, a = 0.6 * 0.5
@@ -155,13 +189,24 @@ def test_fedstaleweight_include_current_or_only_earlier_buffers():
 
 
 def test_same_seed_same_events_and_metrics():
-    speeds = [{"name": "fast", "clients": 2, "distribution": "uniform", "low": 1.0, "high": 2.0},
-              {"name": "slow", "clients": None, "distribution": "lognormal", "mean": 1.0, "sigma": 0.5}]
+    speeds = [
+        {"name": "fast", "clients": 2, "distribution": "uniform", "low": 1.0, "high": 2.0},
+        {"name": "slow", "clients": None, "distribution": "lognormal", "mean": 1.0, "sigma": 0.5},
+    ]
 
     def once(seed):
         rows = []
-        AsyncEngine(speeds)(model(), DATA, CLIENTS, FedStaleWeight(buffer_size=2), SGD, Schedule(rounds=6, local_steps=1, batch_size=5),
-                            torch.device("cpu"), seed, on_round=lambda row, alpha: rows.append({k: v for k, v in row.items() if not k.endswith("_wall_s")}))
+        AsyncEngine(speeds)(
+            model(),
+            DATA,
+            CLIENTS,
+            FedStaleWeight(buffer_size=2),
+            SGD,
+            Schedule(rounds=6, local_steps=1, batch_size=5),
+            torch.device("cpu"),
+            seed,
+            on_round=lambda row, alpha: rows.append({k: v for k, v in row.items() if not k.endswith("_wall_s")}),
+        )
         return rows
 
     assert once(0) == once(0)
@@ -179,7 +224,9 @@ def test_speed_groups_must_cover_the_clients():
     with pytest.raises(ConfigError, match="distribution"):
         SpeedGroup("g", 1, "gamma", value=1.0)
     with pytest.raises(ConfigError, match="engine"):
-        AsyncEngine(constant(1.0, 1.0, 1.0))(model(), DATA, CLIENTS, FedAvg(), SGD, Schedule(rounds=1), torch.device("cpu"), 0)
+        AsyncEngine(constant(1.0, 1.0, 1.0))(
+            model(), DATA, CLIENTS, FedAvg(), SGD, Schedule(rounds=1), torch.device("cpu"), 0
+        )
 
 
 def test_concurrency_keeps_only_that_many_clients_training():
@@ -189,16 +236,34 @@ def test_concurrency_keeps_only_that_many_clients_training():
     five = [np.arange(k * 6, (k + 1) * 6) for k in range(5)]
     agg, rows = Recording(buffer_size=2), []
     speeds = [{"name": "all", "clients": None, "distribution": "constant", "value": 1.0}]
-    AsyncEngine(speeds, concurrency=2)(model(), DATA, five, agg, SGD, Schedule(rounds=6, local_steps=1, batch_size=3),
-                                       torch.device("cpu"), 0, on_round=lambda row, alpha: rows.append(row))
+    AsyncEngine(speeds, concurrency=2)(
+        model(),
+        DATA,
+        five,
+        agg,
+        SGD,
+        Schedule(rounds=6, local_steps=1, batch_size=3),
+        torch.device("cpu"),
+        0,
+        on_round=lambda row, alpha: rows.append(row),
+    )
     assert [r["virtual_time"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness_max"] == 0 for r in rows)
     assert all(len(set(clients)) == 2 for _, clients, _ in agg.seen)
     assert len({c for _, clients, _ in agg.seen for c in clients}) > 2  # the draw rotates through the population
     # Without the limit all five train at once: five arrivals at t = 1 make two aggregations at that instant.
     unlimited = []
-    AsyncEngine(speeds)(model(), DATA, five, Recording(buffer_size=2), SGD, Schedule(rounds=2, local_steps=1, batch_size=3),
-                        torch.device("cpu"), 0, on_round=lambda row, alpha: unlimited.append(row))
+    AsyncEngine(speeds)(
+        model(),
+        DATA,
+        five,
+        Recording(buffer_size=2),
+        SGD,
+        Schedule(rounds=2, local_steps=1, batch_size=3),
+        torch.device("cpu"),
+        0,
+        on_round=lambda row, alpha: unlimited.append(row),
+    )
     assert [r["virtual_time"] for r in unlimited] == [1, 1]
 
 
@@ -208,8 +273,9 @@ def test_concurrency_draws_repeat_with_the_seed_and_cover_every_client_when_larg
 
     def once(concurrency, seed=0):
         agg = Recording(buffer_size=2)
-        AsyncEngine(speeds, concurrency=concurrency)(model(), DATA, five, agg, SGD, Schedule(rounds=5, local_steps=1, batch_size=3),
-                                                     torch.device("cpu"), seed)
+        AsyncEngine(speeds, concurrency=concurrency)(
+            model(), DATA, five, agg, SGD, Schedule(rounds=5, local_steps=1, batch_size=3), torch.device("cpu"), seed
+        )
         return agg.seen
 
     assert once(3) == once(3) and once(3) != once(3, seed=1)
@@ -225,12 +291,23 @@ def test_fairness_in_one_pass_equals_each_client_evaluated_alone():
     torch.manual_seed(0)
     model = MLP((1, 2, 3), 3, hidden=(4,))
     x, y = torch.randn(30, 1, 2, 3), torch.randint(0, 3, (30,))
-    clients = [np.arange(0, 10), np.arange(5, 15), np.array([29, 3, 3]), np.arange(15, 30)]  # overlapping, repeated samples
-    engine = AsyncEngine([{"name": "fast", "clients": 2, "distribution": "constant", "value": 1.0},
-                          {"name": "slow", "clients": None, "distribution": "constant", "value": 2.0}])
+    clients = [
+        np.arange(0, 10),
+        np.arange(5, 15),
+        np.array([29, 3, 3]),
+        np.arange(15, 30),
+    ]  # overlapping, repeated samples
+    engine = AsyncEngine(
+        [
+            {"name": "fast", "clients": 2, "distribution": "constant", "value": 1.0},
+            {"name": "slow", "clients": None, "distribution": "constant", "value": 2.0},
+        ]
+    )
     w = flat_parameters(model)
     applied = np.array([0.5, 0.25, 0.25, 0.0])
     summary, tables = engine._fairness(model, w, x, y, clients, None, engine.assign(4), applied)
     alone = np.array([evaluate(model, w, x[torch.as_tensor(c)], y[torch.as_tensor(c)])[0] for c in clients])
     np.testing.assert_allclose(tables["fairness.csv"]["accuracy"], alone, rtol=1e-6)  # evaluate() means in float32
-    assert summary["weight_share/fast"] == 0.75 and summary["client_accuracy_std"] == pytest.approx(alone.std(), rel=1e-6)
+    assert summary["weight_share/fast"] == 0.75 and summary["client_accuracy_std"] == pytest.approx(
+        alone.std(), rel=1e-6
+    )

@@ -7,7 +7,7 @@ import torch
 from numpy.testing import assert_allclose
 from torch.nn.functional import cross_entropy
 
-from fedrun.aggregators import RoundView, FedAvg
+from fedrun.aggregators import FedAvg, RoundView
 from fedrun.clients import LocalWork, _batches, cohort_losses, train_cohort
 from fedrun.models import MLP, flat_parameters, load_flat
 from fedrun.seeding import torch_generator
@@ -66,7 +66,10 @@ def test_cohort_losses_are_each_clients_mean_loss():
     with torch.no_grad():
         expected = [cross_entropy(model(X[p]), Y[p]).item() for p in PARTS]
         # authors' scale: batch means of consecutive batches of 5, summed, over n
-        authors = [sum(cross_entropy(model(X[p[i : i + 5]]), Y[p[i : i + 5]]).item() for i in range(0, len(p), 5)) / len(p) for p in PARTS]
+        authors = [
+            sum(cross_entropy(model(X[p[i : i + 5]]), Y[p[i : i + 5]]).item() for i in range(0, len(p), 5)) / len(p)
+            for p in PARTS
+        ]
     assert_allclose(losses.mean, expected, rtol=1e-5)
     assert_allclose(losses.authors, authors, rtol=1e-5)
 
@@ -74,7 +77,9 @@ def test_cohort_losses_are_each_clients_mean_loss():
 def test_local_losses_are_the_last_epochs_running_loss():
     model = MLP((1, 2, 3), 3, hidden=(4,))
     w = flat_parameters(model)
-    local = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.0, LocalWork(5, 3), seed=0, round_=1).local_losses
+    local = train_cohort(
+        model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.0, LocalWork(5, 3), seed=0, round_=1
+    ).local_losses
     # lr = 0: the model never moves, so every batch loss is the global model's loss on that batch
     full = cohort_losses(model, w, X, Y, PARTS, batch_size=5)
     assert_allclose(local.mean, full.mean, rtol=1e-5)

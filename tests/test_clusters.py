@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import FEDRUN, mlflow_runs, sweep_runs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -22,9 +21,22 @@ RAY = str(Path(sys.executable).parent / "ray")
 
 def sweep(tmp_path, store, experiment, *args):
     launcher = [] if any(a.startswith("hydra/launcher=") for a in args) else ["hydra/launcher=submitit_local"]
-    return subprocess.run([FEDRUN, "-m", *launcher, *args, "partition.num_clients=5", "device=cpu",
-                           f"tracking.uri=sqlite:///{store}", f"tracking.experiment={experiment}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                          cwd=tmp_path, capture_output=True, text=True)
+    return subprocess.run(
+        [
+            FEDRUN,
+            "-m",
+            *launcher,
+            *args,
+            "partition.num_clients=5",
+            "device=cpu",
+            f"tracking.uri=sqlite:///{store}",
+            f"tracking.experiment={experiment}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
 
 
 def deterministic(job: Path) -> pd.DataFrame:
@@ -38,7 +50,9 @@ def test_a_submitit_local_sweep_runs_each_job_in_its_own_process(tmp_path, store
     _, runs = mlflow_runs(store, "submitit")
     _, [parent] = sweep_runs(store, "submitit")
     assert sorted(r.data.tags["seed"] for r in runs) == ["0", "1"] and all(r.info.status == "FINISHED" for r in runs)
-    assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {parent.info.run_id} and parent.info.status == "FINISHED"
+    assert {r.data.tags["mlflow.parentRunId"] for r in runs} == {
+        parent.info.run_id
+    } and parent.info.status == "FINISHED"
     logs = sorted((tmp_path / "sweep" / ".submitit").glob("*/*_log.out"))
     assert len(logs) == 2  # one submitit job (its own process and log) per sweep job
     for job in ("0", "1"):
@@ -52,14 +66,27 @@ def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_resumes_to_the_unin
     # submitit_local_requeue: submitit_local with max_num_timeout 30, not submitit's 3: on a loaded machine a requeued
     # leg trains only for the ~30 s before its signal less its start-up, so the run may need more than four legs.
     run = ["schedule.rounds=220", "schedule.eval_every=10", "seed=0"]
-    done = sweep(tmp_path, store, "time_limit", "hydra/launcher=submitit_local_requeue", "hydra.launcher.timeout_min=1", *run)
+    done = sweep(
+        tmp_path, store, "time_limit", "hydra/launcher=submitit_local_requeue", "hydra.launcher.timeout_min=1", *run
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [log] = (tmp_path / "sweep" / ".submitit").glob("*/*_0_log.err")
     text = log.read_text()
     assert "stopped by SIGUSR2 after round" in text and "handing the job to submitit to requeue" in text
     assert f"fedrun: resuming {tmp_path / 'sweep' / '0'} after round" in text
-    whole = subprocess.run([FEDRUN, *run, "partition.num_clients=5", "device=cpu", "tracking.enabled=false", f"hydra.run.dir={tmp_path / 'whole'}"],
-                           cwd=tmp_path, capture_output=True, text=True)
+    whole = subprocess.run(
+        [
+            FEDRUN,
+            *run,
+            "partition.num_clients=5",
+            "device=cpu",
+            "tracking.enabled=false",
+            f"hydra.run.dir={tmp_path / 'whole'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     pd.testing.assert_frame_equal(deterministic(tmp_path / "sweep" / "0"), deterministic(tmp_path / "whole"))
     client, [job] = mlflow_runs(store, "time_limit")  # one run, reopened by the requeued job: no duplicate
@@ -75,15 +102,24 @@ def test_the_slurm_presets_are_accepted_by_submitit():
         with initialize_config_module(config_module="fedrun.conf", version_base="1.3"):
             cfg = compose(config_name="config", overrides=[f"hydra/launcher={preset}"], return_hydra_config=True)
         launcher = OmegaConf.to_container(cfg.hydra.launcher)
-        assert launcher["_target_"].endswith("SlurmLauncher") and launcher["gpus_per_node"] == gpus and launcher["signal_delay_s"] == 120
+        assert (
+            launcher["_target_"].endswith("SlurmLauncher")
+            and launcher["gpus_per_node"] == gpus
+            and launcher["signal_delay_s"] == 120
+        )
         # What the launcher hands SLURM, as hydra-submitit-launcher and submitit's AutoExecutor rename it; an
         # unknown key raises TypeError here, as it would on the cluster.
         renamed = {"timeout_min": "time", "tasks_per_node": "ntasks_per_node", "name": "job_name"}
-        params = {renamed.get(k, k): v for k, v in launcher.items()
-                  if k not in ("_target_", "submitit_folder", "max_num_timeout", "mem_gb") and v is not None}
+        params = {
+            renamed.get(k, k): v
+            for k, v in launcher.items()
+            if k not in ("_target_", "submitit_folder", "max_num_timeout", "mem_gb") and v is not None
+        }
         from submitit.slurm.slurm import _make_sbatch_string
 
-        text = _make_sbatch_string("fedrun", "/tmp/fedrun-submitit-preset-check", mem=f"{launcher['mem_gb']}GB", **params)
+        text = _make_sbatch_string(
+            "fedrun", "/tmp/fedrun-submitit-preset-check", mem=f"{launcher['mem_gb']}GB", **params
+        )
         assert "#SBATCH --signal=USR2@120" in text and "#SBATCH --time=240" in text
         assert ("#SBATCH --gpus-per-node=1" in text) == (gpus == 1)
 
@@ -94,8 +130,13 @@ def ray_head(tmp_path):
     pytest.importorskip("ray")  # the [ray] extra (in [dev])
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
-    started = subprocess.run([RAY, "start", "--head", "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}", "--port=0"],
-                             capture_output=True, text=True, env=env, timeout=180)
+    started = subprocess.run(
+        [RAY, "start", "--head", "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}", "--port=0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     assert started.returncode == 0, started.stderr[-3000:]
     address = re.search(r"--address='([^']+)'", started.stdout + started.stderr).group(1)
     yield address, env
@@ -105,11 +146,32 @@ def ray_head(tmp_path):
 
 def test_a_sweep_on_a_ray_cluster_runs_its_jobs_as_ray_tasks(tmp_path, store, ray_head):
     address, env = ray_head
-    done = subprocess.run([FEDRUN, "-m", "hydra/launcher=ray_cluster", f"hydra.launcher.ray.init.address={address}", "seed=0,1",
-                           "schedule.rounds=2", "partition.num_clients=5", "device=cpu", f"tracking.uri=sqlite:///{store}",
-                           "tracking.experiment=ray", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        [
+            FEDRUN,
+            "-m",
+            "hydra/launcher=ray_cluster",
+            f"hydra.launcher.ray.init.address={address}",
+            "seed=0,1",
+            "schedule.rounds=2",
+            "partition.num_clients=5",
+            "device=cpu",
+            f"tracking.uri=sqlite:///{store}",
+            "tracking.experiment=ray",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Connected to Ray cluster" in done.stdout + done.stderr and "Ray Launcher is launching 2 jobs" in done.stdout + done.stderr
+    assert (
+        "Connected to Ray cluster" in done.stdout + done.stderr
+        and "Ray Launcher is launching 2 jobs" in done.stdout + done.stderr
+    )
     _, runs = mlflow_runs(store, "ray")
     assert sorted(r.data.tags["seed"] for r in runs) == ["0", "1"] and all(r.info.status == "FINISHED" for r in runs)
-    assert {r.data.tags["torch_threads"] for r in runs} == {"1"}  # ray.remote.num_cpus of the preset: no oversubscription
+    assert {r.data.tags["torch_threads"] for r in runs} == {
+        "1"
+    }  # ray.remote.num_cpus of the preset: no oversubscription

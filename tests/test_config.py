@@ -11,8 +11,21 @@ from fedrun.cli import build, setup
 from fedrun.errors import ConfigError
 
 CONF = Path(fedrun.conf.__file__).parent
-OPTIONS = sorted((d.name, f.stem) for d in CONF.iterdir() if d.is_dir() and not d.name.startswith("_") for f in d.glob("*.yaml"))
-OBJECT_GROUPS = ("dataset", "partition", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine", "pipeline")
+OPTIONS = sorted(
+    (d.name, f.stem) for d in CONF.iterdir() if d.is_dir() and not d.name.startswith("_") for f in d.glob("*.yaml")
+)
+OBJECT_GROUPS = (
+    "dataset",
+    "partition",
+    "aggregator",
+    "optimizer",
+    "server",
+    "schedule",
+    "heterogeneity",
+    "device",
+    "engine",
+    "pipeline",
+)
 GLOBAL_GROUPS = ("experiment", "sweep", "method")  # presets that set keys across groups
 # Small shapes that each model option accepts: images for the CNN, anything for the others.
 MODEL_INPUT = {"cnn": (1, 8, 8)}
@@ -20,7 +33,20 @@ MODEL_INPUT = {"cnn": (1, 8, 8)}
 
 def test_groups_are_found():
     groups = {g for g, _ in OPTIONS}
-    assert {"dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity", "device", "engine", "method", "pipeline"} <= groups
+    assert {
+        "dataset",
+        "partition",
+        "model",
+        "aggregator",
+        "optimizer",
+        "server",
+        "schedule",
+        "heterogeneity",
+        "device",
+        "engine",
+        "method",
+        "pipeline",
+    } <= groups
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -83,13 +109,23 @@ def test_working_combinations_build(compose_config, overrides):
         (["aggregator=fedbuff", "engine=sync"], "engine='sync'", "async for FedBuff"),
         (["aggregator=fedbuff", "heterogeneity=stragglers"], "heterogeneity='Stragglers'", "none with engine=async"),
         (["metrics.r_targets=[0.6,1.5]"], "metrics.r_targets", "(0, 1]"),
-        (["aggregator=hybrid", "aggregator.phases=[{aggregator:{_target_:fedrun.aggregators.FedNova},until_round:2},"
-          "{aggregator:{_target_:fedrun.aggregators.FedAvg}}]"],
-         "aggregator.phases[0].aggregator='FedNova'", "only chooses weights"),
+        (
+            [
+                "aggregator=hybrid",
+                "aggregator.phases=[{aggregator:{_target_:fedrun.aggregators.FedNova},until_round:2},"
+                "{aggregator:{_target_:fedrun.aggregators.FedAvg}}]",
+            ],
+            "aggregator.phases[0].aggregator='FedNova'",
+            "only chooses weights",
+        ),
         (["partition=shards", "partition.shard_source=balanced"], "partition.shard_source='balanced'", "dataset"),
         (["server=adam", "server.v0=one"], "server.v0='one'", "paper"),
         (["optimizer=storm", "optimizer.init=half"], "optimizer.init='half'", "minibatch or full"),
-        (["schedule.stop_at_accuracy=0.9", "schedule.stop_on=client"], "schedule.stop_on='client'", "client_test_fraction is 0"),
+        (
+            ["schedule.stop_at_accuracy=0.9", "schedule.stop_on=client"],
+            "schedule.stop_on='client'",
+            "client_test_fraction is 0",
+        ),
         (["pipeline=clip", "pipeline.stages.0.max_norm=-1"], "pipeline.stages.0.max_norm=-1", "a number > 0"),
         (["pipeline=clip", "pipeline.stages.0.target_quantile=2"], "pipeline.stages.0.target_quantile=2", "[0, 1]"),
         (["aggregator=mvr", "pipeline=clip"], "pipeline=['Clip']", "none with aggregator=mvr"),
@@ -127,7 +163,11 @@ def test_presets_combine_with_every_aggregator(compose_config, experiment, aggre
 
 def test_softmax_mnist_is_the_papers_protocol(compose_config):
     cfg = compose_config("experiment=softmax_mnist")
-    assert (cfg.partition.num_clients, cfg.partition.samples_per_client, cfg.partition.shards_per_client) == (50, 200, 2)
+    assert (cfg.partition.num_clients, cfg.partition.samples_per_client, cfg.partition.shards_per_client) == (
+        50,
+        200,
+        2,
+    )
     assert (cfg.schedule.local_epochs, cfg.schedule.batch_size, cfg.schedule.clients_per_round) == (2, 64, 1.0)
     assert cfg.model._target_.endswith("CNN") and cfg.dataset._target_.endswith("MNIST")
     assert instantiate(cfg.partition).shard_source == "dataset"  # McMahan's shards of the whole training set
@@ -142,7 +182,12 @@ def test_the_authors_presets_are_their_code(compose_config):
     assert [labels for _, labels in split.groups] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     triples = instantiate(compose_config("experiment=softmax_mnist_authors", "partition=label_triples").partition)
     assert [labels for _, labels in triples.groups] == [[0, 1, 2], [2, 3, 4], [3, 4, 5], [5, 6, 7], [7, 8, 9]]
-    assert (cfg.dataset.scale, cfg.dataset.client_test_fraction, cfg.optimizer.lr, cfg.schedule.local_epochs) == ("raw", 0.15, 1e-4, 1)
+    assert (cfg.dataset.scale, cfg.dataset.client_test_fraction, cfg.optimizer.lr, cfg.schedule.local_epochs) == (
+        "raw",
+        0.15,
+        1e-4,
+        1,
+    )
     assert cfg.model.head == "logits"  # 4e1a5a1's ConvNet returns self.lin(x)
     hybrid = compose_config("experiment=hybrid_fmnist_authors")
     assert (hybrid.model.head, hybrid.model.eval_batch, hybrid.dataset.scale) == ("batch_softmax", 1000, "raw")
@@ -161,7 +206,7 @@ def test_help_opens_with_what_fedrun_is_and_its_commonest_commands():
     assert done.returncode == 0
     lines = done.stdout.splitlines()
     assert lines[0].startswith("fedrun: simulated federated-learning experiments")
-    commands = [line.split()[0] for line in lines[lines.index("Commonest commands:") + 1:] if line.startswith("  ")]
+    commands = [line.split()[0] for line in lines[lines.index("Commonest commands:") + 1 :] if line.startswith("  ")]
     assert commands[:6] == ["fedrun", "fedrun", "fedrun", "fedrun", "fedrun-report", "mlflow"]
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     for section in [s for line in lines for s in __import__("re").findall(r'\("([^"]+)"\)', line)]:

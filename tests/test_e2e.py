@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import mlflow_runs
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +34,15 @@ def test_main_job_logs_metrics_alpha_and_artifacts(fedrun, store):
     assert "R60" in run.data.metrics or run.data.tags.get("R60") == "not_reached"
     assert run.data.tags.get("R90") == "not_reached" or run.data.metrics["R90"] >= 1
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"metrics.csv", "alpha.csv", "model.pt", "curves.png", "alpha_heatmap.png", "config.yaml", "partition.csv"} <= artifacts
+    assert {
+        "metrics.csv",
+        "alpha.csv",
+        "model.pt",
+        "curves.png",
+        "alpha_heatmap.png",
+        "config.yaml",
+        "partition.csv",
+    } <= artifacts
     [job] = job_dirs(fedrun.cwd, "runs")
     metrics, alpha = pd.read_csv(job / "metrics.csv"), pd.read_csv(job / "alpha.csv")
     assert list(metrics["round"]) == [1, 2, 3] and alpha.shape == (3, 6)
@@ -92,13 +99,21 @@ def test_the_run_says_which_input_scale_it_ran_on(fedrun, store):
     done = fedrun("dataset.scale=pixels", check=False)
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
         "fedrun: error: dataset.scale='pixels' is invalid: allowed is standard (per-channel standardisation), unit (pixels / max, "
-        "in [0, 1]) or raw (the stored values)")
+        "in [0, 1]) or raw (the stored values)"
+    )
 
 
 @pytest.mark.slow
 def test_mnist_runs_offline_from_fedrun_data(fedrun, store):
-    fedrun("dataset=mnist", "partition=shards", "partition.num_clients=10", "partition.samples_per_client=200",
-           "schedule.rounds=3", "schedule.batch_size=20", "tracking.enabled=false")
+    fedrun(
+        "dataset=mnist",
+        "partition=shards",
+        "partition.num_clients=10",
+        "partition.samples_per_client=200",
+        "schedule.rounds=3",
+        "schedule.batch_size=20",
+        "tracking.enabled=false",
+    )
     [job] = job_dirs(fedrun.cwd, "runs")
     accuracy = pd.read_csv(job / "metrics.csv")["test_accuracy"]
     assert accuracy.iloc[-1] > 0.3  # 10 classes: chance is 0.1
@@ -120,44 +135,83 @@ def test_missing_dataset_files_say_what_to_put_where(fedrun, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="the presets use MNIST and Fashion-MNIST")
 def test_every_preset_runs_shrunk(fedrun):
-    fedrun("-m", "experiment=glob(*)", "schedule.rounds=1", "partition.samples_per_client=20", "schedule.batch_size=10",
-           "schedule.eval_every=1", "tracking.enabled=false")
-    assert len(job_dirs(fedrun.cwd, "multiruns")) == len(list((Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml")))
+    fedrun(
+        "-m",
+        "experiment=glob(*)",
+        "schedule.rounds=1",
+        "partition.samples_per_client=20",
+        "schedule.batch_size=10",
+        "schedule.eval_every=1",
+        "tracking.enabled=false",
+    )
+    assert len(job_dirs(fedrun.cwd, "multiruns")) == len(
+        list((Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml"))
+    )
 
 
 @pytest.mark.slow
 def test_named_sweep_runs_every_point(fedrun, store):
-    fedrun("sweep=topk", "hydra.sweeper.params.seed=0", "schedule.rounds=1", "partition.num_clients=5", experiment="topk")
+    fedrun(
+        "sweep=topk", "hydra.sweeper.params.seed=0", "schedule.rounds=1", "partition.num_clients=5", experiment="topk"
+    )
     _, runs = mlflow_runs(store, "topk")
     assert sorted(r.data.params["aggregator.k"] for r in runs) == ["0.1", "0.2", "0.5", "1", "1.0"]
 
 
 def test_async_run_logs_virtual_time_staleness_and_fairness_and_repeats_exactly(fedrun, store):
     speeds = "engine.speeds=[{name:fast,clients:3,distribution:uniform,low:1.0,high:2.0},{name:slow,clients:2,distribution:uniform,low:8.0,high:12.0}]"
-    args = ["aggregator=fedstaleweight", "aggregator.buffer_size=2", "partition=label_split",
-            "partition.groups=[{clients:3,labels:[4,5,6,7,8,9]},{clients:2,labels:[0,1,2,3]}]", speeds,
-            "schedule.rounds=6", "schedule.local_steps=1", "schedule.eval_every=3"]
+    args = [
+        "aggregator=fedstaleweight",
+        "aggregator.buffer_size=2",
+        "partition=label_split",
+        "partition.groups=[{clients:3,labels:[4,5,6,7,8,9]},{clients:2,labels:[0,1,2,3]}]",
+        speeds,
+        "schedule.rounds=6",
+        "schedule.local_steps=1",
+        "schedule.eval_every=3",
+    ]
     fedrun(*args, experiment="async")
     fedrun(*args, "tracking.enabled=false")
     client, [run] = mlflow_runs(store, "async")
     assert run.info.status == "FINISHED" and run.data.tags["engine"] == "async"
-    for name in ("virtual_time", "staleness_mean", "staleness_max", "accuracy/fast", "accuracy/slow",
-                 "weight_share/fast", "weight_share/slow", "client_accuracy_std"):
+    for name in (
+        "virtual_time",
+        "staleness_mean",
+        "staleness_max",
+        "accuracy/fast",
+        "accuracy/slow",
+        "weight_share/fast",
+        "weight_share/slow",
+        "client_accuracy_std",
+    ):
         assert name in run.data.metrics, name
     assert run.data.metrics["weight_share/fast"] + run.data.metrics["weight_share/slow"] == pytest.approx(1.0)
     assert "fairness.csv" in {a.path for a in client.list_artifacts(run.info.run_id)}
-    first, second = (pd.read_csv(j / "metrics.csv").filter(regex="^(?!.*_wall_s$)") for j in job_dirs(fedrun.cwd, "runs"))
+    first, second = (
+        pd.read_csv(j / "metrics.csv").filter(regex="^(?!.*_wall_s$)") for j in job_dirs(fedrun.cwd, "runs")
+    )
     assert len(first) == 6
     pd.testing.assert_frame_equal(first, second)
 
 
 @pytest.mark.slow
 def test_methods_set_three_groups_and_mvr_doubles_communication(fedrun, store):
-    fedrun("-m", "method=fedavg,storm_vr", "schedule.rounds=2", "partition.num_clients=4", "schedule.local_steps=2",
-           "heterogeneity=stragglers", "heterogeneity.fraction=0.5", experiment="methods")
+    fedrun(
+        "-m",
+        "method=fedavg,storm_vr",
+        "schedule.rounds=2",
+        "partition.num_clients=4",
+        "schedule.local_steps=2",
+        "heterogeneity=stragglers",
+        "heterogeneity.fraction=0.5",
+        experiment="methods",
+    )
     client, runs = mlflow_runs(store, "methods")
     by_method = {r.data.tags["method"]: r for r in runs}
-    assert by_method["storm_vr"].data.tags["aggregator"] == "mvr" and by_method["storm_vr"].data.tags["optimizer"] == "storm"
+    assert (
+        by_method["storm_vr"].data.tags["aggregator"] == "mvr"
+        and by_method["storm_vr"].data.tags["optimizer"] == "storm"
+    )
     assert by_method["fedavg"].data.tags["server"] == "sgd"
     upload = {m: r.data.metrics["upload_mb"] for m, r in by_method.items()}
     assert upload["storm_vr"] == pytest.approx(2 * upload["fedavg"])

@@ -70,6 +70,20 @@ def test_bad_value_names_its_key_in_one_line(compose_config, tmp_path, overrides
 
 def test_the_table_covers_every_group():
     groups = {key.split(".")[0] for _, key in BAD}
-    assert {"seed", "dataset", "partition", "model", "aggregator", "optimizer", "server", "schedule", "heterogeneity",
-            "device", "engine", "tracking", "metrics", "checkpoint"} <= groups
+    assert {
+        "seed",
+        "dataset",
+        "partition",
+        "model",
+        "aggregator",
+        "optimizer",
+        "server",
+        "schedule",
+        "heterogeneity",
+        "device",
+        "engine",
+        "tracking",
+        "metrics",
+        "checkpoint",
+    } <= groups
     assert len(BAD) >= 30

@@ -45,7 +45,7 @@ def test_round_view_signals_are_computed_once_on_first_read():
     assert view.losses == "losses" and view.losses == "losses" and len(calls) == 1 and view.read("losses")
     assert list(view.steps) == [4, 5] and view.previous_deltas is None and view.round == 3
     with pytest.raises(AttributeError, match="no signal 'gradients'"):
-        view.gradients
+        view.gradients  # noqa: B018 (reading it is the test)
 
 
 torch.manual_seed(0)
@@ -58,9 +58,17 @@ def engine_rows(aggregator, eval_every):
     torch.manual_seed(0)
     model = MLP((1, 2, 3), 3, hidden=(4,))
     rows = []
-    result = run(model, FederatedData(X, Y, X[:8], Y[:8], num_classes=3), PARTS, aggregator, SGD,
-                 Schedule(rounds=4, local_steps=2, batch_size=5, eval_every=eval_every), torch.device("cpu"), 0,
-                 on_round=lambda row, per_client: rows.append(row))
+    result = run(
+        model,
+        FederatedData(X, Y, X[:8], Y[:8], num_classes=3),
+        PARTS,
+        aggregator,
+        SGD,
+        Schedule(rounds=4, local_steps=2, batch_size=5, eval_every=eval_every),
+        torch.device("cpu"),
+        0,
+        on_round=lambda row, per_client: rows.append(row),
+    )
     return result.params, rows
 
 
@@ -106,7 +114,16 @@ def cohort_update(device, make_optimizer, dtype=torch.float32, work_override=Non
     parts = [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)]
     trainer = device.trainer(model, x, y, make_optimizer, passes_per_round=10**9)
     try:
-        return trainer(flat_parameters(model), parts, np.array([3, 7, 9]), 0.05, work_override or LocalWork(4, local_epochs=2), 0, 1, **kwargs)
+        return trainer(
+            flat_parameters(model),
+            parts,
+            np.array([3, 7, 9]),
+            0.05,
+            work_override or LocalWork(4, local_epochs=2),
+            0,
+            1,
+            **kwargs,
+        )
     finally:
         trainer.close()
 
@@ -115,7 +132,10 @@ def test_worker_processes_equal_the_loop_in_float64():
     from fedrun.backends import Device
     from fedrun.optimizers import ProxSGD
 
-    for make in (functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5), functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5)):
+    for make in (
+        functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5),
+        functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5),
+    ):
         loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64)
         forked = cohort_update(Device("cpu", "contiguous", "processes", workers=2), make, torch.float64)
         torch.testing.assert_close(forked.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
@@ -136,8 +156,15 @@ def test_workers_started_by_forkserver_equal_the_loop_in_float64():
     x, y = images()
     trainer = ProcessTrainer(model, x.double(), y, make, workers=2, start_method="forkserver")
     try:
-        served = trainer(flat_parameters(model), [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)], np.array([3, 7, 9]), 0.05,
-                         LocalWork(4, local_epochs=2), 0, 1)
+        served = trainer(
+            flat_parameters(model),
+            [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)],
+            np.array([3, 7, 9]),
+            0.05,
+            LocalWork(4, local_epochs=2),
+            0,
+            1,
+        )
     finally:
         trainer.close()
     torch.testing.assert_close(served.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
@@ -157,7 +184,9 @@ def test_worker_processes_loss_pass_equals_the_loop_in_float64():
         (x,) = device.prepare(model, x.double())
         trainer = device.trainer(model, x, y, SGD, passes_per_round=10**9)
         try:
-            losses[backend] = trainer.losses(flat_parameters(model), [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)], 4)
+            losses[backend] = trainer.losses(
+                flat_parameters(model), [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)], 4
+            )
         finally:
             trainer.close()
     np.testing.assert_allclose(losses["processes"].mean, losses["loop"].mean, rtol=1e-12)
@@ -179,7 +208,17 @@ def whole_runs(devices: dict, make_model, data, parts, optimizer, schedule) -> d
     for name, device in devices.items():
         torch.manual_seed(0)
         rows = []
-        result = run(make_model(), data, parts, FedSoftMax(), optimizer, schedule, device, 0, on_round=lambda row, per_client: rows.append(row))
+        result = run(
+            make_model(),
+            data,
+            parts,
+            FedSoftMax(),
+            optimizer,
+            schedule,
+            device,
+            0,
+            on_round=lambda row, per_client: rows.append(row),
+        )
         outcome[name] = (result.params, rows)
     return outcome
 
@@ -190,8 +229,14 @@ def test_a_whole_run_with_worker_processes_and_channels_last_matches_the_plain_r
     x, y = images(80)
     data = FederatedData(x, y, x[:20], y[:20], num_classes=4)
     parts = [np.arange(k * 20, (k + 1) * 20) for k in range(4)]
-    outcome = whole_runs({"plain": torch.device("cpu"), "fast": Device("cpu", "channels_last", "processes", workers=2)},
-                         lambda: CNN((3, 8, 8), 4), data, parts, SGD, Schedule(rounds=3, local_epochs=1, batch_size=5))
+    outcome = whole_runs(
+        {"plain": torch.device("cpu"), "fast": Device("cpu", "channels_last", "processes", workers=2)},
+        lambda: CNN((3, 8, 8), 4),
+        data,
+        parts,
+        SGD,
+        Schedule(rounds=3, local_epochs=1, batch_size=5),
+    )
     torch.testing.assert_close(outcome["fast"][0], outcome["plain"][0], rtol=1e-4, atol=1e-5)
     for fast, plain in zip(outcome["fast"][1], outcome["plain"][1]):
         assert fast["test_accuracy"] == plain["test_accuracy"]
@@ -229,7 +274,11 @@ def test_vmap_nesterov_and_per_client_work_equal_the_loop():
     from fedrun.cohort import LocalWork
 
     make = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.5, nesterov=True)
-    works = [LocalWork(4, local_steps=5), LocalWork(4, local_epochs=1), LocalWork(3, local_epochs=2)]  # stragglers do less
+    works = [
+        LocalWork(4, local_steps=5),
+        LocalWork(4, local_epochs=1),
+        LocalWork(3, local_epochs=2),
+    ]  # stragglers do less
     loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64, work_override=works)
     together = cohort_update(Device("cpu", "contiguous", "vmap"), make, torch.float64, work_override=works)
     torch.testing.assert_close(together.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
@@ -241,7 +290,9 @@ def test_vmap_refuses_solvers_and_models_without_a_closed_form_in_one_line():
     from fedrun.errors import ConfigError
     from fedrun.optimizers import STORM
 
-    with pytest.raises(ConfigError, match=r"device.backend='vmap' is invalid: allowed is loop or processes for this optimizer"):
+    with pytest.raises(
+        ConfigError, match=r"device.backend='vmap' is invalid: allowed is loop or processes for this optimizer"
+    ):
         cohort_update(Device("cpu", "contiguous", "vmap"), functools.partial(STORM, lr=0.05), torch.float64)
     model = nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.Dropout(0.5))
     from fedrun.vmap import VmapTrainer
@@ -271,9 +322,14 @@ def test_a_whole_run_with_vmap_matches_the_loop_in_float64():
     x, y = images(80)
     data = FederatedData(x.double(), y, x[:20].double(), y[:20], num_classes=4)
     parts = [np.arange(0, 15), np.arange(15, 40), np.arange(40, 52), np.arange(52, 80)]
-    outcome = whole_runs({backend: Device("cpu", "contiguous", backend) for backend in ("loop", "vmap")}, lambda: CNN((3, 8, 8), 4).double(),
-                         data, parts, functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5),
-                         Schedule(rounds=3, local_epochs=2, batch_size=4, clients_per_round=0.75))
+    outcome = whole_runs(
+        {backend: Device("cpu", "contiguous", backend) for backend in ("loop", "vmap")},
+        lambda: CNN((3, 8, 8), 4).double(),
+        data,
+        parts,
+        functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5),
+        Schedule(rounds=3, local_epochs=2, batch_size=4, clients_per_round=0.75),
+    )
     torch.testing.assert_close(outcome["vmap"][0], outcome["loop"][0], rtol=1e-10, atol=1e-12)
     for together, loop in zip(outcome["vmap"][1], outcome["loop"][1]):
         assert together["test_accuracy"] == loop["test_accuracy"]
@@ -307,10 +363,19 @@ def test_on_cuda_a_whole_run_with_vmap_and_channels_last_matches_the_cpu_run():
     x, y = images(80)
     data = FederatedData(x.double(), y, x[:20].double(), y[:20], num_classes=4)
     parts = [np.arange(0, 15), np.arange(15, 40), np.arange(40, 52), np.arange(52, 80)]
-    devices = {"cpu": Device("cpu", "contiguous", "loop"), "cuda-loop": Device("cuda", "contiguous", "loop"),
-               "cuda-vmap": Device("cuda", "channels_last", "vmap")}
-    outcome = whole_runs(devices, lambda: CNN((3, 8, 8), 4).double(), data, parts, functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5),
-                         Schedule(rounds=3, local_epochs=2, batch_size=4, clients_per_round=0.75))
+    devices = {
+        "cpu": Device("cpu", "contiguous", "loop"),
+        "cuda-loop": Device("cuda", "contiguous", "loop"),
+        "cuda-vmap": Device("cuda", "channels_last", "vmap"),
+    }
+    outcome = whole_runs(
+        devices,
+        lambda: CNN((3, 8, 8), 4).double(),
+        data,
+        parts,
+        functools.partial(ProxSGD, lr=0.05, mu=0.1, momentum=0.5),
+        Schedule(rounds=3, local_epochs=2, batch_size=4, clients_per_round=0.75),
+    )
     for name in ("cuda-loop", "cuda-vmap"):
         torch.testing.assert_close(outcome[name][0].cpu(), outcome["cpu"][0], rtol=1e-10, atol=1e-12)
         for cuda, cpu in zip(outcome[name][1], outcome["cpu"][1]):
@@ -354,9 +419,19 @@ def test_forked_workers_with_a_large_model_after_multithreaded_work_do_not_hang(
     signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the worker processes hung"))
     signal.alarm(120)
     try:
-        trainer = ProcessTrainer(model, x, y, functools.partial(torch.optim.SGD, lr=0.05), workers=2, start_method="fork")
+        trainer = ProcessTrainer(
+            model, x, y, functools.partial(torch.optim.SGD, lr=0.05), workers=2, start_method="fork"
+        )
         try:
-            update = trainer(flat_parameters(model), [np.arange(0, 30), np.arange(30, 60)], np.array([0, 1]), 0.05, LocalWork(10, local_epochs=1), 0, 1)
+            update = trainer(
+                flat_parameters(model),
+                [np.arange(0, 30), np.arange(30, 60)],
+                np.array([0, 1]),
+                0.05,
+                LocalWork(10, local_epochs=1),
+                0,
+                1,
+            )
         finally:
             trainer.close()
     finally:

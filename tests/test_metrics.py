@@ -3,7 +3,6 @@ import math
 import pytest
 
 from fedrun.errors import ConfigError
-
 from fedrun.metrics import r_index, r_name
 
 
@@ -56,9 +55,13 @@ def test_schedule_evaluation_and_stop_decisions():
     assert not Schedule(stop_at_accuracy=None).reached(test(1.0))
     assert schedule.reached({"test_accuracy": 0.95, "client_accuracy": 0.85})  # stop_on: test, the default
     client, both = Schedule(stop_at_accuracy=0.9, stop_on="client"), Schedule(stop_at_accuracy=0.9, stop_on="both")
-    assert client.reached({"test_accuracy": 0.5, "client_accuracy": 0.9}) and not client.reached({"test_accuracy": 0.95, "client_accuracy": 0.85})
+    assert client.reached({"test_accuracy": 0.5, "client_accuracy": 0.9}) and not client.reached(
+        {"test_accuracy": 0.95, "client_accuracy": 0.85}
+    )
     assert not client.reached(test(0.95))  # no clients' accuracy logged: never reached
-    assert not both.reached({"test_accuracy": 0.95, "client_accuracy": 0.85}) and not both.reached({"test_accuracy": 0.85, "client_accuracy": 0.95})
+    assert not both.reached({"test_accuracy": 0.95, "client_accuracy": 0.85}) and not both.reached(
+        {"test_accuracy": 0.85, "client_accuracy": 0.95}
+    )
     assert both.reached({"test_accuracy": 0.91, "client_accuracy": 0.9})
     with pytest.raises(ConfigError, match="stop_on"):
         Schedule(stop_on="val")
@@ -69,8 +72,14 @@ def test_summary_from_rows_in_memory():
 
     from fedrun.metrics import summarise
 
-    rows = pd.DataFrame({"round": [1, 2, 3, 4], "test_accuracy": [0.5, math.nan, 0.7, 0.65], "round_wall_s": [1.0, 2.0, 1.5, 0.5],
-                         "virtual_time": [2.0, 4.5, 7.0, 9.0]})
+    rows = pd.DataFrame(
+        {
+            "round": [1, 2, 3, 4],
+            "test_accuracy": [0.5, math.nan, 0.7, 0.65],
+            "round_wall_s": [1.0, 2.0, 1.5, 0.5],
+            "virtual_time": [2.0, 4.5, 7.0, 9.0],
+        }
+    )
     values, tags = summarise(rows, (0.6, 0.9))
     assert values["rounds_run"] == 4 and values["total_wall_s"] == 5.0
     assert values["final_test_accuracy"] == 0.65 and values["best_test_accuracy"] == 0.7

@@ -57,7 +57,9 @@ def test_shards_derived_size_drops_only_the_remainder():
 
 def test_larger_shards_give_fewer_labels():
     def mean_labels(shard_size, per_client):
-        parts = Shards(num_clients=10, samples_per_client=100, shard_size=shard_size, shards_per_client=per_client)(LABELS, rng())
+        parts = Shards(num_clients=10, samples_per_client=100, shard_size=shard_size, shards_per_client=per_client)(
+            LABELS, rng()
+        )
         return np.mean([len(np.unique(LABELS[p])) for p in parts])
 
     assert mean_labels(100, 1) <= 2 < mean_labels(25, 4)
@@ -101,7 +103,9 @@ def test_dataset_shards_give_an_uneven_federation_label_marginal_and_pool_an_eve
     missing = {"dataset": [], "pool": []}
     for source in missing:
         for seed in range(10):
-            parts = Shards(num_clients=5, samples_per_client=20, shards_per_client=2, shard_source=source)(LABELS, rng(seed))
+            parts = Shards(num_clients=5, samples_per_client=20, shards_per_client=2, shard_source=source)(
+                LABELS, rng(seed)
+            )
             check_disjoint_cover(parts, 100)
             counts = np.bincount(LABELS[np.concatenate(parts)], minlength=10)
             missing[source].append(int((counts == 0).sum()))
@@ -141,7 +145,11 @@ def test_label_split_groups_own_their_labels():
 
 def test_label_split_independent_draws_draw_each_client_s_quota_of_each_label_as_the_authors_code():
     labels = np.repeat(np.arange(4), 50)  # 50 samples of each of 4 labels
-    split = LabelSplit([{"clients": 3, "labels": [0, 1]}, {"clients": 2, "labels": [1, 2, 3]}], samples_per_client=20, draw="independent")
+    split = LabelSplit(
+        [{"clients": 3, "labels": [0, 1]}, {"clients": 2, "labels": [1, 2, 3]}],
+        samples_per_client=20,
+        draw="independent",
+    )
     parts = split(labels, np.random.default_rng(0))
     assert len(parts) == 5
     for part in parts[:3]:  # int(20 / 2) = 10 of labels 0 and 1
@@ -152,10 +160,16 @@ def test_label_split_independent_draws_draw_each_client_s_quota_of_each_label_as
     # Independently of the others: with 5 draws of 10-16 out of 50 label-1 samples, some are shared.
     assert len(np.unique(np.concatenate(parts))) < sum(len(p) for p in parts)
     assert all(np.array_equal(a, b) for a, b in zip(parts, split(labels, np.random.default_rng(0))))
-    with pytest.raises(ConfigError, match="samples_per_client=None is invalid: allowed is an integer with draw=independent"):
+    with pytest.raises(
+        ConfigError, match="samples_per_client=None is invalid: allowed is an integer with draw=independent"
+    ):
         LabelSplit([{"clients": 1, "labels": [0]}], draw="independent")
-    with pytest.raises(ConfigError, match=r"samples_per_client=120 is invalid: allowed is at most 100 \(50 samples of label 0\)"):
-        LabelSplit([{"clients": 1, "labels": [0, 1]}], samples_per_client=120, draw="independent")(labels, np.random.default_rng(0))
+    with pytest.raises(
+        ConfigError, match=r"samples_per_client=120 is invalid: allowed is at most 100 \(50 samples of label 0\)"
+    ):
+        LabelSplit([{"clients": 1, "labels": [0, 1]}], samples_per_client=120, draw="independent")(
+            labels, np.random.default_rng(0)
+        )
     with pytest.raises(ConfigError, match="draw='random'"):
         LabelSplit([{"clients": 1, "labels": [0]}], draw="random")
 
@@ -195,7 +209,11 @@ def test_natural_uses_the_datasets_split_and_others_refuse_it():
 
 
 def test_partitions_are_pure_functions_of_labels_config_and_seed():
-    for make in (lambda: IID(num_clients=4), lambda: Shards(num_clients=4), lambda: Dirichlet(num_clients=4, alpha=0.5)):
+    for make in (
+        lambda: IID(num_clients=4),
+        lambda: Shards(num_clients=4),
+        lambda: Dirichlet(num_clients=4, alpha=0.5),
+    ):
         a, b, c = make()(LABELS, rng(1)), make()(LABELS, rng(1)), make()(LABELS, rng(2))
         assert all(np.array_equal(x, y) for x, y in zip(a, b))
         assert not all(np.array_equal(x, y) for x, y in zip(a, c))

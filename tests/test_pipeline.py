@@ -22,9 +22,15 @@ def test_clip_scales_each_update_to_the_bound_and_leaves_those_within_it_bit_for
     # ||(0.3, 0.4)|| = 0.5 (kept). Clipped: 1 of 3; mean norm before clipping (5 + 10 + 0.5) / 3 = 5.1666...
     deltas = torch.tensor([[3.0, 4.0], [6.0, 8.0], [0.3, 0.4]], dtype=torch.float64)
     out, diagnostics = Clip(max_norm=5.0)(deltas, np.arange(3), 1)
-    torch.testing.assert_close(out, torch.tensor([[3.0, 4.0], [3.0, 4.0], [0.3, 0.4]], dtype=torch.float64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(
+        out, torch.tensor([[3.0, 4.0], [3.0, 4.0], [0.3, 0.4]], dtype=torch.float64), rtol=0, atol=1e-15
+    )
     assert torch.equal(out[0], deltas[0]) and torch.equal(out[2], deltas[2])
-    assert diagnostics == {"clip/max_norm": 5.0, "clip/fraction_clipped": pytest.approx(1 / 3), "clip/norm_mean": pytest.approx(15.5 / 3)}
+    assert diagnostics == {
+        "clip/max_norm": 5.0,
+        "clip/fraction_clipped": pytest.approx(1 / 3),
+        "clip/norm_mean": pytest.approx(15.5 / 3),
+    }
     assert torch.equal(deltas[1], torch.tensor([6.0, 8.0], dtype=torch.float64))  # its input is left as it was
 
 
@@ -37,7 +43,9 @@ def test_adaptive_clipping_moves_the_norm_geometrically_on_the_unclipped_fractio
     assert clip.max_norm == pytest.approx(math.exp(0.05))  # exp(-0.2 (0.25 - 0.5)) = exp(0.05) = 1.05127
     second = torch.tensor([[0.5, 0.0], [0.8, 0.0], [3.0, 0.0], [4.0, 0.0]])  # b = 2/4 = gamma: C stays
     out, diagnostics = clip(second, np.arange(4), 2)
-    assert clip.max_norm == pytest.approx(math.exp(0.05)) and diagnostics["clip/max_norm"] == pytest.approx(math.exp(0.05))
+    assert clip.max_norm == pytest.approx(math.exp(0.05)) and diagnostics["clip/max_norm"] == pytest.approx(
+        math.exp(0.05)
+    )
     torch.testing.assert_close(out[2], torch.tensor([math.exp(0.05), 0.0]))  # clipped with the C of this round
     everything_fits = Clip(max_norm=10.0, adaptive=True)
     everything_fits(first, np.arange(4), 1)
@@ -48,7 +56,9 @@ def test_adaptive_clipping_moves_the_norm_geometrically_on_the_unclipped_fractio
 def test_stages_run_in_order_and_an_empty_pipeline_passes_updates_unchanged():
     deltas = torch.tensor([[6.0, 8.0]])
     assert Pipeline()(deltas, np.arange(1), 1) == (deltas, {}) and not Pipeline()
-    out, diagnostics = Pipeline([Clip(5.0), Clip(1.0)])(deltas, np.arange(1), 1)  # 10 -> 5 -> 1; the second stage sees norm 5
+    out, diagnostics = Pipeline([Clip(5.0), Clip(1.0)])(
+        deltas, np.arange(1), 1
+    )  # 10 -> 5 -> 1; the second stage sees norm 5
     torch.testing.assert_close(out, torch.tensor([[0.6, 0.8]]))
     assert diagnostics["clip/norm_mean"] == pytest.approx(5.0)
     with pytest.raises(ConfigError, match=r"stages\[0\]"):
@@ -59,7 +69,9 @@ def test_stages_run_in_order_and_an_empty_pipeline_passes_updates_unchanged():
 
 def images(n, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 3, 8, 8, generator=generator, dtype=torch.float64), torch.randint(0, 4, (n,), generator=generator)
+    return torch.randn(n, 3, 8, 8, generator=generator, dtype=torch.float64), torch.randint(
+        0, 4, (n,), generator=generator
+    )
 
 
 def whole_run(device, pipeline, rounds=3, aggregator=None):
@@ -68,14 +80,26 @@ def whole_run(device, pipeline, rounds=3, aggregator=None):
     parts = [np.arange(0, 15), np.arange(15, 40), np.arange(40, 52), np.arange(52, 80)]
     torch.manual_seed(0)
     rows = []
-    result = run(CNN((3, 8, 8), 4).double(), data, parts, aggregator or FedAvg(), functools.partial(torch.optim.SGD, lr=0.5),
-                 Schedule(rounds=rounds, local_epochs=2, batch_size=4), device, 0, on_round=lambda row, per_client: rows.append(row),
-                 pipeline=pipeline)
+    result = run(
+        CNN((3, 8, 8), 4).double(),
+        data,
+        parts,
+        aggregator or FedAvg(),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        Schedule(rounds=rounds, local_epochs=2, batch_size=4),
+        device,
+        0,
+        on_round=lambda row, per_client: rows.append(row),
+        pipeline=pipeline,
+    )
     return result.params, rows
 
 
 def test_a_clip_stage_gives_equal_runs_on_the_loop_worker_process_and_vmap_backends_in_float64():
-    outcome = {backend: whole_run(Device("cpu", "contiguous", backend, workers=2), Pipeline([Clip(0.05)])) for backend in ("loop", "processes", "vmap")}
+    outcome = {
+        backend: whole_run(Device("cpu", "contiguous", backend, workers=2), Pipeline([Clip(0.05)]))
+        for backend in ("loop", "processes", "vmap")
+    }
     loop_params, loop_rows = outcome["loop"]
     assert all(row["clip/fraction_clipped"] > 0 for row in loop_rows)  # the bound is active
     for backend in ("processes", "vmap"):
@@ -106,10 +130,21 @@ def test_the_async_engine_clips_each_arriving_update_and_logs_the_buffers_mean()
     def go(pipeline):
         torch.manual_seed(0)
         rows = []
-        engine = AsyncEngine(speeds=[{"name": "all", "clients": None, "distribution": "uniform", "low": 1.0, "high": 3.0}])
-        result = engine(model=CNN((3, 8, 8), 4), data=data, clients=parts, aggregator=FedBuff(buffer_size=2), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
-                        schedule=Schedule(rounds=4, local_steps=2, batch_size=5), device=torch.device("cpu"), seed=0,
-                        on_round=lambda row, per_client: rows.append(row), pipeline=pipeline)
+        engine = AsyncEngine(
+            speeds=[{"name": "all", "clients": None, "distribution": "uniform", "low": 1.0, "high": 3.0}]
+        )
+        result = engine(
+            model=CNN((3, 8, 8), 4),
+            data=data,
+            clients=parts,
+            aggregator=FedBuff(buffer_size=2),
+            optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+            schedule=Schedule(rounds=4, local_steps=2, batch_size=5),
+            device=torch.device("cpu"),
+            seed=0,
+            on_round=lambda row, per_client: rows.append(row),
+            pipeline=pipeline,
+        )
         return result.params, rows
 
     plain, _ = go(None)

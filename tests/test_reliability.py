@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-
 from conftest import FEDRUN, mlflow_runs, sweep_runs
+
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -43,15 +43,33 @@ def test_checkpoints_are_due_every_n_rounds_at_the_end_and_on_a_stop(tmp_path):
         return saved
 
     assert saved_at(Checkpoint(tmp_path, every=3), range(1, 10)) == [3, 6, 9]
-    assert saved_at(Checkpoint(tmp_path, every=3), [2, 5, 7, 8, 10]) == [5, 7, 10]  # asynchronous instants jump past 3, 6, 9
+    assert saved_at(Checkpoint(tmp_path, every=3), [2, 5, 7, 8, 10]) == [
+        5,
+        7,
+        10,
+    ]  # asynchronous instants jump past 3, 6, 9
     assert Checkpoint(tmp_path, every=3).due(4, 0.1, last=True)
     assert saved_at(Checkpoint(tmp_path), range(1, 21)) == [10, 20]
     assert saved_at(Checkpoint(tmp_path), range(1, 4), round_wall_s=11.0) == [1, 2, 3]  # slow rounds: every round
 
 
 def start(cwd, out, store, *args):
-    cmd = [FEDRUN, *args, f"hydra.run.dir={out}", f"tracking.uri=sqlite:///{store}", "tracking.experiment=resume", "device=cpu"]
-    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    cmd = [
+        FEDRUN,
+        *args,
+        f"hydra.run.dir={out}",
+        f"tracking.uri=sqlite:///{store}",
+        "tracking.experiment=resume",
+        "device=cpu",
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+    )
 
 
 def rows_written(out: Path) -> int:
@@ -79,12 +97,32 @@ def deterministic(out: Path) -> pd.DataFrame:
 ADAPTIVE_CLIP = ["pipeline=clip", "pipeline.stages.0.adaptive=true", "pipeline.stages.0.max_norm=0.05"]
 CASES = {
     # every stateful part of the synchronous engine: FedOpt moments, MVR's momentum and previous model, F* estimates
-    "sync": ["aggregator=mvr", "server=adam", "schedule.rounds=8", "partition.num_clients=6", "device.backend=processes", "device.workers=2"],
+    "sync": [
+        "aggregator=mvr",
+        "server=adam",
+        "schedule.rounds=8",
+        "partition.num_clients=6",
+        "device.backend=processes",
+        "device.workers=2",
+    ],
     # ... and a stateful stage of the update pipeline (the adaptive clip norm moves every round)
-    "hybrid_fstar": ["aggregator=hybrid", "+aggregator.phases.0.aggregator.fstar=estimate", "aggregator.phases.0.until_round=5",
-                     "schedule.rounds=8", "partition.num_clients=6", "schedule.clients_per_round=0.5", *ADAPTIVE_CLIP],
+    "hybrid_fstar": [
+        "aggregator=hybrid",
+        "+aggregator.phases.0.aggregator.fstar=estimate",
+        "aggregator.phases.0.until_round=5",
+        "schedule.rounds=8",
+        "partition.num_clients=6",
+        "schedule.clients_per_round=0.5",
+        *ADAPTIVE_CLIP,
+    ],
     # the asynchronous event heap, buffer, pulled versions and FedStaleWeight's staleness windows, and the adaptive clip norm
-    "async": ["aggregator=fedstaleweight", "engine.concurrency=3", "schedule.rounds=8", "partition.num_clients=6", *ADAPTIVE_CLIP],
+    "async": [
+        "aggregator=fedstaleweight",
+        "engine.concurrency=3",
+        "schedule.rounds=8",
+        "partition.num_clients=6",
+        *ADAPTIVE_CLIP,
+    ],
 }
 
 
@@ -116,19 +154,27 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
 
 
 @pytest.mark.slow
-def test_a_run_killed_before_its_first_checkpoint_restarts_in_its_dir_and_mlflow_run_and_equals_an_uninterrupted_one(tmp_path, store):
+def test_a_run_killed_before_its_first_checkpoint_restarts_in_its_dir_and_mlflow_run_and_equals_an_uninterrupted_one(
+    tmp_path, store
+):
     args = [*CASES["sync"], "checkpoint.every=100"]  # no checkpoint before the last round
     whole = start(tmp_path, tmp_path / "whole", store, *args)
     assert whole.wait() == 0, whole.communicate()[1][-3000:]
     killed = start(tmp_path, tmp_path / "killed", store, *args)
     kill_after(killed, tmp_path / "killed", 2)
     assert killed.wait() == -signal.SIGKILL
-    assert not (tmp_path / "killed" / FILE).exists() and (tmp_path / "killed" / RUN_FILE).is_file() and rows_written(tmp_path / "killed") >= 2
+    assert (
+        not (tmp_path / "killed" / FILE).exists()
+        and (tmp_path / "killed" / RUN_FILE).is_file()
+        and rows_written(tmp_path / "killed") >= 2
+    )
     resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'killed'}"], cwd=tmp_path, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "restarting" in resumed.stderr and "from round 1" in resumed.stderr
     pd.testing.assert_frame_equal(deterministic(tmp_path / "killed"), deterministic(tmp_path / "whole"))
-    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "killed" / "alpha.csv"), pd.read_csv(tmp_path / "whole" / "alpha.csv"))
+    pd.testing.assert_frame_equal(
+        pd.read_csv(tmp_path / "killed" / "alpha.csv"), pd.read_csv(tmp_path / "whole" / "alpha.csv")
+    )
     client, runs = mlflow_runs(store, "resume")
     mine = [r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "killed")]
     assert len(mine) == 1 and mine[0].info.status == "FINISHED"  # the same MLflow run, reopened
@@ -156,11 +202,16 @@ def test_a_crafted_checkpoint_is_refused_in_one_line_by_resume_and_import_and_ru
     (run / "metrics.csv").write_text("round,test_accuracy\n1,0.5\n")
     marker = tmp_path / "pwned"
     torch.save({"round": 1, "finished": False, "payload": Crafted(marker)}, run / FILE)
-    for cmd in ([FEDRUN, f"resume={run}"], [str(Path(FEDRUN).with_name("fedrun-import")), str(run), "--uri", f"sqlite:///{tmp_path / 'x.db'}"]):
+    for cmd in (
+        [FEDRUN, f"resume={run}"],
+        [str(Path(FEDRUN).with_name("fedrun-import")), str(run), "--uri", f"sqlite:///{tmp_path / 'x.db'}"],
+    ):
         done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 2, done.stderr[-3000:]
         last = done.stderr.strip().splitlines()
-        assert len(last) == 1 and f"checkpoint='{run / FILE}' is invalid" in last[0] and "weights_only" in last[0], done.stderr
+        assert len(last) == 1 and f"checkpoint='{run / FILE}' is invalid" in last[0] and "weights_only" in last[0], (
+            done.stderr
+        )
         assert "Traceback" not in done.stderr and not marker.exists()
     assert not (tmp_path / "x.db").exists()  # refused before the store was touched
 
@@ -192,16 +243,31 @@ def test_resume_refuses_other_overrides_and_missing_checkpoints_in_one_line(tmp_
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("fedrun: error: resume=")
     (tmp_path / FILE).write_bytes(b"")
     (tmp_path / "config.yaml").write_text("seed: 0\n")
-    done = subprocess.run([FEDRUN, f"resume={tmp_path}", "optimizer.lr=0.5"], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        [FEDRUN, f"resume={tmp_path}", "optimizer.lr=0.5"], cwd=tmp_path, capture_output=True, text=True
+    )
     assert done.returncode == 2 and "no other overrides" in done.stderr and "optimizer.lr=0.5" in done.stderr
 
 
 @pytest.mark.slow
 def test_sigterm_to_the_whole_process_group_with_worker_processes_stops_cleanly(tmp_path, store):
     """As SLURM does at the time limit: every process of the job gets SIGTERM, the forked workers included."""
-    cmd = [FEDRUN, "device=cpu", "schedule.rounds=30", "partition.num_clients=6", "checkpoint.every=100", "device.backend=processes",
-           "device.workers=2", f"hydra.run.dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{store}", "tracking.experiment=resume", "device=cpu"]
-    process = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = [
+        FEDRUN,
+        "device=cpu",
+        "schedule.rounds=30",
+        "partition.num_clients=6",
+        "checkpoint.every=100",
+        "device.backend=processes",
+        "device.workers=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"tracking.uri=sqlite:///{store}",
+        "tracking.experiment=resume",
+        "device=cpu",
+    ]
+    process = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.time() + 300
     while rows_written(tmp_path / "run") < 2:
         assert process.poll() is None and time.time() < deadline
@@ -218,11 +284,17 @@ def test_sigterm_to_the_whole_process_group_with_worker_processes_stops_cleanly(
 @pytest.mark.slow
 def test_an_unreachable_tracking_server_fails_in_one_line_within_15_seconds(tmp_path):
     started = time.time()
-    done = subprocess.run([FEDRUN, "tracking.uri=http://127.0.0.1:9", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [FEDRUN, "tracking.uri=http://127.0.0.1:9", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert time.time() - started < 15
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith("fedrun: error: tracking.uri='http://127.0.0.1:9' is invalid")
+    assert (
+        done.stderr.strip().splitlines()[-1].startswith("fedrun: error: tracking.uri='http://127.0.0.1:9' is invalid")
+    )
     assert not (tmp_path / "run" / "metrics.csv").exists()  # nothing loaded or trained
 
 
@@ -238,10 +310,16 @@ def test_a_store_lost_mid_run_keeps_training_and_fedrun_import_brings_the_run_ba
     store.unlink()  # the database is gone: MLflow's next write fails
     _, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-3000:]
-    assert "MLflow stopped taking this run's data" in err and err.strip().splitlines()[-1] == f"  fedrun-import {out}"  # said again at the end
+    assert (
+        "MLflow stopped taking this run's data" in err and err.strip().splitlines()[-1] == f"  fedrun-import {out}"
+    )  # said again at the end
     assert rows_written(out) == 25  # every round is in the files
     imported = tmp_path / "imported.db"
-    done = subprocess.run([str(Path(FEDRUN).parent / "fedrun-import"), str(out), f"--uri=sqlite:///{imported}"], capture_output=True, text=True)
+    done = subprocess.run(
+        [str(Path(FEDRUN).parent / "fedrun-import"), str(out), f"--uri=sqlite:///{imported}"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     client, [run] = mlflow_runs(imported, "resume")
     metrics = pd.read_csv(out / "metrics.csv")
@@ -256,33 +334,73 @@ def test_a_store_lost_mid_run_keeps_training_and_fedrun_import_brings_the_run_ba
 @pytest.mark.slow
 def test_fedrun_import_of_an_untracked_run_has_every_metric(tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run([FEDRUN, "schedule.rounds=4", "partition.num_clients=5", "tracking.enabled=false", f"hydra.run.dir={out}",
-                           "schedule.eval_every=2"], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            FEDRUN,
+            "schedule.rounds=4",
+            "partition.num_clients=5",
+            "tracking.enabled=false",
+            f"hydra.run.dir={out}",
+            "schedule.eval_every=2",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     store = tmp_path / "store.db"
-    done = subprocess.run([str(Path(FEDRUN).parent / "fedrun-import"), str(out), f"--uri=sqlite:///{store}", "--experiment=imported"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [str(Path(FEDRUN).parent / "fedrun-import"), str(out), f"--uri=sqlite:///{store}", "--experiment=imported"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     client, [run] = mlflow_runs(store, "imported")
     metrics = pd.read_csv(out / "metrics.csv")
     for column in metrics.columns.drop("round"):
         expected = metrics[["round", column]].dropna()
         history = client.get_metric_history(run.info.run_id, column)
-        assert [(m.step, m.value) for m in history] == [(int(r), pytest.approx(v)) for r, v in expected.itertuples(index=False)], column
+        assert [(m.step, m.value) for m in history] == [
+            (int(r), pytest.approx(v)) for r, v in expected.itertuples(index=False)
+        ], column
     assert run.data.metrics["rounds_run"] == 4 and run.info.status == "FINISHED"
 
 
 @pytest.mark.slow
 def test_diverging_run_prints_one_line_without_a_traceback(tmp_path):
-    done = subprocess.run([FEDRUN, "optimizer.lr=1e6", "schedule.rounds=5", "partition.num_clients=5", "tracking.enabled=false",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            FEDRUN,
+            "optimizer.lr=1e6",
+            "schedule.rounds=5",
+            "partition.num_clients=5",
+            "tracking.enabled=false",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("fedrun: error: training diverged: non-finite") and "round 1" in last and "lr=1e+06" in last and "FAILED" in last
+    assert (
+        last.startswith("fedrun: error: training diverged: non-finite")
+        and "round 1" in last
+        and "lr=1e+06" in last
+        and "FAILED" in last
+    )
     # Imported later (it ran without tracking), it is FAILED with its reason, not KILLED.
     store = tmp_path / "store.db"
-    done = subprocess.run([str(Path(FEDRUN).parent / "fedrun-import"), str(tmp_path / "run"), f"--uri=sqlite:///{store}", "--experiment=imported"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            str(Path(FEDRUN).parent / "fedrun-import"),
+            str(tmp_path / "run"),
+            f"--uri=sqlite:///{store}",
+            "--experiment=imported",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     _, [run] = mlflow_runs(store, "imported")
     assert run.info.status == "FAILED" and run.data.tags["failure_reason"].startswith("DivergenceError: non-finite")
@@ -290,9 +408,23 @@ def test_diverging_run_prints_one_line_without_a_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_a_sweep_with_a_diverging_job_finishes_the_others_and_names_the_failed_overrides(tmp_path, store):
-    done = subprocess.run([FEDRUN, "-m", "optimizer.lr=0.05,1e6,0.1", "schedule.rounds=3", "partition.num_clients=5",
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}", f"tracking.uri=sqlite:///{store}", "tracking.experiment=sweep_fail",
-                           "device=cpu"], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    done = subprocess.run(
+        [
+            FEDRUN,
+            "-m",
+            "optimizer.lr=0.05,1e6,0.1",
+            "schedule.rounds=3",
+            "partition.num_clients=5",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            f"tracking.uri=sqlite:///{store}",
+            "tracking.experiment=sweep_fail",
+            "device=cpu",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+    )
     assert done.returncode == 1
     [line] = [line for line in done.stderr.splitlines() if line.startswith("fedrun: error: job 1 (")]
     assert "optimizer.lr=1000000.0" in line and "training diverged" in line
@@ -301,40 +433,88 @@ def test_a_sweep_with_a_diverging_job_finishes_the_others_and_names_the_failed_o
     _, runs = mlflow_runs(store, "sweep_fail")
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED", "FINISHED"]
     _, [parent] = sweep_runs(store, "sweep_fail")  # ended although the sweep failed, and marked so
-    assert parent.info.status == "FAILED" and parent.data.metrics["jobs_failed"] == 1 and parent.data.metrics["jobs_finished"] == 2
+    assert (
+        parent.info.status == "FAILED"
+        and parent.data.metrics["jobs_failed"] == 1
+        and parent.data.metrics["jobs_finished"] == 2
+    )
     # Resumed, the diverged job is a result like the finished ones: skipped, no second FAILED run (it diverged at
     # round 1, before any checkpoint, so without its mark it would run again from the start).
-    again = subprocess.run([FEDRUN, "-m", "optimizer.lr=0.05,1e6,0.1", "schedule.rounds=3", "partition.num_clients=5",
-                            f"resume={tmp_path / 'sweep'}", f"tracking.uri=sqlite:///{store}", "tracking.experiment=sweep_fail", "device=cpu"],
-                           cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    again = subprocess.run(
+        [
+            FEDRUN,
+            "-m",
+            "optimizer.lr=0.05,1e6,0.1",
+            "schedule.rounds=3",
+            "partition.num_clients=5",
+            f"resume={tmp_path / 'sweep'}",
+            f"tracking.uri=sqlite:///{store}",
+            "tracking.experiment=sweep_fail",
+            "device=cpu",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+    )
     assert again.returncode == 1 and again.stderr.count("had finished: skipped") == 2
     [line] = [line for line in again.stderr.splitlines() if line.startswith("fedrun: error: job 1 (")]
     assert "had diverged: non-finite" in line and "skipped, its FAILED run is kept" in line
     _, runs = mlflow_runs(store, "sweep_fail")
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED", "FINISHED"]
-    refused = subprocess.run([FEDRUN, f"resume={tmp_path / 'sweep' / '1'}", "tracking.enabled=false"], cwd=tmp_path, capture_output=True, text=True)
-    assert refused.returncode == 2 and "a run that did not diverge (this one did, and would again: non-finite" in refused.stderr
+    refused = subprocess.run(
+        [FEDRUN, f"resume={tmp_path / 'sweep' / '1'}", "tracking.enabled=false"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        refused.returncode == 2
+        and "a run that did not diverge (this one did, and would again: non-finite" in refused.stderr
+    )
 
 
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_skipping_finished_jobs_and_equals_an_uninterrupted_one(tmp_path, store):
     sweep = ["-m", "seed=0,1,2", "schedule.rounds=6", "partition.num_clients=5", "checkpoint.every=2"]
     common = [f"tracking.uri=sqlite:///{store}", "tracking.experiment=sweep_resume", "device=cpu"]
-    whole = subprocess.run([FEDRUN, *sweep, f"hydra.sweep.dir={tmp_path / 'whole'}", *common], cwd=tmp_path, capture_output=True, text=True)
+    whole = subprocess.run(
+        [FEDRUN, *sweep, f"hydra.sweep.dir={tmp_path / 'whole'}", *common], cwd=tmp_path, capture_output=True, text=True
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = subprocess.Popen([FEDRUN, *sweep, f"hydra.sweep.dir={tmp_path / 'killed'}", *common], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = subprocess.Popen(
+        [FEDRUN, *sweep, f"hydra.sweep.dir={tmp_path / 'killed'}", *common],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     kill_after(killed, tmp_path / "killed" / "1", 3)  # job 0 done, job 1 part-way, job 2 never started
     killed.wait()
     assert not (tmp_path / "killed" / "2").exists()
-    resumed = subprocess.run([FEDRUN, *sweep, f"resume={tmp_path / 'killed'}", *common], cwd=tmp_path, capture_output=True, text=True)
+    resumed = subprocess.run(
+        [FEDRUN, *sweep, f"resume={tmp_path / 'killed'}", *common], cwd=tmp_path, capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "job 0 (" in resumed.stderr and "had finished: skipped" in resumed.stderr
     assert f"resuming {tmp_path / 'killed' / '1'} after round" in resumed.stderr
     for job in ("0", "1", "2"):
         pd.testing.assert_frame_equal(deterministic(tmp_path / "killed" / job), deterministic(tmp_path / "whole" / job))
-    changed = subprocess.run([FEDRUN, "-m", "seed=0,1,2", "schedule.rounds=7", "partition.num_clients=5", "checkpoint.every=2",
-                              f"resume={tmp_path / 'killed'}", *common], cwd=tmp_path, capture_output=True, text=True)
+    changed = subprocess.run(
+        [
+            FEDRUN,
+            "-m",
+            "seed=0,1,2",
+            "schedule.rounds=7",
+            "partition.num_clients=5",
+            "checkpoint.every=2",
+            f"resume={tmp_path / 'killed'}",
+            *common,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert changed.returncode == 1 and "the same sweep" in changed.stderr and "schedule.rounds" in changed.stderr
     _, parents = sweep_runs(store, "sweep_resume")  # the resumed sweep reopened its parent run, not a new one
     killed_parent = [p for p in parents if p.data.tags["sweep_dir"] == str(tmp_path / "killed")]

@@ -8,10 +8,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
 from conftest import mlflow_runs
+
 from fedrun.metrics import mean_ci
-from fedrun.report import censored_median, group_keys, legend_name, markdown, paired, paired_markdown, step_name, summarise
+from fedrun.report import (
+    censored_median,
+    group_keys,
+    legend_name,
+    markdown,
+    paired,
+    paired_markdown,
+    step_name,
+    summarise,
+)
 
 
 def frame():
@@ -45,12 +54,21 @@ def test_group_keys_skip_seed_targets_and_keys_implied_by_the_choice():
 def test_groups_a_method_chooses_are_not_keys_beside_it():
     # method=storm_vr sets aggregator=mvr and optimizer=storm: the method says it all, and a paired table against
     # method=fedavg must not also match on the aggregator (no pairs would be left).
-    runs = pd.DataFrame({"tags.method": ["fedavg", "fedavg", "storm_vr", "storm_vr"], "tags.aggregator": ["fedavg", "fedavg", "mvr", "mvr"],
-                         "tags.optimizer": ["sgd", "sgd", "storm", "storm"], "params.seed": ["0", "1", "0", "1"],
-                         "params.optimizer.k0": [None, None, "0.15", "0.15"], "params.schedule.rounds": ["30", "100", "30", "100"]})
+    runs = pd.DataFrame(
+        {
+            "tags.method": ["fedavg", "fedavg", "storm_vr", "storm_vr"],
+            "tags.aggregator": ["fedavg", "fedavg", "mvr", "mvr"],
+            "tags.optimizer": ["sgd", "sgd", "storm", "storm"],
+            "params.seed": ["0", "1", "0", "1"],
+            "params.optimizer.k0": [None, None, "0.15", "0.15"],
+            "params.schedule.rounds": ["30", "100", "30", "100"],
+        }
+    )
     assert group_keys(runs) == ["tags.method", "params.schedule.rounds"]
     # a group that varies within a method (here the partition) stays a key
-    by_partition = runs.drop(columns="params.schedule.rounds").assign(**{"tags.partition": ["iid", "shards", "iid", "shards"]})
+    by_partition = runs.drop(columns="params.schedule.rounds").assign(
+        **{"tags.partition": ["iid", "shards", "iid", "shards"]}
+    )
     assert group_keys(by_partition) == ["tags.method", "tags.partition"]
 
 
@@ -70,8 +88,10 @@ def test_summary_counts_reached_runs_and_uses_student_t():
     # R95 reached by none -> infinite, shown as "> 9" (the runs' 9 rounds).
     assert fedavg["R60_median"] == 3.0 and hot["R60_median"] == 6.0 and math.isinf(fedavg["R95_median"])
     text = markdown(summarise(runs, keys), keys)
-    assert ("| aggregator | aggregator.temperature | runs | R60 (reached) | R60 median | R95 (reached) | R95 median | "
-            "R60_time (reached) | R60_time median |") in text
+    assert (
+        "| aggregator | aggregator.temperature | runs | R60 (reached) | R60 median | R95 (reached) | R95 median | "
+        "R60_time (reached) | R60_time median |"
+    ) in text
     assert "| 4.0 ± 12.7 (2/2) | 3 |" in text and "| 6.0 (1/2) | 6 |" in text and "| - (0/2) | > 9 |" in text
 
 
@@ -95,14 +115,21 @@ def test_paired_differences_match_runs_on_the_seed_against_the_baseline():
     # FedAvg's runs have no temperature: each FedSoftMax run pairs with the FedAvg run of its seed.
     # T=1: R60 [2, 4] - [3, 5] = [-1, -1]: mean -1, no spread. T=10: seed 0 never reached 60% -> one pair, 6 - 5 = 1.
     assert table.loc["1", "R60_diff"] == -1.0 and table.loc["1", "R60_ci95"] == 0.0 and table.loc["1", "R60_pairs"] == 2
-    assert table.loc["10", "R60_diff"] == 1.0 and math.isnan(table.loc["10", "R60_ci95"]) and table.loc["10", "R60_pairs"] == 1
+    assert (
+        table.loc["10", "R60_diff"] == 1.0
+        and math.isnan(table.loc["10", "R60_ci95"])
+        and table.loc["10", "R60_pairs"] == 1
+    )
     # final accuracy, T=1: [0.95, 0.93] - [0.9, 0.92] = [0.05, 0.01]: mean 0.03, sd 0.02828, t(1) 12.706 * 0.02828 / sqrt(2) = 0.2541
     assert table.loc["1", "final_test_accuracy_diff"] == pytest.approx(0.03)
     assert table.loc["1", "final_test_accuracy_ci95"] == pytest.approx(0.2541, abs=1e-4)
     assert table.loc["1", "pairs"] == 2 and "fedavg" not in set(table["aggregator"])
     text = paired_markdown(table.reset_index(), keys, "tags.aggregator", "fedavg")
     assert table.loc["1", "R60_lower"] == 2 and table.loc["1", "R60_higher"] == 0 and table.loc["10", "R60_higher"] == 1
-    assert "| fedsoftmax | 1 | 2 | -1.0 ± 0.0 (2: 2-/0=/0+) |" in text and "| fedsoftmax | 10 | 2 | 1.0 (1: 0-/0=/1+) |" in text
+    assert (
+        "| fedsoftmax | 1 | 2 | -1.0 ± 0.0 (2: 2-/0=/0+) |" in text
+        and "| fedsoftmax | 10 | 2 | 1.0 (1: 0-/0=/1+) |" in text
+    )
     with pytest.raises(ValueError, match="no finished run has aggregator = 'fedprox' \\(there: fedavg, fedsoftmax\\)"):
         paired(runs, keys, "tags.aggregator", "fedprox")
 
@@ -135,11 +162,22 @@ def test_censored_median_counts_unreached_runs_as_infinite():
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
-    fedrun("-m", "aggregator=fedavg,fedsoftmax", "seed=0,1", "schedule.rounds=3", "partition.num_clients=5", experiment="report")
+    fedrun(
+        "-m",
+        "aggregator=fedavg,fedsoftmax",
+        "seed=0,1",
+        "schedule.rounds=3",
+        "partition.num_clients=5",
+        experiment="report",
+    )
     out = tmp_path / "report"
     report = str(Path(sys.executable).parent / "fedrun-report")
-    done = subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--out", str(out)],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "| aggregator | runs |" in done.stdout
     table = pd.read_csv(out / "report.csv").set_index("aggregator")
     assert list(table.index) == ["fedavg", "fedsoftmax"] and list(table["runs"]) == [2, 2]
@@ -151,8 +189,24 @@ def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
         assert table.loc[aggregator, "final_test_accuracy_ci95"] == pytest.approx(half)
     assert (out / "report.md").read_text().startswith("# report") and (out / "accuracy.png").stat().st_size > 10_000
     # Any logged metric: its last value per run as a column, its per-round curve as a band plot.
-    subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--out", str(out),
-                    "--metrics", "alpha_distance", "--plot", "alpha_distance"], capture_output=True, text=True, check=True)
+    subprocess.run(
+        [
+            report,
+            "--experiment",
+            "report",
+            "--tracking-uri",
+            f"sqlite:///{store}",
+            "--out",
+            str(out),
+            "--metrics",
+            "alpha_distance",
+            "--plot",
+            "alpha_distance",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     table = pd.read_csv(out / "report.csv").set_index("aggregator")
     for aggregator in ("fedavg", "fedsoftmax"):
         last = [r.data.metrics["alpha_distance"] for r in runs if r.data.tags["aggregator"] == aggregator]
@@ -160,23 +214,67 @@ def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
     assert table.loc["fedavg", "alpha_distance_mean"] == pytest.approx(0.0, abs=1e-12)  # FedAvg's alpha is p
     assert (out / "alpha_distance.png").stat().st_size > 10_000
     # Paired by seed against FedAvg: each FedSoftMax run minus the FedAvg run of its seed.
-    subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--out", str(out), "--paired", "aggregator=fedavg"],
-                   capture_output=True, text=True, check=True)
+    subprocess.run(
+        [
+            report,
+            "--experiment",
+            "report",
+            "--tracking-uri",
+            f"sqlite:///{store}",
+            "--out",
+            str(out),
+            "--paired",
+            "aggregator=fedavg",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     final = {(r.data.tags["aggregator"], r.data.params["seed"]): r.data.metrics["final_test_accuracy"] for r in runs}
     diffs = [final[("fedsoftmax", seed)] - final[("fedavg", seed)] for seed in ("0", "1")]
     pairs = pd.read_csv(out / "paired.csv").set_index("aggregator")
     assert pairs.loc["fedsoftmax", "final_test_accuracy_diff"] == pytest.approx(np.mean(diffs))
     assert pairs.loc["fedsoftmax", "final_test_accuracy_ci95"] == pytest.approx(mean_ci(diffs)[1], nan_ok=True)
     assert (out / "paired.md").read_text().startswith("Paired by seed, against aggregator = fedavg")
-    alone = subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--out", str(tmp_path / "alone"),
-                            "--filter", "tags.aggregator = 'fedavg'", "--paired", "aggregator=fedavg"], capture_output=True, text=True, check=True)
-    assert "against aggregator = fedavg: every run is a baseline run, nothing to pair." in alone.stdout  # a sweep's first part, say
-    bad = subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--paired", "seed=0"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "--paired 'seed=0': KEY=BASELINE with KEY one of the table's keys (aggregator)" in bad.stderr
-    unknown = subprocess.run([report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--metrics", "acc/slow"],
-                             capture_output=True, text=True)
+    alone = subprocess.run(
+        [
+            report,
+            "--experiment",
+            "report",
+            "--tracking-uri",
+            f"sqlite:///{store}",
+            "--out",
+            str(tmp_path / "alone"),
+            "--filter",
+            "tags.aggregator = 'fedavg'",
+            "--paired",
+            "aggregator=fedavg",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert (
+        "against aggregator = fedavg: every run is a baseline run, nothing to pair." in alone.stdout
+    )  # a sweep's first part, say
+    bad = subprocess.run(
+        [report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--paired", "seed=0"],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        bad.returncode != 0
+        and "--paired 'seed=0': KEY=BASELINE with KEY one of the table's keys (aggregator)" in bad.stderr
+    )
+    unknown = subprocess.run(
+        [report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--metrics", "acc/slow"],
+        capture_output=True,
+        text=True,
+    )
     assert unknown.returncode != 0 and "metric 'acc/slow' was not logged by these runs (logged: " in unknown.stderr
-    missing = subprocess.run([report, "--experiment", "nope", "--tracking-uri", f"sqlite:///{store}"], capture_output=True, text=True)
+    missing = subprocess.run(
+        [report, "--experiment", "nope", "--tracking-uri", f"sqlite:///{store}"], capture_output=True, text=True
+    )
     assert missing.returncode != 0 and "no experiment 'nope'" in missing.stderr
 
 
@@ -188,8 +286,15 @@ def test_the_x_axis_counts_aggregations_for_async_runs():
 
 
 def test_legend_names_leave_out_keys_without_a_value_and_shorten_unique_ones():
-    keys = ["tags.aggregator", "params.aggregator.anneal", "params.partition.shards_per_client", "params.a.temperature", "params.b.temperature"]
+    keys = [
+        "tags.aggregator",
+        "params.aggregator.anneal",
+        "params.partition.shards_per_client",
+        "params.a.temperature",
+        "params.b.temperature",
+    ]
     assert legend_name(keys, ("fedavg", "-", "2", "None", "-")) == "aggregator=fedavg, shards_per_client=2"
     assert legend_name(keys, ("fedsoftmax", "exponential", "2", "1.0", "3")) == (
-        "aggregator=fedsoftmax, anneal=exponential, shards_per_client=2, a.temperature=1.0, b.temperature=3")  # two "temperature"s
+        "aggregator=fedsoftmax, anneal=exponential, shards_per_client=2, a.temperature=1.0, b.temperature=3"
+    )  # two "temperature"s
     assert legend_name([], ()) == "all runs"

@@ -63,9 +63,16 @@ def test_yogi_and_adagrad_second_moments():
     assert_allclose(zero.step(W, D1).numpy(), [1 + 0.02 / (0.2 + 0.01), 1 - 0.04 / (0.4 + 0.01)], rtol=1e-6)
 
 
-@pytest.mark.parametrize("make,key", [(lambda: ServerMomentum(beta=1.0), "beta"), (lambda: ServerAdam(eps=0), "eps"),
-                                      (lambda: ServerYogi(beta2=1.5), "beta2"), (lambda: ServerOptimizer(server_lr=-1), "server_lr"),
-                                      (lambda: ServerAdam(v0="ones"), "v0")])
+@pytest.mark.parametrize(
+    "make,key",
+    [
+        (lambda: ServerMomentum(beta=1.0), "beta"),
+        (lambda: ServerAdam(eps=0), "eps"),
+        (lambda: ServerYogi(beta2=1.5), "beta2"),
+        (lambda: ServerOptimizer(server_lr=-1), "server_lr"),
+        (lambda: ServerAdam(v0="ones"), "v0"),
+    ],
+)
 def test_bad_values_name_the_key(make, key):
     with pytest.raises(ConfigError, match=key):
         make()

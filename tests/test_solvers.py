@@ -7,7 +7,7 @@ import pytest
 import torch
 from numpy.testing import assert_allclose
 
-from fedrun.aggregators import MVR, RoundView, FedAvg, FedNova
+from fedrun.aggregators import MVR, FedAvg, FedNova, RoundView
 from fedrun.clients import LocalWork, train_cohort
 from fedrun.heterogeneity import RandomSteps, Stragglers
 from fedrun.models import MLP, flat_parameters
@@ -19,10 +19,12 @@ X, Y = torch.randn(40, 1, 2, 3), torch.randint(0, 3, (40,))
 PARTS = [np.arange(0, 12), np.arange(12, 40)]
 
 
-def updates(make_optimizer, lr=0.1, work=LocalWork(5, 2)):
+def updates(make_optimizer, lr=0.1, work=LocalWork(5, 2)):  # noqa: B008 (LocalWork is immutable)
     torch.manual_seed(1)
     model = MLP((1, 2, 3), 3, hidden=(4,))
-    return train_cohort(model, flat_parameters(model), X, Y, PARTS, np.array([0, 1]), make_optimizer, lr, work, seed=0, round_=1)
+    return train_cohort(
+        model, flat_parameters(model), X, Y, PARTS, np.array([0, 1]), make_optimizer, lr, work, seed=0, round_=1
+    )
 
 
 def test_prox_with_mu_zero_is_sgd_and_mu_pulls_towards_the_global_model():
@@ -136,7 +138,16 @@ def test_mvr_trajectories_take_the_same_adaptive_steps():
     torch.manual_seed(0)
     model = MLP((1, 2, 3), 3, hidden=(4,))
     data = FederatedData(X, Y, X[:8], Y[:8], num_classes=3)
-    run(model, data, PARTS, MVR(beta=0.5), solver, Schedule(rounds=3, local_steps=3, batch_size=5), torch.device("cpu"), 0)
+    run(
+        model,
+        data,
+        PARTS,
+        MVR(beta=0.5),
+        solver,
+        Schedule(rounds=3, local_steps=3, batch_size=5),
+        torch.device("cpu"),
+        0,
+    )
     # Round 1: one trajectory per client; rounds 2 and 3: from w_t, then from w_{t-1}, per client.
     assert len(made) == 2 + 4 + 4
     for t, first in ((2, 2), (3, 6)):
@@ -148,10 +159,14 @@ def test_mvr_trajectories_take_the_same_adaptive_steps():
 def test_coefficient_norms_match_fednova_closed_forms():
     assert coefficient_norm(7, 0.1) == 7
     rho, tau = 0.5, 6
-    assert coefficient_norm(tau, 0.1, momentum=rho) == pytest.approx((tau - rho * (1 - rho**tau) / (1 - rho)) / (1 - rho))
+    assert coefficient_norm(tau, 0.1, momentum=rho) == pytest.approx(
+        (tau - rho * (1 - rho**tau) / (1 - rho)) / (1 - rho)
+    )
     lr, mu = 0.1, 0.5
     assert coefficient_norm(tau, lr, mu=mu) == pytest.approx((1 - (1 - lr * mu) ** tau) / (lr * mu))
-    assert coefficient_norm(tau, 0.0, momentum=rho, mu=mu) == coefficient_norm(tau, 0.1, momentum=rho)  # lr -> 0: no prox pull
+    assert coefficient_norm(tau, 0.0, momentum=rho, mu=mu) == coefficient_norm(
+        tau, 0.1, momentum=rho
+    )  # lr -> 0: no prox pull
 
 
 def test_solver_reports_steps_and_norms():
@@ -161,7 +176,14 @@ def test_solver_reports_steps_and_norms():
 
 
 def report(sizes, norms, previous=None):
-    return RoundView(np.arange(len(sizes)), np.array(sizes), None, 1, coefficient_norms=np.array(norms, float), previous_deltas=previous)
+    return RoundView(
+        np.arange(len(sizes)),
+        np.array(sizes),
+        None,
+        1,
+        coefficient_norms=np.array(norms, float),
+        previous_deltas=previous,
+    )
 
 
 def test_fednova_equals_fedavg_with_equal_work_and_follows_its_formula_otherwise():
@@ -180,8 +202,11 @@ def test_mvr_first_round_is_plain_averaging_then_its_momentum_by_hand():
     first, _ = agg.aggregate(w, torch.tensor([[1.0, 3.0], [1.0, -1.0]]), report([1, 1], [1, 1]))
     assert_allclose(first.numpy(), [1.0, 1.0])
     # fresh mean [1, 1]; correction mean(Delta - Delta_hat) = [.5, .5]; m = .5 [1, 1] + .5 ([1, 1] + [.5, .5])
-    second, _ = agg.aggregate(w, torch.tensor([[2.0, 0.0], [0.0, 2.0]]),
-                              report([1, 1], [1, 1], previous=torch.tensor([[1.0, 0.0], [0.0, 1.0]])))
+    second, _ = agg.aggregate(
+        w,
+        torch.tensor([[2.0, 0.0], [0.0, 2.0]]),
+        report([1, 1], [1, 1], previous=torch.tensor([[1.0, 0.0], [0.0, 1.0]])),
+    )
     assert_allclose(second.numpy(), [1.25, 1.25])
 
 
@@ -205,7 +230,9 @@ def test_two_client_quadratic_fedavg_bias_and_fednova_fixed_points(lr):
                 for _ in range(steps):
                     local = local - lr * (local - target)  # exact gradient step
                 deltas.append(local - x)
-            r = RoundView(np.arange(2), np.ones(2), None, 1, coefficient_norms=np.array([coefficient_norm(s, lr) for s in tau]))
+            r = RoundView(
+                np.arange(2), np.ones(2), None, 1, coefficient_norms=np.array([coefficient_norm(s, lr) for s in tau])
+            )
             x = server.step(x, agg.aggregate(x, torch.stack(deltas), r)[0])
         assert x.item() == pytest.approx(closed[name], abs=1e-9)
     assert abs(closed["fednova"] - 0.5) < abs(closed["fedavg"] - 0.5) / 3
@@ -218,7 +245,9 @@ def test_heterogeneity_plans():
     assert [w.local_steps for w in first] == [w.local_steps for w in again]
     assert all(2 <= w.local_steps <= 9 for w in first)
     redrawn = RandomSteps(low=2, high=9, redraw=True)
-    assert [w.local_steps for w in redrawn.plan(1, cohort, sizes, work, 0)] != [w.local_steps for w in redrawn.plan(2, cohort, sizes, work, 0)]
+    assert [w.local_steps for w in redrawn.plan(1, cohort, sizes, work, 0)] != [
+        w.local_steps for w in redrawn.plan(2, cohort, sizes, work, 0)
+    ]
     partial = Stragglers(fraction=0.5).plan(3, cohort, sizes, work, 0)
     assert sum(w is not work for w in partial) == 3 and all(1 <= w.local_steps <= 8 for w in partial if w is not work)
     dropped = Stragglers(fraction=0.5, mode="drop").plan(3, cohort, sizes, work, 0)

@@ -24,11 +24,28 @@ def test_every_kind_of_state_comes_back_equal_with_its_type_and_dtype():
     generator = np.random.default_rng(7)
     generator.random(3)  # advanced: its state, not its seed, must come back
     window = deque([1, 2], maxlen=4)
-    state = {"round": 3, "lr": 0.1, "name": "x", "none": None, "tensor": torch.arange(3.0), "counts": np.array([1, 2], dtype=np.int64),
-             "mean": np.float32(0.25), "rows": [{"acc": np.float64(0.5)}], "pair": (1, torch.ones(2)), "rng": generator,
-             "history": {4: window}, "big": 2**100}
+    state = {
+        "round": 3,
+        "lr": 0.1,
+        "name": "x",
+        "none": None,
+        "tensor": torch.arange(3.0),
+        "counts": np.array([1, 2], dtype=np.int64),
+        "mean": np.float32(0.25),
+        "rows": [{"acc": np.float64(0.5)}],
+        "pair": (1, torch.ones(2)),
+        "rng": generator,
+        "history": {4: window},
+        "big": 2**100,
+    }
     back = through_a_file(state)
-    assert back["round"] == 3 and back["lr"] == 0.1 and back["name"] == "x" and back["none"] is None and back["big"] == 2**100
+    assert (
+        back["round"] == 3
+        and back["lr"] == 0.1
+        and back["name"] == "x"
+        and back["none"] is None
+        and back["big"] == 2**100
+    )
     assert torch.equal(back["tensor"], state["tensor"])
     assert back["counts"].dtype == np.int64 and back["counts"].tolist() == [1, 2]
     assert type(back["mean"]) is np.float32 and back["mean"] == np.float32(0.25)
@@ -39,7 +56,9 @@ def test_every_kind_of_state_comes_back_equal_with_its_type_and_dtype():
 
 
 def test_an_object_in_the_state_is_refused_when_saved_naming_where_it_is():
-    with pytest.raises(TypeError, match=r"state\['aggregator'\]\['inner'\] is a .*Aggregator, which a checkpoint cannot hold"):
+    with pytest.raises(
+        TypeError, match=r"state\['aggregator'\]\['inner'\] is a .*Aggregator, which a checkpoint cannot hold"
+    ):
         encode({"aggregator": {"inner": Aggregator()}})
 
 
@@ -56,7 +75,9 @@ def test_a_hybrids_state_holds_its_phases_states_and_restores_them_into_a_fresh_
     assert again.phases[0][0].diagnostics == {"alpha_distance": 0.5} and again.phases[0][0] is not first.phases[0][0]
 
 
-def test_an_old_checkpoint_of_pickled_objects_is_refused_then_converted_by_fedrun_upgrade_and_resumes_the_same_state(tmp_path):
+def test_an_old_checkpoint_of_pickled_objects_is_refused_then_converted_by_fedrun_upgrade_and_resumes_the_same_state(
+    tmp_path,
+):
     from fedrun.async_engine import _Streams
     from fedrun.checkpoint import FILE, Checkpoint
     from fedrun.errors import ConfigError
@@ -70,8 +91,18 @@ def test_an_old_checkpoint_of_pickled_objects_is_refused_then_converted_by_fedru
     streams, sampler = _Streams(3, "speed"), np.random.default_rng(1)
     streams[2].random(4)
     # What fedrun wrote before explicit state: vars() of the objects, numpy generators and objects pickled whole.
-    torch.save({"round": 4, "finished": False, "sampler": sampler, "speed_rng": streams, "aggregator": vars(old),
-                "rows": [{"round": 1, "staleness_mean": np.float64(1.5)}], "extra": {"mlflow_run_id": "abc"}}, tmp_path / FILE)
+    torch.save(
+        {
+            "round": 4,
+            "finished": False,
+            "sampler": sampler,
+            "speed_rng": streams,
+            "aggregator": vars(old),
+            "rows": [{"round": 1, "staleness_mean": np.float64(1.5)}],
+            "extra": {"mlflow_run_id": "abc"},
+        },
+        tmp_path / FILE,
+    )
     with pytest.raises(ConfigError, match="python -m fedrun.upgrade"):
         Checkpoint(tmp_path, resume=True).restored()
     assert upgrade(tmp_path) and not upgrade(tmp_path)  # converted once; then it is in today's format

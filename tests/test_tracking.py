@@ -20,10 +20,14 @@ def test_long_per_client_files_keep_only_the_round_s_clients_and_the_heatmap_sho
     monkeypatch.setattr(tracking, "WIDE_CLIENTS", 2)
     monkeypatch.setattr(tracking, "HEATMAP_CLIENTS", 2)
     tracker = Tracker(tmp_path, 5, False, "", "x")
-    tracker.log_round({"round": 1, "test_accuracy": 0.5, "test_loss": 1.0, "round_wall_s": 1.0},
-                      {"alpha": np.array([0.0, 0.25, 0.0, 0.75, 0.0]), "local_steps": np.array([0, 4, 0, 6, 0])})
-    tracker.log_round({"round": 2, "test_accuracy": 0.6, "test_loss": 0.9, "round_wall_s": 1.0},
-                      {"alpha": np.array([0.5, 0.0, 0.0, 0.0, 0.5]), "local_steps": np.array([5, 0, 0, 0, 5])})
+    tracker.log_round(
+        {"round": 1, "test_accuracy": 0.5, "test_loss": 1.0, "round_wall_s": 1.0},
+        {"alpha": np.array([0.0, 0.25, 0.0, 0.75, 0.0]), "local_steps": np.array([0, 4, 0, 6, 0])},
+    )
+    tracker.log_round(
+        {"round": 2, "test_accuracy": 0.6, "test_loss": 0.9, "round_wall_s": 1.0},
+        {"alpha": np.array([0.5, 0.0, 0.0, 0.0, 0.5]), "local_steps": np.array([5, 0, 0, 0, 5])},
+    )
     alpha = pd.read_csv(tmp_path / "alpha.csv")
     assert list(alpha.columns) == ["round", "client", "alpha"]
     assert alpha.to_numpy().tolist() == [[1, 1, 0.25], [1, 3, 0.75], [2, 0, 0.5], [2, 4, 0.5]]

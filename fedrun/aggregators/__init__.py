@@ -2,7 +2,6 @@
 
 from fedrun.aggregators.base import Aggregator
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport, FedAsync, FedBuff, FedStaleWeight
-from fedrun.aggregators.normalised import MVR, FedNova
 from fedrun.aggregators.loss_weighted import (
     FedAvg,
     FedBetter,
@@ -14,9 +13,26 @@ from fedrun.aggregators.loss_weighted import (
     Hybrid,
     LossWeighted,
 )
+from fedrun.aggregators.normalised import MVR, FedNova
 from fedrun.cohort import RoundView
 
 __all__ = [
-    "Aggregator", "AsyncAggregator", "BufferReport", "RoundView", "FedAsync", "FedBuff", "FedStaleWeight", "FedAvg", "FedBetter", "FedBetterK", "FedMax", "FedMaxK",
-    "FedNova", "FedSoftBetter", "FedSoftMax", "Hybrid", "LossWeighted", "MVR",
+    "Aggregator",
+    "AsyncAggregator",
+    "BufferReport",
+    "RoundView",
+    "FedAsync",
+    "FedBuff",
+    "FedStaleWeight",
+    "FedAvg",
+    "FedBetter",
+    "FedBetterK",
+    "FedMax",
+    "FedMaxK",
+    "FedNova",
+    "FedSoftBetter",
+    "FedSoftMax",
+    "Hybrid",
+    "LossWeighted",
+    "MVR",
 ]

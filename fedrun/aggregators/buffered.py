@@ -53,7 +53,9 @@ class AsyncAggregator(Stateful):
     def weights(self, buffer: BufferReport) -> np.ndarray:
         raise NotImplementedError
 
-    def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, buffer: BufferReport) -> tuple[torch.Tensor, np.ndarray]:
+    def aggregate(
+        self, global_params: torch.Tensor, deltas: torch.Tensor, buffer: BufferReport
+    ) -> tuple[torch.Tensor, np.ndarray]:
         """The update sum_j alpha_j Delta_j and alpha over the buffer."""
         alpha = self.weights(buffer)
         return torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas, alpha
@@ -148,7 +150,12 @@ class FedAsync(AsyncAggregator):
     ):
         super().__init__(buffer_size=1)
         check(0 < mixing <= 1, "mixing", mixing, "a number in (0, 1]")
-        check(staleness_function in ("constant", "polynomial", "hinge"), "staleness_function", staleness_function, "constant, polynomial or hinge")
+        check(
+            staleness_function in ("constant", "polynomial", "hinge"),
+            "staleness_function",
+            staleness_function,
+            "constant, polynomial or hinge",
+        )
         check(exponent >= 0, "exponent", exponent, "a number >= 0")
         self.mixing, self.staleness_function = mixing, staleness_function
         self.exponent, self.hinge_a, self.hinge_b = exponent, hinge_a, hinge_b

@@ -141,8 +141,18 @@ class FedSoftMax(LossWeighted):
         check(temperature > 0, "temperature", temperature, "a number > 0")
         check(anneal in ("constant", "linear", "exponential"), "anneal", anneal, "constant, linear or exponential")
         if anneal != "constant":
-            check(temperature_final is not None and temperature_final > 0, "temperature_final", temperature_final, f"a number > 0 with anneal={anneal}")
-            check(isinstance(anneal_rounds, int) and anneal_rounds >= 2, "anneal_rounds", anneal_rounds, f"an integer >= 2 with anneal={anneal}")
+            check(
+                temperature_final is not None and temperature_final > 0,
+                "temperature_final",
+                temperature_final,
+                f"a number > 0 with anneal={anneal}",
+            )
+            check(
+                isinstance(anneal_rounds, int) and anneal_rounds >= 2,
+                "anneal_rounds",
+                anneal_rounds,
+                f"an integer >= 2 with anneal={anneal}",
+            )
         self.temperature, self.temperature_final = temperature, temperature_final
         self.anneal, self.anneal_rounds = anneal, anneal_rounds
 
@@ -189,7 +199,12 @@ class Hybrid(Aggregator):
         self.phases = []
         for i, phase in enumerate(phases):
             rounds, accuracy = phase.get("until_round"), phase.get("until_accuracy")
-            check(isinstance(phase.get("aggregator"), Aggregator), f"phases[{i}].aggregator", phase.get("aggregator"), "an aggregator config")
+            check(
+                isinstance(phase.get("aggregator"), Aggregator),
+                f"phases[{i}].aggregator",
+                phase.get("aggregator"),
+                "an aggregator config",
+            )
             # A phase contributes only its weights; one that aggregates otherwise (FedNova's normalisation,
             # MVR's momentum) would silently run as a weighted average.
             agg = phase["aggregator"]
@@ -200,15 +215,33 @@ class Hybrid(Aggregator):
                 "an aggregator that only chooses weights (fedavg, the loss-weighted family, hybrid), not one with "
                 "its own aggregation such as fednova or mvr",
             )
-            check(rounds is None or (isinstance(rounds, int) and rounds >= 1), f"phases[{i}].until_round", rounds, "null or an integer >= 1")
-            check(accuracy is None or 0 < accuracy <= 1, f"phases[{i}].until_accuracy", accuracy, "null or a fraction in (0, 1]")
-            check(i == len(phases) - 1 or rounds is not None or accuracy is not None, f"phases[{i}]", dict(phase), "an until_round or until_accuracy (all but the last phase)")
+            check(
+                rounds is None or (isinstance(rounds, int) and rounds >= 1),
+                f"phases[{i}].until_round",
+                rounds,
+                "null or an integer >= 1",
+            )
+            check(
+                accuracy is None or 0 < accuracy <= 1,
+                f"phases[{i}].until_accuracy",
+                accuracy,
+                "null or a fraction in (0, 1]",
+            )
+            check(
+                i == len(phases) - 1 or rounds is not None or accuracy is not None,
+                f"phases[{i}]",
+                dict(phase),
+                "an until_round or until_accuracy (all but the last phase)",
+            )
             self.phases.append((phase["aggregator"], rounds, accuracy))
         self.current = 0
 
     def state_dict(self) -> dict:
         """Its own attributes, with each phase's aggregator as that aggregator's state (the phases' ends are config)."""
-        return {**{k: v for k, v in vars(self).items() if k != "phases"}, "phases": [agg.state_dict() for agg, _, _ in self.phases]}
+        return {
+            **{k: v for k, v in vars(self).items() if k != "phases"},
+            "phases": [agg.state_dict() for agg, _, _ in self.phases],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
