@@ -30,22 +30,20 @@ KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 PER_CLIENT = ("alpha", "local_steps")  # the per-client series the engines report (``<name>.csv``)
 WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
 
+
+def _config_groups() -> tuple[str, ...]:
+    """The groups of the root config's defaults list, in its order (``sweep`` left out: a named sweep is a
+    multirun, not a run's choice); a new group in conf/config.yaml is a tag and a report key without a code edit."""
+    from importlib.resources import files
+
+    import yaml
+
+    defaults = yaml.safe_load(files("fedrun.conf").joinpath("config.yaml").read_text())["defaults"]
+    return tuple(name for entry in defaults if isinstance(entry, dict) for name in entry if name != "sweep")
+
+
 # Config groups whose chosen option becomes a run tag (and a grouping key in fedrun-report).
-CONFIG_GROUPS = (
-    "dataset",
-    "partition",
-    "model",
-    "aggregator",
-    "optimizer",
-    "server",
-    "schedule",
-    "heterogeneity",
-    "pipeline",
-    "device",
-    "engine",
-    "method",
-    "experiment",
-)
+CONFIG_GROUPS = _config_groups()
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

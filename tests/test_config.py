@@ -212,3 +212,14 @@ def test_help_opens_with_what_fedrun_is_and_its_commonest_commands():
     for section in [s for line in lines for s in __import__("re").findall(r'\("([^"]+)"\)', line)]:
         assert f"## {section}" in readme, section  # every section the help points to exists
     assert any(line.startswith("aggregator: ") and "fedsoftmax" in line for line in lines)  # then the groups
+
+
+def test_every_group_of_the_config_tree_is_a_run_tag_and_a_report_key():
+    from fedrun.tracking import CONFIG_GROUPS
+
+    tree = {d.name for d in CONF.iterdir() if d.is_dir() and not d.name.startswith("_")} - {"hydra", "sweep"}
+    assert set(CONFIG_GROUPS) == tree and CONFIG_GROUPS[:3] == (
+        "engine",
+        "dataset",
+        "partition",
+    )  # conf/config.yaml's order
