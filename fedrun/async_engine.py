@@ -26,11 +26,12 @@ from fedrun.backends import as_device
 from fedrun.checkpoint import Checkpoint
 from fedrun.clients import per_sample_loss, train_cohort
 from fedrun.datasets import FederatedData
-from fedrun.engine import RunResult, record
 from fedrun.errors import ConfigError, check
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
+from fedrun.optimizers import base_lr
 from fedrun.pipeline import Pipeline
+from fedrun.rounds import RunResult, record
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
 from fedrun.state import Stateful
@@ -184,7 +185,7 @@ class AsyncEngine:
         model.eval()
         label_sets = self._label_sets(data, clients, group_of)
         sizes = np.array([len(c) for c in clients])
-        base_lr = optimizer.keywords["lr"]
+        first_lr = base_lr(optimizer)
         speed_rng = _Streams(seed, "speed")  # a client's stream is made when it first trains
 
         w = flat_parameters(model)
@@ -226,7 +227,7 @@ class AsyncEngine:
             for c in arrived:
                 jobs[c] += 1
                 from_version, w_pulled = pulled[c]
-                lr = base_lr * schedule.lr_decay**version
+                lr = schedule.lr(first_lr, version + 1)
                 delta = train_cohort(
                     model, w_pulled, x, y, [clients[c]], np.array([c]), optimizer, lr, schedule.work, seed, int(jobs[c])
                 ).deltas[0]

@@ -26,10 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, FILE, RUN_FILE, Checkpoint, Stopped, StopSignals, diverged
 from fedrun.datasets import SCALE_NAMES
-from fedrun.engine import STOP_ON
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.models import load_flat
 from fedrun.partitions import hold_out
+from fedrun.rounds import STOP_ON
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.tracking import (
     CONFIG_GROUPS,

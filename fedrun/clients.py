@@ -13,7 +13,7 @@ from torch.nn.functional import cross_entropy
 
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.models import flat_parameters, load_flat
-from fedrun.optimizers import coefficient_norm
+from fedrun.optimizers import base_lr, coefficient_norm
 from fedrun.seeding import torch_generator
 
 # Inference chunks. On a CPU, small enough that the activations stay in cache: for the papers' CNN on 12,500
@@ -262,7 +262,7 @@ class FStarEstimate:
         w, best_mean, best_authors = self.w0, np.inf, np.inf
         work = LocalWork(self.batch_size, local_epochs=1)
         for epoch in range(1, epochs + 1):
-            lr = self.make_optimizer.keywords["lr"]
+            lr = base_lr(self.make_optimizer)
             update = train_cohort(
                 self.model,
                 w,

@@ -3,7 +3,6 @@
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -14,117 +13,16 @@ from fedrun.aggregators import MVR, Aggregator
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint
 from fedrun.clients import FStarEstimate, client_accuracy, evaluate
-from fedrun.cohort import Lazy, LocalWork, RoundView
+from fedrun.cohort import Lazy, RoundView
 from fedrun.datasets import FederatedData
-from fedrun.errors import ConfigError, DivergenceError, check
+from fedrun.errors import ConfigError, DivergenceError
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
+from fedrun.optimizers import base_lr
 from fedrun.pipeline import Pipeline
+from fedrun.rounds import RunResult, Schedule, record
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
-
-STOP_ON = {
-    "test": ("test_accuracy",),
-    "client": ("client_accuracy",),
-    "both": ("test_accuracy", "client_accuracy"),
-}  # the row columns
-
-
-@dataclass
-class Schedule:
-    """How long and how much each client trains.
-
-    Args:
-        rounds: Communication rounds, >= 1.
-        local_epochs: Local epochs per round (used when ``local_steps`` is null).
-        local_steps: Fixed number of local mini-batch steps per round, or null.
-        batch_size: Local mini-batch size.
-        clients_per_round: Fraction C in (0, 1] of the clients sampled each round (at least one).
-        lr_decay: Per-round multiplicative decay of the local learning rate (1 = none).
-        eval_every: Evaluate every this many rounds (and always at the last round).
-        stop_at_accuracy: Stop early once the accuracy ``stop_on`` names reaches this, or null.
-        stop_on: ``test`` (the global model's test accuracy), ``client`` (the clients' local models on their own
-            held-out data, ``client_accuracy``: the loss-weighted papers' measure) or ``both``.
-    """
-
-    rounds: int = 50
-    local_epochs: int = 2
-    local_steps: int | None = None
-    batch_size: int = 10
-    clients_per_round: float = 1.0
-    lr_decay: float = 1.0
-    eval_every: int = 1
-    stop_at_accuracy: float | None = None
-    stop_on: str = "test"
-
-    def __post_init__(self):
-        check(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
-        check(
-            isinstance(self.local_epochs, int) and self.local_epochs >= 1,
-            "local_epochs",
-            self.local_epochs,
-            "an integer >= 1",
-        )
-        check(
-            self.local_steps is None or (isinstance(self.local_steps, int) and self.local_steps >= 1),
-            "local_steps",
-            self.local_steps,
-            "null or an integer >= 1",
-        )
-        check(
-            isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1"
-        )
-        check(0 < self.clients_per_round <= 1, "clients_per_round", self.clients_per_round, "a fraction in (0, 1]")
-        check(0 < self.lr_decay <= 1, "lr_decay", self.lr_decay, "a factor in (0, 1]")
-        check(
-            isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1"
-        )
-        check(
-            self.stop_at_accuracy is None or 0 < self.stop_at_accuracy <= 1,
-            "stop_at_accuracy",
-            self.stop_at_accuracy,
-            "null or a fraction in (0, 1]",
-        )
-        check(
-            self.stop_on in STOP_ON,
-            "stop_on",
-            self.stop_on,
-            "test, client (client_accuracy, with dataset.client_test_fraction > 0) or both",
-        )
-
-    @property
-    def work(self) -> LocalWork:
-        return LocalWork(self.batch_size, self.local_epochs, self.local_steps)
-
-    def evaluates(self, t: int) -> bool:
-        """Whether round (or aggregation) ``t`` is evaluated: every ``eval_every``, and always the last."""
-        return t % self.eval_every == 0 or t == self.rounds
-
-    def reached(self, row: dict) -> bool:
-        """Whether the round's accuracies that ``stop_on`` names (NaN when not evaluated) meet ``stop_at_accuracy``."""
-        return self.stop_at_accuracy is not None and all(
-            row.get(name, math.nan) >= self.stop_at_accuracy for name in STOP_ON[self.stop_on]
-        )
-
-    def cohort_size(self, num_clients: int) -> int:
-        return max(1, int(round(self.clients_per_round * num_clients)))
-
-
-@dataclass
-class RunResult:
-    """What a run produced.
-
-    Attributes:
-        params: The final flat global model.
-        rows: One metrics row per round (aggregation).
-        summary: Run-level metrics the engine measured (e.g. fairness).
-        tables: Named tables to keep as CSV artifacts.
-    """
-
-    params: torch.Tensor
-    rows: list[dict] = field(default_factory=list)
-    summary: dict = field(default_factory=dict)
-    tables: dict = field(default_factory=dict)
 
 
 def run(
@@ -181,7 +79,7 @@ def run(
     heterogeneity = heterogeneity or EqualWork()
     pipeline = pipeline or Pipeline()
     sizes = np.array([len(part) for part in clients])
-    base_lr = optimizer.keywords["lr"]
+    first_lr = base_lr(optimizer)
     params = flat_parameters(model)
     fstar = FStarEstimate(model, params, x, y, clients, optimizer, schedule.batch_size, seed)
     sampler = numpy_rng(seed, "sampling")
@@ -230,7 +128,7 @@ def run(
             works = [work for work in plan if work is not None]
             cohort = cohort[[work is not None for work in plan]]  # stragglers that dropped out of the round
             parts = [clients[i] for i in cohort]
-            lr = base_lr * schedule.lr_decay ** (t - 1)
+            lr = schedule.lr(first_lr, t)
             clock = time.perf_counter()
             trained = trainer(params, parts, cohort, lr, works, seed, t)
             train_s = time.perf_counter() - clock
@@ -343,42 +241,6 @@ def run(
     finally:
         trainer.close()
     return result
-
-
-def record(
-    row: dict,
-    params: torch.Tensor,
-    diverged: bool,
-    lr: float,
-    schedule: Schedule,
-    measure: Callable[[torch.Tensor], dict],
-    result: RunResult,
-    on_round: Callable[[dict, dict], None],
-    per_client: dict,
-    bar,
-    started: float,
-) -> bool:
-    """Finish and report one aggregation's row, the same way for both engines.
-
-    Evaluates the new global model when the schedule says so (``measure(params)`` gives the columns, which
-    ``row`` already holds as NaN: every row has every column so metrics.csv can be appended to), times the
-    round, keeps the row and hands it to ``on_round`` before refusing a non-finite model (so the diverging
-    aggregation is on record). Returns whether the run ends here (the last aggregation, or the target
-    accuracy reached).
-    """
-    t = row["round"]
-    clock = time.perf_counter()
-    if not diverged and schedule.evaluates(t):
-        row.update(measure(params))
-        bar.set_postfix(acc=f"{row['test_accuracy']:.4f}", loss=f"{row['test_loss']:.4f}")
-    row["eval_wall_s"] = time.perf_counter() - clock
-    row["round_wall_s"] = time.perf_counter() - started
-    result.rows.append(row)
-    on_round(row, per_client)
-    if diverged:
-        raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
-    result.params = params
-    return t == schedule.rounds or schedule.reached(row)
 
 
 class SyncEngine:

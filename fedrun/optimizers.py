@@ -10,6 +10,15 @@ import torch
 from fedrun.errors import check
 
 
+def base_lr(make_optimizer, default: float | None = None) -> float:
+    """The learning rate a local optimizer factory (``functools.partial(SGD, lr=...)``, as Hydra builds the
+    ``optimizer`` group) was given: the base rate that ``Schedule.lr`` decays. The one place that reads it."""
+    keywords = getattr(make_optimizer, "keywords", {})
+    if "lr" not in keywords and default is not None:
+        return default
+    return keywords["lr"]
+
+
 def coefficient_norm(steps: int, lr: float, momentum: float = 0.0, mu: float = 0.0) -> float:
     """||a||_1 of FedNova (Wang et al. 2020): the update of ``steps`` local steps is -lr * sum_j a_j g_j.
 

@@ -30,7 +30,7 @@ from fedrun.clients import _batches, cohort_losses
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import ConfigError
 from fedrun.models import BatchSoftmax
-from fedrun.optimizers import ProxSGD, coefficient_norm
+from fedrun.optimizers import ProxSGD, base_lr, coefficient_norm
 from fedrun.seeding import torch_generator
 
 
@@ -91,7 +91,7 @@ class SGDRule:
 
 def vmap_supported(make_optimizer, model: nn.Module) -> str | None:
     """Why the ``vmap`` backend cannot train with this solver and model, or None when it can."""
-    if SGDRule.of(make_optimizer, getattr(make_optimizer, "keywords", {}).get("lr", 0.1)) is None:
+    if SGDRule.of(make_optimizer, base_lr(make_optimizer, default=0.1)) is None:
         return "loop or processes for this optimizer (vmap has the closed-form update of sgd and prox only)"
     if any(True for _ in model.buffers()) or any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
         return (

@@ -252,3 +252,15 @@ def test_heterogeneity_plans():
     assert sum(w is not work for w in partial) == 3 and all(1 <= w.local_steps <= 8 for w in partial if w is not work)
     dropped = Stragglers(fraction=0.5, mode="drop").plan(3, cohort, sizes, work, 0)
     assert sum(w is None for w in dropped) == 3
+
+
+def test_the_learning_rate_of_round_t_is_the_base_rate_decayed_t_minus_1_times():
+    import functools
+
+    from fedrun.engine import Schedule
+    from fedrun.optimizers import base_lr
+
+    schedule = Schedule(lr_decay=0.99)
+    assert schedule.lr(1e-4, 1) == 1e-4  # round 1: the base rate (paper 000, Table 2: 1e-4 * 0.99^r from r = 0)
+    assert schedule.lr(1e-4, 3) == pytest.approx(9.801e-05, rel=1e-12)  # 1e-4 * 0.99^2
+    assert base_lr(functools.partial(torch.optim.SGD, lr=0.05)) == 0.05 and base_lr(object(), default=0.1) == 0.1
