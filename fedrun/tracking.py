@@ -110,63 +110,6 @@ def retried(call, attempts: int = 8):
             time.sleep(0.05 * 2**attempt)
 
 
-PARENT_FILE = "mlflow_parent_run.txt"  # in a sweep's dir: the id of the MLflow run that groups its jobs
-
-
-def open_sweep_run(uri: str, experiment: str, sweep_dir: Path, name: str, tags: dict) -> str:
-    """The MLflow run that groups a sweep's jobs as its children (the UI shows them under it): created on the
-    sweep's first launch, reopened when the sweep is resumed. Its id goes to ``<sweep dir>/PARENT_FILE``, where
-    every job reads it (``sweep_parent``), on this machine or on a cluster node sharing the dir."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    run_id = sweep_parent(sweep_dir)
-    if run_id is not None:
-        retried(lambda: client.update_run(run_id, status="RUNNING"))
-        return run_id
-    experiment_id = Tracker.experiment_id(uri, experiment)
-    run = retried(lambda: client.create_run(experiment_id, run_name=name, tags=tags))
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    (sweep_dir / PARENT_FILE).write_text(run.info.run_id)
-    return run.info.run_id
-
-
-def sweep_parent(sweep_dir: Path) -> str | None:
-    """The id of the MLflow run grouping the sweep in ``sweep_dir``, if it has one."""
-    path = sweep_dir / PARENT_FILE
-    return path.read_text().strip() if path.is_file() else None
-
-
-def close_sweep_run(uri: str, run_id: str) -> str:
-    """End a sweep's parent run: FINISHED when every job finished, else FAILED (a job failed) or KILLED (a job
-    was stopped), with the count of jobs in each state as metrics (``jobs_finished`` ...). Returns the status."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    run = retried(lambda: client.get_run(run_id))
-    children = retried(
-        lambda: client.search_runs(
-            [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=50_000
-        )
-    )
-    counts = {
-        state: sum(child.info.status == state for child in children)
-        for state in ("FINISHED", "FAILED", "KILLED", "RUNNING")
-    }
-    status = "FAILED" if counts["FAILED"] else "KILLED" if counts["KILLED"] or counts["RUNNING"] else "FINISHED"
-    retried(
-        lambda: client.log_batch(
-            run_id,
-            metrics=[
-                mlflow.entities.Metric(f"jobs_{state.lower()}", n, int(time.time() * 1000), 0)
-                for state, n in counts.items()
-            ],
-        )
-    )
-    retried(lambda: client.set_terminated(run_id, status))
-    return status
-
-
 HEATMAP_CLIENTS = 100  # clients in the alpha heatmap of a long alpha.csv: those with the largest total alpha
 
 

@@ -1,0 +1,214 @@
+"""The ``fedrun`` command: compose the config, validate and build every object, open tracking, run the engine.
+
+This package is the only one that touches Hydra or OmegaConf; everything below it takes plain objects.
+``main`` reads top to bottom; each step lives in a module of its own: ``resume`` (which config, dir and
+checkpoint a job runs with), ``build`` (every object, validated), ``runinfo`` (name, description, tags),
+``sweeps`` (a sweep's MLflow parent run, cores per job, a resumed sweep's jobs).
+"""
+
+import json
+import os
+import signal
+import sys
+import typing
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from fedrun.backends import usable_cores
+from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals
+from fedrun.cli.build import build, check_run_keys, setup
+from fedrun.cli.resume import Job, open_job
+from fedrun.cli.runinfo import description, git_commit, run_name
+from fedrun.cli.sweeps import SweepRun, job_cores, sweep_parent
+from fedrun.errors import ConfigError, DivergenceError
+from fedrun.models import load_flat
+from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
+
+__all__ = ["main", "build", "setup", "check_run_keys", "SweepRun", "job_cores"]
+
+# ``${fedrun.either:a,b}``: a unless it is null or empty, else b (the run dir of ``resume=<dir>`` is that dir).
+OmegaConf.register_new_resolver("fedrun.either", lambda value, default: value if value else default, replace=True)
+
+
+@hydra.main(config_path="pkg://fedrun.conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    """Run one job; returns the final test accuracy (Hydra sweepers can use it)."""
+    hydra_cfg = HydraConfig.get()
+    try:
+        job = open_job(cfg, hydra_cfg)
+        if job.diverged is not None:
+            fail(
+                hydra_cfg,
+                f"fedrun: error: had diverged: {job.diverged}; skipped, its FAILED run is kept "
+                f"(delete {job.output_dir} to run it again)",
+                1,
+            )
+        if job.finished is not None:
+            print(
+                f"fedrun: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}) had finished: skipped",
+                file=sys.stderr,
+            )
+            return job.finished
+        check_run_keys(job.cfg)
+        if job.cfg.tracking.enabled:  # an unreachable store fails now, in one line, not after loading and training
+            preflight(resolve_uri(job.cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)))
+        parts = setup(job.cfg)
+    except (ConfigError, FileNotFoundError) as exc:
+        fail(hydra_cfg, f"fedrun: error: {exc}", 2)
+    tracker, title = open_tracking(job, hydra_cfg, parts)
+    return train(job, hydra_cfg, parts, tracker, title)
+
+
+class JobFailed(Exception):
+    """A sweep job that failed (its one-line reason already printed): the sweep's other jobs still run."""
+
+
+def fail(hydra_cfg, line: str, code: int) -> typing.NoReturn:
+    """Print the one-line reason; exit with ``code``, or in a sweep fail only this job (Hydra runs the rest and
+    reports the failed jobs' overrides at the end)."""
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        line = line.replace(
+            "fedrun: error: ", f"fedrun: error: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}): ", 1
+        )
+        print(line, file=sys.stderr)
+        raise JobFailed(line)
+    print(line, file=sys.stderr)
+    sys.exit(code)
+
+
+def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
+    """The run's Tracker, with its MLflow run open: reopened when the job continues (from a checkpoint, or from
+    round 1 after a stop before the first one), else new, with the config as params and the tags. Returns it
+    and the run's title."""
+    cfg, output_dir, checkpoint = job.cfg, job.output_dir, job.checkpoint
+    choices = {g: hydra_cfg.runtime.choices[g] for g in CONFIG_GROUPS if hydra_cfg.runtime.choices.get(g)}
+    cores = job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores()
+    tags = {
+        **choices,
+        "seed": str(cfg.seed),
+        "output_dir": str(output_dir),
+        "git_commit": git_commit(),
+        "torch_version": torch.__version__,
+        "num_clients": str(len(parts["clients"])),
+        "torch_threads": str(parts["device"].use_cores(cores)),
+    }
+    if "scale" in cfg.dataset:  # the input scale changes what a learning rate and a temperature mean: say it on the run
+        tags["input_scale"] = str(cfg.dataset.scale)
+    tracker = Tracker(
+        output_dir=output_dir,
+        num_clients=len(parts["clients"]),
+        enabled=cfg.tracking.enabled,
+        uri=resolve_uri(cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)),
+        experiment=cfg.tracking.experiment,
+        max_alpha_series=cfg.tracking.max_alpha_series,
+        r_targets=tuple(cfg.metrics.r_targets),
+    )
+    title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset", "method"))
+    title += f" seed={cfg.seed}"
+    if checkpoint.resume:  # the same files and MLflow run, from the round after the checkpoint
+        saved = checkpoint.restored()
+        tracker.rewind(checkpoint.saved_round)
+        tracker.start({}, {}, "", run_id=saved["extra"].get("mlflow_run_id"))
+        title = saved["extra"].get("title", title)  # this invocation's choices are the defaults
+        print(f"fedrun: resuming {output_dir} after round {checkpoint.saved_round}", file=sys.stderr)
+    else:
+        reopened = json.loads((output_dir / RUN_FILE).read_text()) if job.restart else {}
+        if job.restart:  # the rows the stopped run wrote are measured again
+            tracker.rewind(0)
+            title = reopened.get("title", title)
+            print(
+                f"fedrun: restarting {output_dir} from round 1 (it was stopped before its first checkpoint)",
+                file=sys.stderr,
+            )
+        data = parts["data"]
+        tracker.log_partition(parts["clients"], data.y_train.numpy(), data.num_classes, parts["client_tests"])
+        OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
+        tags["overrides"] = hydra_cfg.job.override_dirname or "(defaults)"
+        tags["mlflow.note.content"] = description(cfg, choices, tags["overrides"], output_dir)
+        parent = sweep_parent(output_dir.parent) if hydra_cfg.mode == RunMode.MULTIRUN else None  # <sweep dir>/<num>
+        if parent and cfg.tracking.enabled:
+            tags["mlflow.parentRunId"] = parent
+        name = run_name(choices, hydra_cfg.overrides.task, cfg.seed)
+        params = flatten(OmegaConf.to_container(cfg, resolve=True))
+        tracker.start(params, tags, name, run_id=reopened.get("mlflow_run_id"))
+    checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
+    (output_dir / RUN_FILE).write_text(
+        json.dumps(checkpoint.extra) + "\n"
+    )  # what a restart before the first checkpoint reopens
+    return tracker, title
+
+
+def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> float:
+    """Run the engine and close the MLflow run as FINISHED, FAILED (diverged: exit 1, the rounds before kept) or
+    KILLED (a signal: exit 128 + its number, after a checkpoint; under submitit, SIGUSR2 requeues the job)."""
+    output_dir, checkpoint, model = job.output_dir, job.checkpoint, parts["model"]
+    status, reason, final, stopped, divergence = "FAILED", None, None, None, None
+    on_submitit = os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2")
+    submitit_handler = signal.getsignal(signal.SIGUSR2) if on_submitit else None
+    names = (
+        "data",
+        "clients",
+        "aggregator",
+        "optimizer",
+        "schedule",
+        "device",
+        "server",
+        "client_tests",
+        "heterogeneity",
+        "pipeline",
+    )
+    try:
+        with StopSignals(checkpoint):
+            result = parts["engine"](
+                model=model,
+                seed=job.cfg.seed,
+                on_round=tracker.log_round,
+                checkpoint=checkpoint,
+                **{n: parts[n] for n in names},
+            )
+        load_flat(model, result.params)
+        status, final = "FINISHED", model.cpu()
+        tracker.log_result(result.summary, result.tables)
+        return result.rows[-1]["test_accuracy"]
+    except Stopped as exc:
+        status, reason, stopped = "KILLED", str(exc), exc
+    except DivergenceError as exc:
+        reason, divergence = f"DivergenceError: {exc}", exc
+    except BaseException as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
+        tracker.finish(status, model=final, reason=reason, title=title, tags=parts["aggregator"].tags)
+        if tracker.lost:
+            print(
+                f"fedrun: MLflow missed part of this run ({tracker.lost}); {output_dir} has all of it. Import it with:\n"
+                f"  fedrun-import {output_dir}",
+                file=sys.stderr,
+            )
+    if divergence is not None:
+        (output_dir / DIVERGED).write_text(f"{divergence}\n")
+        fail(
+            hydra_cfg,
+            f"fedrun: error: training diverged: {divergence}; the run is marked FAILED and keeps the metrics of "
+            f"the rounds before ({output_dir})",
+            1,
+        )
+    print(
+        f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
+        f"  fedrun resume={output_dir}",
+        file=sys.stderr,
+    )
+    if stopped.signal_name == "SIGUSR2" and callable(submitit_handler):  # the time limit is near: submitit requeues
+        print(
+            "fedrun: handing the job to submitit to requeue; it resumes from this checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        submitit_handler(signal.SIGUSR2, None)  # the job, which then resumes here from the checkpoint (``requeued``)
+    sys.exit(128 + signal.Signals[stopped.signal_name].value)

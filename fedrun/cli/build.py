@@ -1,0 +1,144 @@
+"""Compose -> validate -> build: every object of a run from its config, checked against each other before any
+training starts (a bad value is one ConfigError naming its key)."""
+
+import inspect
+import re
+import typing
+
+import hydra
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from fedrun.errors import ConfigError
+from fedrun.partitions import hold_out
+from fedrun.rounds import STOP_ON
+from fedrun.seeding import numpy_rng, torch_seed
+
+
+def build(group: str, node: DictConfig, **runtime):
+    """``instantiate(node, **runtime)``, turning constructor errors into one-line ConfigErrors for ``group``."""
+    try:
+        return instantiate(node, **runtime)
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause.within(group) from None
+        raise _explain(group, node, cause or exc) from None
+
+
+def _explain(group: str, node: DictConfig, cause: BaseException) -> ConfigError:
+    """A ConfigError naming the one key the constructor's error is about: an unknown key, a value of the wrong
+    type, or the value its message quotes (torch's "Invalid learning rate: -0.1")."""
+    target = node.get("_target_")
+    constructor = None
+    try:
+        constructor = hydra.utils.get_object(target).__init__
+        hints = typing.get_type_hints(constructor)
+    except Exception:  # a target without usable annotations: fall back to the constructor's own message
+        hints = {}
+    arguments = {k: v for k, v in OmegaConf.to_container(node).items() if not k.startswith("_")}
+    unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
+    if unknown and unknown.group(1) in arguments:
+        known = (
+            [
+                name
+                for name in inspect.signature(constructor).parameters
+                if name not in ("self", "params", "args", "kwargs")
+            ]
+            if constructor
+            else []
+        )
+        return ConfigError(
+            f"{group}.{unknown.group(1)}",
+            arguments[unknown.group(1)],
+            f"a key of {group} ({', '.join(known)})" if known else f"a key of {target}",
+        )
+    for key, value in arguments.items():
+        types = typing.get_args(hints.get(key)) or (hints.get(key),)
+        if (int in types or float in types) and isinstance(value, (str, bool)):
+            return ConfigError(f"{group}.{key}", value, "a number" if float in types else "an integer")
+    quoted = [
+        key
+        for key, value in arguments.items()
+        if isinstance(value, (int, float)) and re.search(rf"(?<![\w.-]){re.escape(str(value))}(?![\w.])", str(cause))
+    ]
+    if len(quoted) == 1:
+        return ConfigError(f"{group}.{quoted[0]}", arguments[quoted[0]], f"a value {target} accepts ({cause})")
+    return ConfigError(group, arguments, f"valid arguments for {target} ({cause})")
+
+
+def setup(cfg: DictConfig) -> dict:
+    """Build every object of the run and check them against each other, before any training."""
+    seed = cfg.seed
+    if not isinstance(seed, int) or seed < 0:
+        raise ConfigError("seed", seed, "an integer >= 0")
+    groups = ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")
+    objects = {group: build(group, cfg[group]) for group in groups}
+    # Each stage on its own, so that an error names its key (pipeline.stages.0.max_norm), then the pipeline around them.
+    stages = [build(f"pipeline.stages.{i}", stage) for i, stage in enumerate(cfg.pipeline.get("stages", []))]
+    objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
+    objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"])
+    schedule = objects["schedule"]
+    if (
+        schedule.stop_at_accuracy is not None
+        and "client_accuracy" in STOP_ON[schedule.stop_on]
+        and not objects["dataset"].client_test_fraction
+    ):
+        raise ConfigError(
+            "schedule.stop_on",
+            schedule.stop_on,
+            "test while dataset.client_test_fraction is 0 (client_accuracy needs each client's held-out samples)",
+        )
+    optimizer = build("optimizer", cfg.optimizer)
+    try:  # torch optimizers check their arguments when built: do it now, not in round 1
+        optimizer([torch.zeros(1, requires_grad=True)])
+    except ConfigError as exc:
+        raise exc.within("optimizer") from None
+    except (ValueError, TypeError) as exc:
+        raise _explain("optimizer", cfg.optimizer, exc) from None
+    check_run_keys(cfg)
+
+    data = objects["dataset"].load(seed)
+    try:
+        clients = objects["partition"](data.y_train.numpy(), numpy_rng(seed, "partition"), natural=data.natural_split)
+    except ConfigError as exc:
+        raise exc.within("partition") from None
+    client_tests = None
+    if objects["dataset"].client_test_fraction > 0:
+        try:
+            clients, client_tests = hold_out(
+                clients, objects["dataset"].client_test_fraction, numpy_rng(seed, "client_test")
+            )
+        except ConfigError as exc:
+            raise exc.within("dataset") from None
+    torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
+    model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
+
+
+def check_run_keys(cfg: DictConfig) -> None:
+    """The root-level keys that no constructor checks."""
+    targets = cfg.metrics.r_targets
+    if not OmegaConf.is_list(targets) or not all(isinstance(t, (int, float)) and 0 < t <= 1 for t in targets):
+        raise ConfigError(
+            "metrics.r_targets",
+            OmegaConf.to_container(targets) if OmegaConf.is_config(targets) else targets,
+            "a list of accuracies in (0, 1]",
+        )
+    tracking = cfg.tracking
+    if not isinstance(tracking.enabled, bool):
+        raise ConfigError("tracking.enabled", tracking.enabled, "true or false")
+    if not isinstance(tracking.uri, str) or not tracking.uri:
+        raise ConfigError(
+            "tracking.uri", tracking.uri, "an MLflow tracking URI (sqlite:///path.db, http://host:port, ...)"
+        )
+    if not isinstance(tracking.experiment, str) or not tracking.experiment:
+        raise ConfigError("tracking.experiment", tracking.experiment, "a non-empty experiment name")
+    if (
+        not isinstance(tracking.max_alpha_series, int)
+        or isinstance(tracking.max_alpha_series, bool)
+        or tracking.max_alpha_series < 0
+    ):
+        raise ConfigError("tracking.max_alpha_series", tracking.max_alpha_series, "an integer >= 0")

@@ -1,0 +1,53 @@
+"""What a run is called and how it describes itself in MLflow: its name, its description, the git commit."""
+
+import subprocess
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from fedrun.datasets import SCALE_NAMES
+from fedrun.tracking import CONFIG_GROUPS, flatten
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_name(choices: dict, overrides, seed: int) -> str:
+    """A short run name that says what the run is and what differs: the aggregator, partition and dataset
+    chosen, each overridden value by its last key (paths and tracking keys left out), and the seed; e.g.
+    ``fedsoftmax shards mnist temperature=0.1 seed=2``. The whole override string is the tag ``overrides``."""
+    words = [choices.get(group) for group in ("aggregator", "partition", "dataset") if choices.get(group)]
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if "." not in key or key.startswith(("tracking.", "hydra.")) or "/" in value or key == "resume":
+            continue  # group choices are in the words already; paths say nothing about the run
+        words.append(f"{key.rsplit('.', 1)[-1]}={value}")
+    return " ".join(words + [f"seed={seed}"])[:250]
+
+
+def description(cfg: DictConfig, choices: dict, overrides: str, output_dir: Path) -> str:
+    """The run's description in the MLflow UI (markdown): each config group's choice and its values, the
+    overrides, the seed and the output dir."""
+    scale = f" ({SCALE_NAMES[cfg.dataset.scale]})" if "scale" in cfg.dataset else ""
+    lines = [
+        f"**{choices.get('aggregator', '')}** on **{choices.get('dataset', '')}**{scale}, partition **{choices.get('partition', '')}**, "
+        f"seed {cfg.seed}",
+        "",
+    ]
+    for group in CONFIG_GROUPS:
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig):
+            continue
+        values = ", ".join(
+            f"{k}={v}" for k, v in flatten(OmegaConf.to_container(node, resolve=True)).items() if not k.startswith("_")
+        )
+        lines.append(f"- {group}: `{choices.get(group, '')}` {values}")
+    lines += ["", f"Overrides: `{overrides}`", "", f"Output: `{output_dir}`"]
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""Sweeps: the MLflow run that groups a sweep's jobs (opened by a Hydra callback before the jobs start, closed
+when the sweep's process exits), the cores each job of a parallel launcher may use, and what a resumed sweep
+does with each of its jobs."""
+
+import atexit
+import time
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from fedrun.backends import usable_cores
+from fedrun.checkpoint import FILE, Checkpoint, diverged
+from fedrun.cli.runinfo import git_commit
+from fedrun.errors import ConfigError
+from fedrun.tracking import Tracker, flatten, preflight, resolve_uri, retried
+
+PARENT_FILE = "mlflow_parent_run.txt"  # in a sweep's dir: the id of the MLflow run that groups its jobs
+
+
+def open_sweep_run(uri: str, experiment: str, sweep_dir: Path, name: str, tags: dict) -> str:
+    """The MLflow run that groups a sweep's jobs as its children (the UI shows them under it): created on the
+    sweep's first launch, reopened when the sweep is resumed. Its id goes to ``<sweep dir>/PARENT_FILE``, where
+    every job reads it (``sweep_parent``), on this machine or on a cluster node sharing the dir."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run_id = sweep_parent(sweep_dir)
+    if run_id is not None:
+        retried(lambda: client.update_run(run_id, status="RUNNING"))
+        return run_id
+    experiment_id = Tracker.experiment_id(uri, experiment)
+    run = retried(lambda: client.create_run(experiment_id, run_name=name, tags=tags))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / PARENT_FILE).write_text(run.info.run_id)
+    return run.info.run_id
+
+
+def sweep_parent(sweep_dir: Path) -> str | None:
+    """The id of the MLflow run grouping the sweep in ``sweep_dir``, if it has one."""
+    path = sweep_dir / PARENT_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
+def close_sweep_run(uri: str, run_id: str) -> str:
+    """End a sweep's parent run: FINISHED when every job finished, else FAILED (a job failed) or KILLED (a job
+    was stopped), with the count of jobs in each state as metrics (``jobs_finished`` ...). Returns the status."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run = retried(lambda: client.get_run(run_id))
+    children = retried(
+        lambda: client.search_runs(
+            [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=50_000
+        )
+    )
+    counts = {
+        state: sum(child.info.status == state for child in children)
+        for state in ("FINISHED", "FAILED", "KILLED", "RUNNING")
+    }
+    status = "FAILED" if counts["FAILED"] else "KILLED" if counts["KILLED"] or counts["RUNNING"] else "FINISHED"
+    retried(
+        lambda: client.log_batch(
+            run_id,
+            metrics=[
+                mlflow.entities.Metric(f"jobs_{state.lower()}", n, int(time.time() * 1000), 0)
+                for state, n in counts.items()
+            ],
+        )
+    )
+    retried(lambda: client.set_terminated(run_id, status))
+    return status
+
+
+def job_cores(hydra_cfg) -> int:
+    """The cores a sweep job may use: what a Ray launcher gives each task (``ray.remote.num_cpus``), or cores /
+    concurrent jobs under joblib (``n_jobs``; negative counts from the core count as joblib does), else all."""
+    ray_cpus = OmegaConf.select(hydra_cfg, "launcher.ray.remote.num_cpus")
+    if isinstance(ray_cpus, (int, float)) and ray_cpus >= 1:
+        return int(ray_cpus)
+    n_jobs = OmegaConf.select(hydra_cfg, "launcher.n_jobs")
+    cores = usable_cores()
+    if not isinstance(n_jobs, int) or n_jobs == 0:
+        return cores
+    jobs = n_jobs if n_jobs > 0 else max(1, cores + 1 + n_jobs)
+    return max(1, cores // jobs)
+
+
+class SweepRun(Callback):
+    """Hydra callback: before a sweep launches its jobs, open (create and migrate) the tracking store once, so
+    parallel jobs never race to create its tables or the experiment, and open the MLflow run that groups the
+    sweep's jobs as its children; it is ended when the sweep's process exits (``close_sweep_run``), also
+    after a failed job."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if not config.tracking.enabled:
+            return
+        uri = resolve_uri(config.tracking.uri, Path.cwd())
+        preflight(uri)
+        overrides = [o for o in config.hydra.overrides.task if not o.startswith(("tracking.", "hydra.", "resume="))]
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        tags = {
+            "fedrun.role": "sweep",
+            "sweep_dir": str(sweep_dir),
+            "overrides": " ".join(config.hydra.overrides.task) or "(defaults)",
+            "git_commit": git_commit(),
+            "mlflow.note.content": f"Sweep of {' '.join(overrides) or 'the defaults'}; its jobs are this run's children. Output: `{sweep_dir}`",
+        }
+        run_id = open_sweep_run(
+            uri, config.tracking.experiment, sweep_dir, ("sweep " + " ".join(overrides))[:250], tags
+        )
+        atexit.register(close_sweep_run, uri, run_id)
+
+
+def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
+    """For ``-m ... resume=<multirun dir>``: this job's final accuracy when it had finished, the reason when it
+    had diverged, else None (it resumes from its checkpoint, or runs from the start when it never reached one).
+    A job whose config differs from the one it was started with is refused: the sweep must be the same one."""
+    reason = diverged(job_dir)
+    if not (job_dir / FILE).is_file() and reason is None:
+        return None
+    saved = OmegaConf.load(job_dir / "config.yaml")
+    mine = OmegaConf.to_container(cfg, resolve=True)
+    mine["resume"] = saved.get("resume")
+    if mine != OmegaConf.to_container(saved, resolve=True):
+        before = flatten(OmegaConf.to_container(saved))
+        changed = sorted(k for k, v in flatten(mine).items() if before.get(k) != v)
+        raise ConfigError(
+            "resume",
+            cfg.resume,
+            f"the same sweep (job dir {job_dir} was started with other values of {', '.join(changed)})",
+        )
+    if reason is not None:
+        return reason
+    state = Checkpoint(job_dir, resume=True).restored()
+    return state["rows"][-1]["test_accuracy"] if state["finished"] else None
