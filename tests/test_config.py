@@ -9,23 +9,14 @@ from hydra.utils import instantiate
 import fedrun.conf
 from fedrun.cli import build, setup
 from fedrun.errors import ConfigError
+from fedrun.tracking import CONFIG_GROUPS
 
 CONF = Path(fedrun.conf.__file__).parent
 OPTIONS = sorted(
     (d.name, f.stem) for d in CONF.iterdir() if d.is_dir() and not d.name.startswith("_") for f in d.glob("*.yaml")
 )
-OBJECT_GROUPS = (
-    "dataset",
-    "partition",
-    "aggregator",
-    "optimizer",
-    "server",
-    "schedule",
-    "heterogeneity",
-    "device",
-    "engine",
-    "pipeline",
-)
+# The groups that build an object from their node alone (a model needs the data's shape; presets are not objects).
+OBJECT_GROUPS = tuple(g for g in CONFIG_GROUPS if g not in ("model", "method", "experiment"))
 GLOBAL_GROUPS = ("experiment", "sweep", "method")  # presets that set keys across groups
 # Small shapes that each model option accepts: images for the CNN, anything for the others.
 MODEL_INPUT = {"cnn": (1, 8, 8)}
@@ -33,20 +24,7 @@ MODEL_INPUT = {"cnn": (1, 8, 8)}
 
 def test_groups_are_found():
     groups = {g for g, _ in OPTIONS}
-    assert {
-        "dataset",
-        "partition",
-        "model",
-        "aggregator",
-        "optimizer",
-        "server",
-        "schedule",
-        "heterogeneity",
-        "device",
-        "engine",
-        "method",
-        "pipeline",
-    } <= groups
+    assert set(CONFIG_GROUPS) <= groups and {"sweep", "pipeline"} <= groups
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
