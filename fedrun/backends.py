@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedrun.clients import cohort_losses, train_cohort
+from fedrun.clients import client_signal, cohort_losses, train_cohort
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import check
+from fedrun.trainer import Trainer
 from fedrun.vmap import VmapTrainer, vmap_supported
 
 # The ``auto`` backend uses worker processes when a round has at least this many sample-passes per worker:
@@ -158,7 +159,7 @@ def as_device(device) -> Device:
     return Device(kind=torch.device(device).type, memory_format="contiguous", backend="loop")
 
 
-class LoopTrainer:
+class LoopTrainer(Trainer):
     """Train the cohort's clients one after another in this process."""
 
     def __init__(self, model, x, y, make_optimizer):
@@ -216,6 +217,9 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
                         model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream
                     )
                 )
+            elif kind == "signal":
+                signal_fn, params, parts = args
+                connection.send(client_signal(signal_fn, model, params, x, y, parts))
             else:
                 params, parts, batch_size = args
                 connection.send(cohort_losses(model, params, x, y, parts, batch_size))
@@ -223,7 +227,7 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
             connection.send(exc)
 
 
-class ProcessTrainer:
+class ProcessTrainer(Trainer):
     """Split the cohort over worker processes, each training its clients on one thread.
 
     The dataset tensors are shared with the workers by fork (copy-on-write, never written), or through shared
@@ -277,6 +281,11 @@ class ProcessTrainer:
             lambda lo, hi: (params, parts[lo:hi], batch_size),
         )
         return ClientLosses.concat(results)
+
+    def per_client(self, signal, params, parts) -> np.ndarray:
+        """A per-client signal, the clients split over the workers by sample count (each on its model copy)."""
+        blocks = _blocks([len(p) for p in parts], len(self.connections))
+        return np.concatenate(self._scatter("signal", blocks, lambda lo, hi: (signal, params, parts[lo:hi])))
 
     def _scatter(self, kind: str, blocks, arguments) -> list:
         """Send each non-empty block its task, gather the results in block order, re-raise a worker's error."""

@@ -87,6 +87,18 @@ def cohort_losses(
     )
 
 
+def client_signal(
+    signal, model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray]
+) -> np.ndarray:
+    """``signal(model, params, x_i, y_i)`` of each client in ``parts`` (a per-client signal, ``fedrun.trainer``),
+    with ``model`` as the workspace the signal may load ``params`` into."""
+    values = []
+    for part in parts:
+        index = torch.as_tensor(part, device=x.device)
+        values.append(float(signal(model, params, x[index], y[index])))
+    return np.array(values, dtype=np.float64)
+
+
 def client_accuracy(
     model: nn.Module,
     global_params: torch.Tensor,

@@ -86,6 +86,8 @@ class RoundView:
         accuracy: The latest evaluated accuracy before this round (validation when the run has a validation
             split, else test); NaN before the first evaluation.
         accuracy_source: ``val_accuracy`` or ``test_accuracy``: which one ``accuracy`` is.
+        measure: ``measure(signal)`` runs a per-client signal (``fedrun.trainer``) on the cohort at the round's
+            global model with the run's backend; ``per_client`` calls it.
         **signals: Further signals by name.
     """
 
@@ -102,6 +104,7 @@ class RoundView:
         steps=None,
         coefficient_norms=None,
         previous_deltas=None,
+        measure=None,
         **signals,
     ):
         self.clients, self.sizes, self.round = clients, sizes, round
@@ -116,6 +119,7 @@ class RoundView:
             **signals,
         )
         self.wall_s: dict[str, float] = {}  # seconds each lazy signal took, once read
+        self._measure, self._per_client = measure, {}
 
     def __getattr__(self, name: str):
         signals = self.__dict__.get("_signals", {})
@@ -127,6 +131,15 @@ class RoundView:
             value = signals[name] = value.compute()
             self.wall_s[name] = time.perf_counter() - start
         return value
+
+    def per_client(self, signal) -> np.ndarray:
+        """``signal(model, params, x_i, y_i)`` of each cohort client at the round's global model (float64, cohort
+        order), run by the run's backend on first read and cached; its time counts in ``aggregate_wall_s``."""
+        if self._measure is None:
+            raise AttributeError("RoundView.per_client: this view has no backend to run per-client signals")
+        if signal not in self._per_client:
+            self._per_client[signal] = self._measure(signal)
+        return self._per_client[signal]
 
     def read(self, name: str) -> bool:
         """Whether the lazy signal ``name`` was computed (read) this round."""

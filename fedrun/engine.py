@@ -150,6 +150,7 @@ def run(
                 # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t.
                 losses=Lazy(lambda w=params, parts=parts: trainer.losses(w, parts, schedule.batch_size)),
                 # From the previous global model on the same mini-batches (same round and client keys); MVR.
+                measure=lambda signal, w=params, parts=parts: trainer.per_client(signal, w, parts),
                 previous_deltas=Lazy(
                     lambda w=previous, parts=parts, cohort=cohort, works=works, lr=lr: (
                         None if w is None else trainer(w, parts, cohort, lr, works, seed, t).deltas

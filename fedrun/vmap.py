@@ -32,6 +32,7 @@ from fedrun.errors import ConfigError
 from fedrun.models import BatchSoftmax
 from fedrun.optimizers import ProxSGD, base_lr, coefficient_norm
 from fedrun.seeding import torch_generator
+from fedrun.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def vmap_supported(make_optimizer, model: nn.Module) -> str | None:
     return None
 
 
-class VmapTrainer:
+class VmapTrainer(Trainer):
     """Train the cohort together with ``torch.func.vmap``, ``chunk`` clients at a time.
 
     Args:

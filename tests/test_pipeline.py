@@ -1,4 +1,5 @@
-"""The update pipeline (fedrun/pipeline.py): stages between local training and aggregation, and the clip stage."""
+"""The seams for new features: the update pipeline (fedrun/pipeline.py: stages between local training and aggregation,
+the clip stage) and per-client signals (fedrun/trainer.py), each equal on every backend."""
 
 import functools
 import math
@@ -154,3 +155,56 @@ def test_the_async_engine_clips_each_arriving_update_and_logs_the_buffers_mean()
     loose, loose_rows = go(Pipeline([Clip(1e9)]))
     assert torch.equal(loose, plain) and all(r["clip/fraction_clipped"] == 0.0 for r in loose_rows)
     assert not any(math.isnan(r["clip/norm_mean"]) for r in loose_rows)
+
+
+# The seam for a new per-client signal (fedrun/trainer.py): one function and one aggregator class, here in a test,
+# with no engine or backend file touched, run by every backend.
+def gradient_norm(model, params, x, y):
+    """||grad F_i(w)||: the gradient norm of a client's mean loss at the global model."""
+    from fedrun.models import load_flat
+
+    load_flat(model, params)
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    return float(torch.cat([p.grad.flatten() for p in model.parameters()]).norm())
+
+
+class GradientNormWeighted(FedAvg):
+    """alpha_i proportional to ||grad F_i(w)|| (a test-only aggregator)."""
+
+    def weights(self, report):
+        norms = report.per_client(gradient_norm)
+        return norms / norms.sum()
+
+
+def test_a_new_per_client_signal_is_one_function_and_runs_unchanged_on_the_loop_worker_process_and_vmap_backends():
+    outcome = {
+        backend: whole_run(Device("cpu", "contiguous", backend, workers=2), None, aggregator=GradientNormWeighted())
+        for backend in ("loop", "processes", "vmap")
+    }
+    loop_params, loop_rows = outcome["loop"]
+    assert all(row["alpha_distance"] > 1e-3 for row in loop_rows)  # the weights are not FedAvg's
+    plain, _ = whole_run(torch.device("cpu"), None)
+    assert not torch.allclose(plain, loop_params)
+    for backend in ("processes", "vmap"):
+        params, rows = outcome[backend]
+        torch.testing.assert_close(params, loop_params, rtol=1e-10, atol=1e-12)
+        for row, loop_row in zip(rows, loop_rows):
+            assert row["alpha_distance"] == pytest.approx(loop_row["alpha_distance"], rel=1e-10, abs=1e-12)
+    # The signal itself, by hand on one client: the same number the backend computed for it.
+    x, y = images(80)
+    torch.manual_seed(0)
+    model = CNN((3, 8, 8), 4).double()
+    from fedrun.models import flat_parameters
+
+    w = flat_parameters(model)
+    from fedrun.backends import LoopTrainer, ProcessTrainer
+
+    by_hand = gradient_norm(model, w, x[:15], y[:15])
+    loop = LoopTrainer(model, x, y, None).per_client(gradient_norm, w, [np.arange(0, 15), np.arange(15, 40)])
+    workers = ProcessTrainer(model, x, y, None, workers=2)
+    try:
+        forked = workers.per_client(gradient_norm, w, [np.arange(0, 15), np.arange(15, 40)])
+    finally:
+        workers.close()
+    assert loop[0] == pytest.approx(by_hand, rel=1e-12) and forked == pytest.approx(loop, rel=1e-10)

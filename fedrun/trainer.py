@@ -1,0 +1,43 @@
+"""The per-client primitive, written down: what every training backend does for the round loop.
+
+A backend (``device.backend``: ``loop``, ``processes``, ``vmap``) is a ``Trainer``. Besides training the cohort
+and the loss pass, it runs *per-client signals*: a signal is one plain function ``signal(model, params, x, y)
+-> float`` of the global model's flat parameters and one client's data, and every backend runs it unchanged
+(the loop here, the worker processes on their own model copies, vmap as the loop). An aggregator that needs a new
+number per client (each client's gradient norm at the global model, say) writes that function and reads
+``report.per_client(signal)``: no engine or backend changes (tests/test_pipeline.py shows one).
+
+A signal sent to worker processes travels by reference: define it at the top level of a module.
+"""
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedrun.clients import client_signal
+from fedrun.cohort import ClientLosses, CohortUpdate
+
+Signal = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], float]
+
+
+class Trainer:
+    """The protocol of the training backends (``LoopTrainer``, ``ProcessTrainer``, ``VmapTrainer``)."""
+
+    def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
+        """Train each cohort client from ``global_params`` on its ``parts`` entry with its (round, client) stream;
+        ``work`` is one ``LocalWork`` or one per client. The updates come back in cohort order."""
+        raise NotImplementedError
+
+    def losses(self, params, parts, batch_size) -> ClientLosses:
+        """F_i(params) of each client, one pass over its data."""
+        raise NotImplementedError
+
+    def per_client(self, signal: Signal, params: torch.Tensor, parts: list[np.ndarray]) -> np.ndarray:
+        """``signal(model, params, x_i, y_i)`` of each client, in cohort order (float64). This default runs them
+        one after another in this process."""
+        return client_signal(signal, self.model, params, self.x, self.y, parts)
+
+    def close(self) -> None:
+        """Release what the backend holds (worker processes)."""
