@@ -519,3 +519,33 @@ def test_a_killed_sweep_resumes_skipping_finished_jobs_and_equals_an_uninterrupt
     _, parents = sweep_runs(store, "sweep_resume")  # the resumed sweep reopened its parent run, not a new one
     killed_parent = [p for p in parents if p.data.tags["sweep_dir"] == str(tmp_path / "killed")]
     assert len(parents) == 2 and len(killed_parent) == 1 and killed_parent[0].info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_a_sigterm_in_a_sweep_jobs_last_round_finishes_the_job_and_stops_the_sweep(tmp_path, store):
+    sweep = [
+        "-m",
+        "seed=0,1",
+        "schedule.rounds=4",
+        "schedule.local_epochs=6",
+        "partition.num_clients=5",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    common = [f"tracking.uri=sqlite:///{store}", "tracking.experiment=last_round", "device=cpu"]
+    process = subprocess.Popen(
+        [FEDRUN, *sweep, *common], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 300
+    while rows_written(tmp_path / "sweep" / "0") < 3:  # round 4, job 0's last, has begun
+        assert process.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    time.sleep(0.5)  # past round 3's logging to MLflow (its row is in metrics.csv first), well inside round 4
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "came in this job's last round" in err and "Traceback" not in err
+    assert (
+        rows_written(tmp_path / "sweep" / "0") == 4 and not (tmp_path / "sweep" / "1").exists()
+    )  # job 1 never started
+    _, runs = mlflow_runs(store, "last_round")
+    assert [r.info.status for r in runs] == ["FINISHED"]

@@ -162,19 +162,19 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
         "heterogeneity",
         "pipeline",
     )
+    signals = StopSignals(checkpoint).__enter__()  # until the run is closed: a signal while it closes waits for that
     try:
-        with StopSignals(checkpoint):
-            result = parts["engine"](
-                model=model,
-                seed=job.cfg.seed,
-                on_round=tracker.log_round,
-                checkpoint=checkpoint,
-                **{n: parts[n] for n in names},
-            )
+        result = parts["engine"](
+            model=model,
+            seed=job.cfg.seed,
+            on_round=tracker.log_round,
+            checkpoint=checkpoint,
+            **{n: parts[n] for n in names},
+        )
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()
         tracker.log_result(result.summary, result.tables)
-        return result.rows[-1]["test_accuracy"]
+        accuracy = result.rows[-1]["test_accuracy"]
     except Stopped as exc:
         status, reason, stopped = "KILLED", str(exc), exc
     except DivergenceError as exc:
@@ -185,12 +185,29 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
     finally:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
         tracker.finish(status, model=final, reason=reason, title=title, tags=parts["aggregator"].tags)
+        signals.__exit__()
         if tracker.lost:
             print(
                 f"fedrun: MLflow missed part of this run ({tracker.lost}); {output_dir} has all of it. Import it with:\n"
                 f"  fedrun-import {output_dir}",
                 file=sys.stderr,
             )
+    if status == "FINISHED":
+        # A stop asked for in a sweep job's last round: the job finished, and the sweep must not go on to the next
+        # job (its own run would not know of the signal). Under submitit each job is its own process: nothing to stop.
+        asked = checkpoint.stop_requested
+        if (
+            asked in ("SIGTERM", "SIGINT")
+            and hydra_cfg.mode == RunMode.MULTIRUN
+            and not os.environ.get("SUBMITIT_EXECUTOR")
+        ):
+            print(
+                f"fedrun: {asked} came in this job's last round: the job finished; the sweep stops here (run the same "
+                "command with resume=<sweep dir> to go on)",
+                file=sys.stderr,
+            )
+            sys.exit(128 + signal.Signals[asked].value)
+        return accuracy
     if divergence is not None:
         (output_dir / DIVERGED).write_text(f"{divergence}\n")
         fail(
