@@ -242,6 +242,7 @@ class AsyncEngine:
                 staleness = np.array([b[2] for b in buffer], dtype=np.float64)
                 report = BufferReport(ids, sizes[ids], staleness, version, [b[3] for b in buffer])
                 update, alpha = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
+                pipeline.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation
                 w = server.step(w, update)
                 version, buffer, buffer_done = version + 1, [], buffer
                 alpha_all = np.bincount(ids, weights=alpha, minlength=len(clients))

@@ -38,10 +38,11 @@ def read(path: Path) -> dict:
     """The state saved in the checkpoint file ``path``, read without running anything that it names."""
     try:
         return decode(torch.load(path, weights_only=True))
-    except pickle.UnpicklingError as exc:  # torch's message is a page; its first line says what was refused
-        reason = next(
-            (line.strip() for line in str(exc).splitlines() if "Unsupported" in line), str(exc).splitlines()[0]
-        )
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, TypeError) as exc:
+        # a refused global, a truncated or foreign file: torch's message is a page; the line that says what was
+        # refused, else its first
+        lines = str(exc).splitlines() or [type(exc).__name__]
+        reason = next((line.strip() for line in lines if "Unsupported" in line), lines[0])
         raise ConfigError(
             "checkpoint",
             str(path),
@@ -109,9 +110,10 @@ class Checkpoint:
 
     def save(self, state: dict) -> None:
         """Write ``state`` (with its ``round``) atomically."""
+        plain = encode({**state, "extra": self.extra})  # before any file is opened: an object in it leaves nothing
         temporary = self.path.with_name(f".{FILE}.{os.getpid()}.tmp")
         with open(temporary, "wb") as handle:
-            torch.save(encode({**state, "extra": self.extra}), handle)
+            torch.save(plain, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, self.path)

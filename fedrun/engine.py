@@ -135,6 +135,7 @@ def run(
             deltas = trained.deltas  # as trained: each client's local model (client_accuracy) is params + these
             clock = time.perf_counter()
             sent, stage_diagnostics = pipeline(deltas, cohort, t) if pipeline else (deltas, {})
+            pipeline.end_round()
             pipeline_s = time.perf_counter() - clock
             # What the aggregator may read; the lazy signals cost nothing unless read. Bound to this round.
             report = RoundView(

@@ -28,6 +28,10 @@ class Stage(Stateful):
     def __call__(self, deltas: torch.Tensor, clients: np.ndarray, round_: int) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def end_round(self) -> None:
+        """Called once a round's updates have all passed (synchronous: after the cohort; asynchronous: at each
+        aggregation, after the buffer's updates passed one by one): where a stage that adapts to a round adapts."""
+
 
 class Clip(Stage):
     """Scale each client's update to l2 norm at most C: Delta_i * min(1, C / ||Delta_i||), the per-update clipping
@@ -38,7 +42,9 @@ class Clip(Stage):
     learning with adaptive clipping", NeurIPS, Algorithm 1) without its privacy noise: after clipping a round
     with C, b = the fraction of the round's updates whose norm was at most C (the *unclipped* fraction), and
     C <- C * exp(-clip_lr * (b - target_quantile)): geometric, so C grows while fewer than the target fraction fit
-    under it and shrinks while more do. The next round uses the new C; C is this stage's state (checkpointed).
+    under it and shrinks while more do. The next round uses the new C. In the asynchronous engine a round is an
+    aggregation: every update of a buffer is clipped with the same C, and b is counted over the buffer. C and the
+    counts of the round so far are this stage's state (checkpointed).
 
     Logs ``clip/max_norm`` (the C used this round), ``clip/fraction_clipped`` (updates whose norm exceeded it) and
     ``clip/norm_mean`` (mean norm before clipping).
@@ -75,6 +81,7 @@ class Clip(Stage):
             float(target_quantile),
             float(clip_lr),
         )
+        self.seen, self.fit = 0, 0  # updates of this round so far, and those whose norm was at most C
 
     def __call__(self, deltas, clients, round_):
         norms = torch.linalg.vector_norm(deltas, dim=1)
@@ -86,10 +93,14 @@ class Clip(Stage):
             "clip/fraction_clipped": float(over.double().mean()),
             "clip/norm_mean": float(norms.double().mean()),
         }
-        if self.adaptive:
-            unclipped = 1.0 - diagnostics["clip/fraction_clipped"]
-            self.max_norm *= math.exp(-self.clip_lr * (unclipped - self.target_quantile))
+        self.seen, self.fit = self.seen + len(norms), self.fit + int((~over).sum())
         return deltas * scale[:, None], diagnostics
+
+    def end_round(self):
+        if self.adaptive and self.seen:
+            unclipped = self.fit / self.seen  # b
+            self.max_norm *= math.exp(-self.clip_lr * (unclipped - self.target_quantile))
+        self.seen, self.fit = 0, 0
 
 
 class Pipeline(Stateful):
@@ -118,6 +129,10 @@ class Pipeline(Stateful):
             deltas, more = stage(deltas, clients, round_)
             diagnostics.update(more)
         return deltas, diagnostics
+
+    def end_round(self) -> None:
+        for stage in self.stages:
+            stage.end_round()
 
     def state_dict(self) -> dict:
         return {"stages": [stage.state_dict() for stage in self.stages]}

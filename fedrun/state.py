@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
+KEYS = (bool, int, float, str, type(None))  # dict keys a checkpoint keeps (tuples of them too)
 ARRAY, SCALAR, GENERATOR, DEQUE = "__ndarray__", "__numpy_scalar__", "__numpy_generator__", "__deque__"
+MARKERS = {ARRAY, SCALAR, GENERATOR, DEQUE}
 
 
 def encode(value, where: str = "state"):
@@ -30,8 +32,8 @@ def encode(value, where: str = "state"):
         return {SCALAR: torch.from_numpy(np.asarray(value).reshape(1).copy())}
     if isinstance(value, PLAIN):
         return value
-    if isinstance(value, np.ndarray):
-        return {ARRAY: torch.from_numpy(np.ascontiguousarray(value).copy())}
+    if isinstance(value, np.ndarray):  # np.array(copy): contiguous, and a 0-d array stays 0-d
+        return {ARRAY: torch.from_numpy(np.array(value, copy=True, order="C"))}
     if isinstance(value, np.random.Generator):
         return {GENERATOR: {"bit_generator": type(value.bit_generator).__name__, "state": value.bit_generator.state}}
     if isinstance(value, deque):
@@ -40,6 +42,13 @@ def encode(value, where: str = "state"):
         items = [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
+        for key in value:
+            parts = key if isinstance(key, tuple) else (key,)
+            if not all(type(k) in KEYS for k in parts) or key in MARKERS:  # np.int64 keys too: they would not load
+                raise TypeError(
+                    f"{where} has the key {key!r} ({type(key).__name__}), which a checkpoint cannot hold "
+                    "(keys: str, int, float, bool, None, or tuples of them; not fedrun's own markers)"
+                )
         return {k: encode(v, f"{where}[{k!r}]") for k, v in value.items()}
     raise TypeError(
         f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint cannot hold "
@@ -56,7 +65,10 @@ def decode(value):
             return value[SCALAR].numpy()[0]
         if len(value) == 1 and GENERATOR in value:
             spec = value[GENERATOR]
-            bit_generator = getattr(np.random, spec["bit_generator"])()  # PCG64, Philox, ...: numpy's own names only
+            kind = getattr(np.random, str(spec["bit_generator"]), None)  # PCG64, Philox, ...: numpy's own classes only
+            if not (isinstance(kind, type) and issubclass(kind, np.random.BitGenerator)):
+                raise ValueError(f"not a numpy bit generator: {spec['bit_generator']!r}")
+            bit_generator = kind()
             bit_generator.state = spec["state"]
             return np.random.Generator(bit_generator)
         if len(value) == 2 and DEQUE in value:

@@ -2,7 +2,8 @@
 
 Until November 2026 a checkpoint pickled numpy generators and whole objects (a hybrid's phase aggregators, the
 asynchronous engine's speed streams); fedrun now reads checkpoints with ``torch.load(weights_only=True)`` and
-refuses those. If you trust a run dir (you wrote it), convert its checkpoint once:
+refuses those, and a run dir whose config.yaml predates the ``pipeline`` group. If you trust a run dir (you
+wrote it), convert it once:
 
     python -m fedrun.upgrade outputs/2026-11-20/10-00-00 outputs/multirun/2026-11-20/11-00-00/*
 
@@ -12,11 +13,13 @@ today's format is left alone.
 """
 
 import argparse
+import os
 import pickle
 import sys
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from fedrun.checkpoint import FILE, Checkpoint, read
 from fedrun.errors import ConfigError
@@ -41,14 +44,36 @@ def plain_state(value):
     return value
 
 
-def upgrade(directory: Path) -> bool:
-    """Rewrite ``directory``'s checkpoint in today's format; False when it already was (or there is none)."""
-    path = Path(directory) / FILE
+def upgrade_config(directory: Path) -> bool:
+    """Bring ``directory``'s config.yaml to today's groups: the ``pipeline`` group (none: no stage) added, and the
+    schedule's class at its new place (fedrun.rounds). False when there was nothing to change."""
+    path = Path(directory) / "config.yaml"
     if not path.is_file():
         return False
+    config = OmegaConf.load(path)
+    changed = False
+    if "pipeline" not in config:
+        config.pipeline = {"_target_": "fedrun.pipeline.Pipeline", "stages": []}
+        changed = True
+    if OmegaConf.select(config, "schedule._target_") == "fedrun.engine.Schedule":
+        config.schedule._target_ = "fedrun.rounds.Schedule"
+        changed = True
+    if changed:
+        temporary = path.with_name(f".{path.name}.tmp")
+        OmegaConf.save(config, temporary)
+        os.replace(temporary, path)
+    return changed
+
+
+def upgrade(directory: Path) -> bool:
+    """Rewrite ``directory``'s checkpoint and config in today's format; False when they already were."""
+    changed = upgrade_config(directory)
+    path = Path(directory) / FILE
+    if not path.is_file():
+        return changed
     try:
         read(path)
-        return False
+        return changed
     except ConfigError:
         pass
     state = plain_state(torch.load(path, weights_only=False))

@@ -39,17 +39,23 @@ def test_adaptive_clipping_moves_the_norm_geometrically_on_the_unclipped_fractio
     # Andrew et al. 2021, Algorithm 1 (no noise): C <- C exp(-eta (b - gamma)), b = fraction with norm <= C.
     clip = Clip(max_norm=1.0, adaptive=True, target_quantile=0.5, clip_lr=0.2)
     first = torch.tensor([[0.5, 0.0], [2.0, 0.0], [3.0, 0.0], [4.0, 0.0]])  # norms 0.5, 2, 3, 4 under C = 1: b = 1/4
-    _, diagnostics = clip(first, np.arange(4), 1)
-    assert diagnostics["clip/max_norm"] == 1.0  # the C this round used
+    _, diagnostics = clip(first[:2], np.arange(2), 1)  # a round's updates may pass in parts (the async engine)
+    _, more = clip(first[2:], np.arange(2, 4), 1)
+    assert (
+        diagnostics["clip/max_norm"] == more["clip/max_norm"] == 1.0 == clip.max_norm
+    )  # C moves at the round's end only
+    clip.end_round()
     assert clip.max_norm == pytest.approx(math.exp(0.05))  # exp(-0.2 (0.25 - 0.5)) = exp(0.05) = 1.05127
     second = torch.tensor([[0.5, 0.0], [0.8, 0.0], [3.0, 0.0], [4.0, 0.0]])  # b = 2/4 = gamma: C stays
     out, diagnostics = clip(second, np.arange(4), 2)
+    clip.end_round()
     assert clip.max_norm == pytest.approx(math.exp(0.05)) and diagnostics["clip/max_norm"] == pytest.approx(
         math.exp(0.05)
     )
     torch.testing.assert_close(out[2], torch.tensor([math.exp(0.05), 0.0]))  # clipped with the C of this round
     everything_fits = Clip(max_norm=10.0, adaptive=True)
     everything_fits(first, np.arange(4), 1)
+    everything_fits.end_round()
     assert everything_fits.max_norm == pytest.approx(10.0 * math.exp(-0.1))  # b = 1: exp(-0.2 * 0.5)
     assert Clip(max_norm=2.0, adaptive=True).state_dict()["max_norm"] == 2.0
 
@@ -152,6 +158,12 @@ def test_the_async_engine_clips_each_arriving_update_and_logs_the_buffers_mean()
     clipped, rows = go(Pipeline([Clip(0.01)]))
     assert len(rows) == 4 and all(r["clip/fraction_clipped"] == 1.0 and r["clip/norm_mean"] > 0.01 for r in rows)
     assert not torch.allclose(plain, clipped)
+    adaptive = Clip(0.01, adaptive=True, target_quantile=0.5, clip_lr=0.2)
+    _, adaptive_rows = go(Pipeline([adaptive]))
+    # Every update fits under none of these Cs (b = 0): C grows by exp(0.1) once per aggregation, not per update.
+    logged = [r["clip/max_norm"] for r in adaptive_rows]
+    assert logged == pytest.approx([0.01 * math.exp(0.1 * k) for k in range(4)], rel=1e-12)
+    assert adaptive.max_norm == pytest.approx(0.01 * math.exp(0.4), rel=1e-12)
     loose, loose_rows = go(Pipeline([Clip(1e9)]))
     assert torch.equal(loose, plain) and all(r["clip/fraction_clipped"] == 0.0 for r in loose_rows)
     assert not any(math.isnan(r["clip/norm_mean"]) for r in loose_rows)

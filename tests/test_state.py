@@ -103,9 +103,22 @@ def test_an_old_checkpoint_of_pickled_objects_is_refused_then_converted_by_fedru
         },
         tmp_path / FILE,
     )
+    (tmp_path / "config.yaml").write_text(
+        "seed: 3\nschedule:\n  _target_: fedrun.engine.Schedule\n  rounds: 4\n"
+    )  # no pipeline group
+    from fedrun.cli.resume import saved_config
+
     with pytest.raises(ConfigError, match="python -m fedrun.upgrade"):
         Checkpoint(tmp_path, resume=True).restored()
+    with pytest.raises(ConfigError, match="python -m fedrun.upgrade"):
+        saved_config(tmp_path, str(tmp_path))
     assert upgrade(tmp_path) and not upgrade(tmp_path)  # converted once; then it is in today's format
+    config = saved_config(tmp_path, str(tmp_path))
+    assert (
+        config.pipeline == {"_target_": "fedrun.pipeline.Pipeline", "stages": []}
+        and config.schedule._target_ == "fedrun.rounds.Schedule"
+    )
+    assert config.seed == 3 and config.schedule.rounds == 4
     state = Checkpoint(tmp_path, resume=True).restored()
     again, again_streams = hybrid(), _Streams(3, "speed")
     again.load_state_dict(state["aggregator"])
@@ -114,3 +127,18 @@ def test_an_old_checkpoint_of_pickled_objects_is_refused_then_converted_by_fedru
     assert again_streams[2].random(3).tolist() == streams[2].random(3).tolist()
     assert state["sampler"].random(3).tolist() == sampler.random(3).tolist()
     assert state["extra"] == {"mlflow_run_id": "abc"} and type(state["rows"][0]["staleness_mean"]) is np.float64
+
+
+def test_keys_a_checkpoint_cannot_load_are_refused_when_saved_and_a_zero_d_array_stays_zero_d():
+    with pytest.raises(TypeError, match=r"state has the key 3 \(int64\)"):
+        encode({np.int64(3): 1.0})
+    with pytest.raises(TypeError, match="__ndarray__"):
+        encode({"__ndarray__": 1})  # a user's dict shaped like fedrun's markers would decode as something else
+    assert encode({(1, "a"): 2}) == {(1, "a"): 2}
+    back = through_a_file({"x": np.array(2.5)})
+    assert back["x"].shape == () and back["x"] == 2.5
+
+
+def test_a_generator_entry_naming_anything_but_a_numpy_bit_generator_is_refused():
+    with pytest.raises(ValueError, match="not a numpy bit generator"):
+        decode({"__numpy_generator__": {"bit_generator": "seed", "state": {}}})

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals
 from fedrun.cli.build import build, check_run_keys, setup
-from fedrun.cli.resume import Job, open_job
+from fedrun.cli.resume import Job, open_job, opened_run
 from fedrun.cli.runinfo import description, git_commit, run_name
 from fedrun.cli.sweeps import SweepRun, job_cores, sweep_parent
 from fedrun.errors import ConfigError, DivergenceError
@@ -117,7 +117,7 @@ def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
         title = saved["extra"].get("title", title)  # this invocation's choices are the defaults
         print(f"fedrun: resuming {output_dir} after round {checkpoint.saved_round}", file=sys.stderr)
     else:
-        reopened = json.loads((output_dir / RUN_FILE).read_text()) if job.restart else {}
+        reopened = (opened_run(output_dir) or {}) if job.restart else {}
         if job.restart:  # the rows the stopped run wrote are measured again
             tracker.rewind(0)
             title = reopened.get("title", title)
@@ -127,7 +127,8 @@ def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
             )
         data = parts["data"]
         tracker.log_partition(parts["clients"], data.y_train.numpy(), data.num_classes, parts["client_tests"])
-        OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
+        if not job.restart:  # a restart keeps the file its run was started with
+            OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
         tags["overrides"] = hydra_cfg.job.override_dirname or "(defaults)"
         tags["mlflow.note.content"] = description(cfg, choices, tags["overrides"], output_dir)
         parent = sweep_parent(output_dir.parent) if hydra_cfg.mode == RunMode.MULTIRUN else None  # <sweep dir>/<num>
@@ -137,9 +138,10 @@ def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
         params = flatten(OmegaConf.to_container(cfg, resolve=True))
         tracker.start(params, tags, name, run_id=reopened.get("mlflow_run_id"))
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
-    (output_dir / RUN_FILE).write_text(
-        json.dumps(checkpoint.extra) + "\n"
-    )  # what a restart before the first checkpoint reopens
+    # What a restart before the first checkpoint reopens; written atomically (a kill mid-write leaves the old file).
+    temporary = output_dir / f".{RUN_FILE}.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps(checkpoint.extra) + "\n")
+    os.replace(temporary, output_dir / RUN_FILE)
     return tracker, title
 
 
@@ -192,24 +194,27 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
                 f"  fedrun-import {output_dir}",
                 file=sys.stderr,
             )
-    if status == "FINISHED":
-        # A stop asked for in a sweep job's last round: the job finished, and the sweep must not go on to the next
-        # job (its own run would not know of the signal). Under submitit each job is its own process: nothing to stop.
-        asked = checkpoint.stop_requested
-        if (
-            asked in ("SIGTERM", "SIGINT")
-            and hydra_cfg.mode == RunMode.MULTIRUN
-            and not os.environ.get("SUBMITIT_EXECUTOR")
-        ):
-            print(
-                f"fedrun: {asked} came in this job's last round: the job finished; the sweep stops here (run the same "
-                "command with resume=<sweep dir> to go on)",
-                file=sys.stderr,
-            )
-            sys.exit(128 + signal.Signals[asked].value)
-        return accuracy
+    # A stop asked for in a sweep job's last round (it finished) or while it diverged: the sweep must not go on to
+    # the next job, whose own run would not know of the signal. Under submitit each job is its own process.
+    asked = checkpoint.stop_requested
+    stop_sweep = asked and status != "KILLED" and hydra_cfg.mode == RunMode.MULTIRUN and not on_submitit
     if divergence is not None:
         (output_dir / DIVERGED).write_text(f"{divergence}\n")
+    if stop_sweep:
+        what = (
+            "in this job's last round: the job finished"
+            if status == "FINISHED"
+            else f"while this job failed ({reason})"
+        )
+        print(
+            f"fedrun: {asked} came {what}; the sweep stops here (run the same command with resume=<sweep dir> to "
+            "go on)",
+            file=sys.stderr,
+        )
+        sys.exit(128 + signal.Signals[asked].value)
+    if status == "FINISHED":
+        return accuracy
+    if divergence is not None:
         fail(
             hydra_cfg,
             f"fedrun: error: training diverged: {divergence}; the run is marked FAILED and keeps the metrics of "

@@ -15,6 +15,7 @@ from fedrun.errors import ConfigError
 from fedrun.partitions import hold_out
 from fedrun.rounds import STOP_ON
 from fedrun.seeding import numpy_rng, torch_seed
+from fedrun.state import encode
 
 
 def build(group: str, node: DictConfig, **runtime):
@@ -80,6 +81,13 @@ def setup(cfg: DictConfig) -> dict:
     stages = [build(f"pipeline.stages.{i}", stage) for i, stage in enumerate(cfg.pipeline.get("stages", []))]
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
     objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"])
+    for group in ("aggregator", "server", "pipeline"):  # a state a checkpoint cannot hold fails now, not at round 10
+        try:
+            encode(objects[group].state_dict(), group)
+        except TypeError as exc:
+            raise ConfigError(
+                group, type(objects[group]).__name__, f"a part whose state_dict() a checkpoint can hold ({exc})"
+            ) from None
     schedule = objects["schedule"]
     if (
         schedule.stop_at_accuracy is not None

@@ -2,6 +2,7 @@
 (``-m ... resume=<sweep dir>``) or a job submitit requeued. A job stopped before its first checkpoint starts
 again from round 1 in its dir and MLflow run; a sweep's finished or diverged job is skipped."""
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,8 +11,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, diverged
-from fedrun.cli.sweeps import sweep_job
 from fedrun.errors import ConfigError
+from fedrun.tracking import flatten
 
 
 @dataclass
@@ -39,7 +40,10 @@ class Job:
 def open_job(cfg: DictConfig, hydra_cfg) -> Job:
     """The job this invocation runs (see the module docstring); ConfigError for a resume that cannot be."""
     output_dir = Path(hydra_cfg.runtime.output_dir)
-    requeued = bool(os.environ.get("SUBMITIT_EXECUTOR")) and (output_dir / FILE).is_file()  # submitit restarted it
+    # submitit restarted it (after a checkpoint, or before the first one: its run was open, run.json)
+    requeued = bool(os.environ.get("SUBMITIT_EXECUTOR")) and (
+        (output_dir / FILE).is_file() or (output_dir / RUN_FILE).is_file()
+    )
     resuming = bool(cfg.resume) or requeued
     if resuming and hydra_cfg.mode == RunMode.MULTIRUN:  # this job of an earlier sweep, in its own dir
         done = sweep_job(cfg, output_dir)
@@ -54,8 +58,17 @@ def open_job(cfg: DictConfig, hydra_cfg) -> Job:
         output_dir = checkpoint.path.parent
     else:
         checkpoint = Checkpoint(output_dir, cfg.checkpoint.every)
-    restart = resuming and not checkpoint.resume and (output_dir / RUN_FILE).is_file()
+    restart = resuming and not checkpoint.resume and opened_run(output_dir) is not None
     return Job(cfg, output_dir, checkpoint, restart=restart)
+
+
+def opened_run(output_dir: Path) -> dict | None:
+    """What ``run.json`` says of the run in ``output_dir`` (its MLflow run id and title), or None when the run
+    never opened one (or the file is unreadable: it is written atomically, so only by hand)."""
+    try:
+        return json.loads((Path(output_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
@@ -79,7 +92,7 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
             cfg.resume,
             f"no other overrides (the run continues with {directory / 'config.yaml'}); got {' '.join(others)}",
         )
-    saved = OmegaConf.load(directory / "config.yaml")
+    saved = saved_config(directory, cfg.resume)
     saved.resume = str(directory)
     checkpoint = Checkpoint(directory, saved.checkpoint.every, resume=(directory / FILE).is_file())
     if checkpoint.resume and checkpoint.restored()["finished"]:
@@ -87,3 +100,44 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
             "resume", cfg.resume, f"a run that did not finish (this one finished at round {checkpoint.saved_round})"
         )
     return saved, checkpoint
+
+
+def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
+    """For ``-m ... resume=<multirun dir>``: this job's final accuracy when it had finished, the reason when it
+    had diverged, else None (it resumes from its checkpoint, or runs from the start when it never reached one).
+    A job whose config differs from the one it was started with is refused, checkpoint or not: the sweep must be
+    the same one (a job restarted from round 1 reopens its MLflow run, whose params are that config)."""
+    reason = diverged(job_dir)
+    if not (job_dir / "config.yaml").is_file():  # never started
+        return None
+    saved = saved_config(job_dir, cfg.resume)
+    mine = OmegaConf.to_container(cfg, resolve=True)
+    mine["resume"] = saved.get("resume")
+    if mine != OmegaConf.to_container(saved, resolve=True):
+        before = flatten(OmegaConf.to_container(saved))
+        changed = sorted(k for k, v in flatten(mine).items() if before.get(k) != v)
+        raise ConfigError(
+            "resume",
+            cfg.resume,
+            f"the same sweep (job dir {job_dir} was started with other values of {', '.join(changed)})",
+        )
+    if reason is not None:
+        return reason
+    if not (job_dir / FILE).is_file():
+        return None
+    state = Checkpoint(job_dir, resume=True).restored()
+    return state["rows"][-1]["test_accuracy"] if state["finished"] else None
+
+
+def saved_config(directory: Path, given) -> DictConfig:
+    """The config a run in ``directory`` was started with; one written before the ``pipeline`` group (November
+    2026) is refused with the command that upgrades the dir."""
+    saved = OmegaConf.load(Path(directory) / "config.yaml")
+    if "pipeline" not in saved:
+        raise ConfigError(
+            "resume",
+            given,
+            f"a run dir of this fedrun ({directory} was written by an older one: if you trust it, "
+            f"upgrade it once with python -m fedrun.upgrade {directory})",
+        )
+    return saved

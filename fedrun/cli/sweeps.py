@@ -10,10 +10,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
-from fedrun.checkpoint import FILE, Checkpoint, diverged
 from fedrun.cli.runinfo import git_commit
-from fedrun.errors import ConfigError
-from fedrun.tracking import Tracker, flatten, preflight, resolve_uri, retried
+from fedrun.tracking import Tracker, preflight, resolve_uri, retried
 
 PARENT_FILE = "mlflow_parent_run.txt"  # in a sweep's dir: the id of the MLflow run that groups its jobs
 
@@ -110,27 +108,3 @@ class SweepRun(Callback):
             uri, config.tracking.experiment, sweep_dir, ("sweep " + " ".join(overrides))[:250], tags
         )
         atexit.register(close_sweep_run, uri, run_id)
-
-
-def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
-    """For ``-m ... resume=<multirun dir>``: this job's final accuracy when it had finished, the reason when it
-    had diverged, else None (it resumes from its checkpoint, or runs from the start when it never reached one).
-    A job whose config differs from the one it was started with is refused: the sweep must be the same one."""
-    reason = diverged(job_dir)
-    if not (job_dir / FILE).is_file() and reason is None:
-        return None
-    saved = OmegaConf.load(job_dir / "config.yaml")
-    mine = OmegaConf.to_container(cfg, resolve=True)
-    mine["resume"] = saved.get("resume")
-    if mine != OmegaConf.to_container(saved, resolve=True):
-        before = flatten(OmegaConf.to_container(saved))
-        changed = sorted(k for k, v in flatten(mine).items() if before.get(k) != v)
-        raise ConfigError(
-            "resume",
-            cfg.resume,
-            f"the same sweep (job dir {job_dir} was started with other values of {', '.join(changed)})",
-        )
-    if reason is not None:
-        return reason
-    state = Checkpoint(job_dir, resume=True).restored()
-    return state["rows"][-1]["test_accuracy"] if state["finished"] else None
