@@ -79,13 +79,15 @@ def rows_written(out: Path) -> int:
         return 0
 
 
-def kill_after(process, out: Path, rounds: int, sig=signal.SIGKILL) -> None:
-    """Send ``sig`` once ``rounds`` rows are in metrics.csv (the run goes on meanwhile: the kill lands anywhere)."""
+def kill_after(process, out: Path, rounds: int, sig=signal.SIGKILL, settle: float = 0.0) -> None:
+    """Send ``sig`` once ``rounds`` rows are in metrics.csv and ``settle`` seconds more have passed (the run goes on
+    meanwhile: the kill lands anywhere)."""
     deadline = time.time() + 300
     while rows_written(out) < rounds:
         assert process.poll() is None, process.communicate()[1][-3000:]
         assert time.time() < deadline
         time.sleep(0.02)
+    time.sleep(settle)
     process.send_signal(sig)
 
 
@@ -535,12 +537,9 @@ def test_a_sigterm_in_a_sweep_jobs_last_round_finishes_the_job_and_stops_the_swe
     process = subprocess.Popen(
         [FEDRUN, *sweep, *common], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    deadline = time.time() + 300
-    while rows_written(tmp_path / "sweep" / "0") < 3:  # round 4, job 0's last, has begun
-        assert process.poll() is None and time.time() < deadline
-        time.sleep(0.02)
-    time.sleep(0.5)  # past round 3's logging to MLflow (its row is in metrics.csv first), well inside round 4
-    process.send_signal(signal.SIGTERM)
+    # Once round 4, job 0's last, has begun, and 0.5 s more: past round 3's logging to MLflow (its row is in
+    # metrics.csv first), well inside round 4.
+    kill_after(process, tmp_path / "sweep" / "0", 3, signal.SIGTERM, settle=0.5)
     _, err = process.communicate(timeout=300)
     assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "came in this job's last round" in err and "Traceback" not in err

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals
 from fedrun.cli.build import build, check_run_keys, setup
-from fedrun.cli.resume import Job, open_job, opened_run
+from fedrun.cli.resume import Job, open_job
 from fedrun.cli.runinfo import description, git_commit, run_name
 from fedrun.cli.sweeps import SweepRun, job_cores, sweep_parent
 from fedrun.errors import ConfigError, DivergenceError
@@ -117,7 +117,7 @@ def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
         title = saved["extra"].get("title", title)  # this invocation's choices are the defaults
         print(f"fedrun: resuming {output_dir} after round {checkpoint.saved_round}", file=sys.stderr)
     else:
-        reopened = (opened_run(output_dir) or {}) if job.restart else {}
+        reopened = job.reopened or {}
         if job.restart:  # the rows the stopped run wrote are measured again
             tracker.rewind(0)
             title = reopened.get("title", title)

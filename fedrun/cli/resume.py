@@ -32,7 +32,12 @@ class Job:
     cfg: DictConfig
     output_dir: Path
     checkpoint: Checkpoint | None
-    restart: bool = False
+    reopened: dict | None = None
+
+    @property
+    def restart(self) -> bool:
+        return self.reopened is not None
+
     finished: float | None = None
     diverged: str | None = None
 
@@ -58,8 +63,8 @@ def open_job(cfg: DictConfig, hydra_cfg) -> Job:
         output_dir = checkpoint.path.parent
     else:
         checkpoint = Checkpoint(output_dir, cfg.checkpoint.every)
-    restart = resuming and not checkpoint.resume and opened_run(output_dir) is not None
-    return Job(cfg, output_dir, checkpoint, restart=restart)
+    reopened = opened_run(output_dir) if resuming and not checkpoint.resume else None
+    return Job(cfg, output_dir, checkpoint, reopened=reopened)
 
 
 def opened_run(output_dir: Path) -> dict | None:
