@@ -241,7 +241,7 @@ class AsyncEngine:
                 ids = np.array([b[0] for b in buffer])
                 staleness = np.array([b[2] for b in buffer], dtype=np.float64)
                 report = BufferReport(ids, sizes[ids], staleness, version, [b[3] for b in buffer])
-                update, alpha = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
+                update, alpha, diagnostics = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
                 pipeline.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation
                 w = server.step(w, update)
                 version, buffer, buffer_done = version + 1, [], buffer
@@ -259,7 +259,7 @@ class AsyncEngine:
                 row.update(
                     dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan)
                 )
-                row.update(aggregator.diagnostics)
+                row.update(diagnostics)
                 row.update({k: float(np.mean([b[4][k] for b in buffer_done])) for k in buffer_done[0][4]})
                 done = record(
                     row,

@@ -166,7 +166,7 @@ def run(
                 else None
             )
             clock = time.perf_counter()
-            update, alpha = aggregator.aggregate(params, sent, report)
+            update, alpha, diagnostics = aggregator.aggregate(params, sent, report)
             params = server.step(params, update)
             diverged = not torch.isfinite(params).all()
             signals_s = sum(report.wall_s.values())  # lazy signals read while aggregating have their own columns
@@ -197,7 +197,7 @@ def run(
             )
             if local_accuracy is not None:
                 row["client_accuracy"] = float(local_accuracy.mean())
-            row.update(aggregator.diagnostics)
+            row.update(diagnostics)
             row.update(stage_diagnostics)
             row.update(timings)
             alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)

@@ -97,3 +97,12 @@ def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, 
                     metrics.loc[metrics["round"] == reached, "virtual_time"].iloc[0]
                 )
     return {k: v for k, v in values.items() if not math.isnan(v)}, tags
+
+
+def run_summary(rows: list[dict], r_targets: Sequence[float], measured: dict | None = None) -> tuple[dict, dict]:
+    """The run's summary, computed once when it closes (finished, failed or stopped): ``summarise`` of every row
+    logged so far (those before a resume too), with the engine's own run-level metrics (``measured``, e.g. the
+    asynchronous engine's fairness; NaN left out) added. Returns (metrics, tags)."""
+    values, tags = summarise(pd.DataFrame(rows), r_targets) if rows else ({}, {})
+    values.update({k: v for k, v in (measured or {}).items() if not math.isnan(v)})
+    return values, tags

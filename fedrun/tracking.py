@@ -22,7 +22,6 @@ import pandas as pd
 import torch
 
 from fedrun.errors import ConfigError
-from fedrun.metrics import summarise
 from fedrun.plots import plot_alpha_heatmap, plot_curves
 
 # MLflow 3 opens an experiment without this tag as a GenAI one (traces, token usage); fedrun's are model training.
@@ -133,7 +132,9 @@ class Tracker:
         uri: MLflow tracking URI (absolute; see ``resolve_uri``).
         experiment: MLflow experiment name.
         max_alpha_series: Log ``alpha/client_<id>`` metric series only up to this many clients.
-        r_targets: Accuracy targets of the R-index.
+
+    It only logs: the run's summary is computed by ``fedrun.metrics.run_summary`` (from ``rows``, every row logged
+    so far) and handed to ``finish``.
     """
 
     def __init__(
@@ -144,21 +145,18 @@ class Tracker:
         uri: str,
         experiment: str,
         max_alpha_series: int = 100,
-        r_targets: tuple[float, ...] = (0.6, 0.9),
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.enabled, self.uri, self.experiment = enabled, uri, experiment
         self.alpha_series = num_clients <= max_alpha_series
         self.wide = num_clients <= WIDE_CLIENTS
-        self.r_targets = tuple(r_targets)
         self.metrics_path, self.alpha_path = self.dir / "metrics.csv", self.dir / "alpha.csv"
         self._columns: dict[Path, list[str]] = {}  # each CSV file's header so far
         self.run_id: str | None = None
         self.experiment_key: str | None = None  # the MLflow experiment's id
-        self.extra_summary: dict = {}
         self.lost: str | None = None  # why MLflow stopped taking this run's data mid-run, if it did
-        self.rows: list[dict] = []  # the metrics rows so far (the summary is computed from them)
+        self.rows: list[dict] = []  # the metrics rows so far, those before a resume too (the summary's input)
 
     def start(self, params: dict, tags: dict, run_name: str, run_id: str | None = None) -> None:
         """Open the MLflow run (when enabled) and log the flattened config and tags; with ``run_id``, reopen
@@ -307,33 +305,32 @@ class Tracker:
                 writer.writerow(self._columns[path])
             writer.writerows(zip([round_] * len(clients), clients.tolist(), values[clients].tolist()))
 
-    def log_result(self, summary: dict, tables: dict) -> None:
-        """Keep the engine's run-level metrics (logged at the end) and write its tables as CSV files."""
-        self.extra_summary = dict(summary)
+    def log_tables(self, tables: dict) -> None:
+        """Write the engine's named tables as CSV files (logged as artifacts at the end)."""
         for name, table in tables.items():
             table.to_csv(self.dir / name, index=False)
 
     def finish(
         self,
         status: str,
+        values: dict | None = None,
+        tags: dict | None = None,
         model: torch.nn.Module | None = None,
         reason: str | None = None,
         title: str = "",
-        tags: dict | None = None,
     ) -> None:
         """Write the summary, final model and plots; log them as artifacts; end the MLflow run.
 
         Args:
-            status: ``FINISHED`` or ``FAILED``.
+            status: ``FINISHED``, ``FAILED`` or ``KILLED``.
+            values: The run's summary metrics (``fedrun.metrics.run_summary``).
+            tags: Run-level tags (the summary's, the aggregator's).
             model: The final global model, saved as ``model.pt``.
             reason: Why the run failed, kept as the ``failure_reason`` tag.
             title: Plot title.
-            tags: Further run-level tags (e.g. from the aggregator).
         """
         metrics = pd.DataFrame(self.rows) if self.rows else None
-        values, summary_tags = summarise(metrics, self.r_targets) if metrics is not None else ({}, {})
-        values.update({k: v for k, v in self.extra_summary.items() if not math.isnan(v)})
-        tags = {**summary_tags, **(tags or {})}
+        values, tags = dict(values or {}), dict(tags or {})
         if reason:
             tags["failure_reason"] = reason[:5000]
         if model is not None:

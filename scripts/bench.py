@@ -57,6 +57,7 @@ from fedrun.async_engine import AsyncEngine
 from fedrun.backends import Device
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
+from fedrun.metrics import run_summary
 from fedrun.models import CNN
 from fedrun.tracking import Tracker
 
@@ -162,7 +163,7 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
             )
         else:
             run(model, data, clients, FedAvg(), optimizer, schedule, device, 0, on_round=on_round)
-        tracker.finish("FINISHED")
+        tracker.finish("FINISHED", *run_summary(tracker.rows, (0.6, 0.9)))  # the summary a run logs, as fedrun does
     parts = {
         k: per_round(spec, [r[f"{k}_wall_s"] for r in rows])
         for k in ("train", "loss", "aggregate", "eval")

@@ -37,7 +37,8 @@ class Part:
     name: str
     args: tuple[str, ...]
     side: str = (
-        ""  # "tuning" (a sweep that picks a setting) or "check" (a sensitivity check): its own experiment and report
+        ""  # "tuning" (a sweep that picks a setting), "check" (a sensitivity check) or "full" (the table's runs
+        # without their stop): its own experiment and report
     )
 
     @property
@@ -80,6 +81,7 @@ STOP_AT_R60 = (
 )  # paper 001's R60 (global model), censored at 30
 HEAD_000 = ("schedule.lr_decay=1.0",)  # the authors' last commit (c065b72, train.py:128-131): a constant lr for MNIST
 AUTHORS_SPLITS = ("partition=label_pairs,label_triples",)  # paper 000's code: TNIID, NIID (src/datasplitting.py:52-75)
+FULL_50 = ("partition=label_pairs", "schedule.stop_at_accuracy=null")  # TNIID, all of the preset's 50 rounds
 AUTHORS_IID = (
     "partition=iid",
     "partition.samples_per_client=null",
@@ -185,6 +187,18 @@ PAPERS = {
             ),
             Part("fedsoftmax_splits", ("experiment=softmax_mnist_authors", *SOFTMAX, *AUTHORS_SPLITS, "seed={seeds}")),
             Part("fedsoftmax_iid", ("experiment=softmax_mnist_authors", *SOFTMAX, *AUTHORS_IID, "seed={seeds}")),
+            # TNIID again without the stop at the clients' 90%: all 50 rounds of Table 2, so that the global model's test
+            # accuracy of the two is compared at the same rounds (the table's runs stop at different ones).
+            Part(
+                "fedavg_tniid_50",
+                ("experiment=softmax_mnist_authors", "aggregator=fedavg", *FULL_50, "seed={seeds}"),
+                side="full",
+            ),
+            Part(
+                "fedsoftmax_tniid_50",
+                ("experiment=softmax_mnist_authors", *SOFTMAX, *FULL_50, "seed={seeds}"),
+                side="full",
+            ),
         ),
         report_extra=("--plot", "client_accuracy"),
         select_by="client_R90",
@@ -453,7 +467,7 @@ def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool, part
     # A sensitivity check's report, once its parts have run; paired with the baseline when all of them ran.
     for side in dict.fromkeys(p.side for p in chosen if p.side and not p.tuning):
         whole = all(p in chosen for p in spec.parts if p.side == side)
-        run(report(paper, out, side, extra=("--paired", spec.paired) if whole else ()), dry_run)
+        run(report(paper, out, side, extra=spec.report_extra + (("--paired", spec.paired) if whole else ())), dry_run)
     # The table is paired with the baseline once the baseline's part has run (now or before).
     baseline = any(p in chosen or started(out, paper, p) for p in spec.parts if has_baseline(p, spec.paired))
     table = spec.report_extra + (("--paired", spec.paired) if baseline else ())

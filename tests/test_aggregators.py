@@ -47,7 +47,7 @@ def test_fedavg_weights_by_samples_and_uniform():
 def test_fedavg_update_is_weighted_mean_of_deltas_times_server_lr():
     w = torch.tensor([1.0, -1.0])
     deltas = torch.tensor([[4.0, 0.0], [0.0, 4.0], [2.0, 2.0]])
-    update, alpha = FedAvg().aggregate(w, deltas, report([1, 1, 2], [0, 0, 0]))
+    update, alpha, _ = FedAvg().aggregate(w, deltas, report([1, 1, 2], [0, 0, 0]))
     # 0.25*[4,0] + 0.25*[0,4] + 0.5*[2,2] = [2, 2]
     assert_allclose(update.numpy(), [2.0, 2.0])
     assert_allclose(ServerOptimizer().step(w, update).numpy(), [3.0, 1.0])
@@ -70,12 +70,12 @@ def test_fedsoftmax_update_and_alpha_distance_by_hand():
     w = torch.zeros(2)
     deltas = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     agg = FedSoftMax()
-    new, alpha = agg.aggregate(w, deltas, report([1, 1, 2], [0.0, np.log(2.0), 0.0]))
+    new, alpha, diagnostics = agg.aggregate(w, deltas, report([1, 1, 2], [0.0, np.log(2.0), 0.0]))
     assert_allclose(alpha, [0.2, 0.4, 0.4])
     assert_allclose(new.numpy(), [0.6, 0.8], rtol=1e-6)
     # |.2-.25| + |.4-.25| + |.4-.5| = .05 + .15 + .1
-    assert agg.diagnostics["alpha_distance"] == pytest.approx(0.3)
-    assert agg.diagnostics["temperature"] == 1.0
+    assert diagnostics["alpha_distance"] == pytest.approx(0.3)
+    assert diagnostics["temperature"] == 1.0
 
 
 def test_fedsoftmax_limits():
@@ -171,7 +171,7 @@ def test_hybrid_switches_at_the_right_round():
     assert_allclose(hybrid.weights(r(1)), [1, 0])
     assert_allclose(hybrid.weights(r(2)), [1, 0])
     assert_allclose(hybrid.weights(r(3)), [0.25, 0.75])
-    assert hybrid.tags == {"hybrid_phase_1_from_round": "3"}
+    assert hybrid.run_tags() == {"hybrid_phase_1_from_round": "3"}
 
 
 def test_hybrid_switches_at_the_right_accuracy_and_never_back():
@@ -181,7 +181,23 @@ def test_hybrid_switches_at_the_right_accuracy_and_never_back():
     assert not np.allclose(hybrid.weights(r(2, 0.79)), [0.25, 0.75])
     assert_allclose(hybrid.weights(r(3, 0.81)), [0.25, 0.75])
     assert_allclose(hybrid.weights(r(4, 0.5)), [0.25, 0.75])
-    assert hybrid.tags == {"hybrid_phase_1_from_round": "3", "hybrid_switch_on": "test_accuracy"}
+    assert hybrid.run_tags() == {"hybrid_phase_1_from_round": "3", "hybrid_switch_on": "test_accuracy"}
+
+
+def test_a_hybrid_returns_its_phase_s_diagnostics_with_the_phase_and_keeps_none_on_itself():
+    hybrid = Hybrid([{"aggregator": FedSoftMax(temperature=0.5), "until_round": 1}, {"aggregator": FedAvg()}])
+    deltas, w = torch.eye(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    # Round 1, FedSoftMax with p = [.25, .75], F = [0, ln 3], T = 0.5: alpha = p * exp(F / T) / Z = [.25, 6.75] / 7,
+    # |alpha - p|_1 = (.25 - .25 / 7) + (6.75 / 7 - .75) = 2 (.25 - .25 / 7).
+    first = hybrid.aggregate(w, deltas, report([1, 3], [0.0, math.log(3.0)], round_=1))
+    assert_allclose(first.alpha, [0.25 / 7, 6.75 / 7])
+    assert first.diagnostics == pytest.approx(
+        {"alpha_distance": 2 * (0.25 - 0.25 / 7), "temperature": 0.5, "hybrid_phase": 0.0}
+    )
+    second = hybrid.aggregate(w, deltas, report([1, 3], [0.0, math.log(3.0)], round_=2))
+    assert second.diagnostics == {"alpha_distance": 0.0, "hybrid_phase": 1.0}  # FedAvg: no temperature
+    assert_allclose(second.update.numpy(), [0.25, 0.75])
+    assert not hasattr(hybrid, "diagnostics") and "diagnostics" not in hybrid.state_dict()
 
 
 @pytest.mark.parametrize(

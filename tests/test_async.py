@@ -126,7 +126,7 @@ def test_fedstaleweight_zero_staleness_buffer_keeps_training():
         agg.observe(c, 0)
     alpha = agg.weights(buffer([0, 1, 2], [0, 0, 0]))
     assert_allclose(alpha, [1 / 3] * 3)
-    new, _ = agg.aggregate(torch.zeros(2), torch.ones(3, 2), buffer([0, 1, 2], [0, 0, 0]))
+    new, _, _ = agg.aggregate(torch.zeros(2), torch.ones(3, 2), buffer([0, 1, 2], [0, 0, 0]))
     assert_allclose(new.numpy(), [1.0, 1.0])  # the model moves
 
 
@@ -161,14 +161,14 @@ def test_fedbuff_staleness_scaling_is_not_renormalised_and_fedasync_mixing_by_ha
     # Equal staleness 4: every weight 1 / (K sqrt(5)), summing to 1/sqrt(5) = 0.4472, not 1.
     w = FedBuff(buffer_size=3, staleness_scaling=True).weights(buffer([0, 1, 2], [4, 4, 4]))
     assert_allclose(w, [1 / (3 * math.sqrt(5))] * 3)
-    update, _ = FedBuff(buffer_size=3, staleness_scaling=True).aggregate(
+    update, _, _ = FedBuff(buffer_size=3, staleness_scaling=True).aggregate(
         torch.zeros(1), torch.ones(3, 1), buffer([0, 1, 2], [4, 4, 4])
     )
     assert_allclose(update.numpy(), [1 / math.sqrt(5)], rtol=1e-6)  # the stale buffer moves the model less
     assert_allclose(FedBuff(buffer_size=2).weights(buffer([0, 1], [0, 3])), [0.5, 0.5])  # s = 1: plain 1/K
     # w = 0, the update started from 2 and moved by 2: w_local = 4; tau = 3 -> s = 4^-0.5 = 0.5, a = 0.6 * 0.5
     report = BufferReport(np.array([0]), np.ones(1), np.array([3.0]), 5, [torch.tensor([2.0])])
-    new, _ = FedAsync(mixing=0.6, exponent=0.5).aggregate(torch.zeros(1), torch.tensor([[2.0]]), report)
+    new, _, _ = FedAsync(mixing=0.6, exponent=0.5).aggregate(torch.zeros(1), torch.tensor([[2.0]]), report)
     assert_allclose(new.numpy(), [0.3 * 4.0])
     assert FedAsync(staleness_function="hinge", hinge_a=10, hinge_b=4).s(6) == pytest.approx(1 / 21)
 

@@ -47,7 +47,7 @@ def test_one_fedavg_round_is_the_sample_weighted_mean_of_client_models():
     w = flat_parameters(model)
     deltas = train_cohort(model, w, X, Y, PARTS, np.array([0, 1]), SGD, 0.1, LocalWork(5, 2), seed=0, round_=1).deltas
     report = RoundView(np.array([0, 1]), np.array([12, 28]), None, 1)
-    update, _ = FedAvg().aggregate(w, deltas, report)
+    update, _, _ = FedAvg().aggregate(w, deltas, report)
     new = w + update
     client_models = [w + reference_update(model, w, p, c, 1) for p, c in zip(PARTS, [0, 1])]
     torch.testing.assert_close(new, 0.3 * client_models[0] + 0.7 * client_models[1])

@@ -192,17 +192,17 @@ def test_fednova_equals_fedavg_with_equal_work_and_follows_its_formula_otherwise
     equal = report([1, 3], [5, 5])
     torch.testing.assert_close(FedNova().aggregate(w, deltas, equal)[0], FedAvg().aggregate(w, deltas, equal)[0])
     # p = [.25, .75], ||a|| = [2, 4]: tau_eff = 3.5, scales p * 3.5 / ||a|| = [.4375, .65625]
-    update, alpha = FedNova().aggregate(w, deltas, report([1, 3], [2, 4]))
+    update, alpha, diagnostics = FedNova().aggregate(w, deltas, report([1, 3], [2, 4]))
     assert_allclose(update.numpy(), [0.4375, 0.65625])
     assert_allclose(alpha, [0.25, 0.75])
 
 
 def test_mvr_first_round_is_plain_averaging_then_its_momentum_by_hand():
     agg, w = MVR(beta=0.5), torch.zeros(2)
-    first, _ = agg.aggregate(w, torch.tensor([[1.0, 3.0], [1.0, -1.0]]), report([1, 1], [1, 1]))
+    first, _, _ = agg.aggregate(w, torch.tensor([[1.0, 3.0], [1.0, -1.0]]), report([1, 1], [1, 1]))
     assert_allclose(first.numpy(), [1.0, 1.0])
     # fresh mean [1, 1]; correction mean(Delta - Delta_hat) = [.5, .5]; m = .5 [1, 1] + .5 ([1, 1] + [.5, .5])
-    second, _ = agg.aggregate(
+    second, _, _ = agg.aggregate(
         w,
         torch.tensor([[2.0, 0.0], [0.0, 2.0]]),
         report([1, 1], [1, 1], previous=torch.tensor([[1.0, 0.0], [0.0, 1.0]])),

@@ -67,12 +67,12 @@ def test_a_hybrids_state_holds_its_phases_states_and_restores_them_into_a_fresh_
         return Hybrid([{"aggregator": FedSoftBetter(temperature=0.2), "until_round": 2}, {"aggregator": Aggregator()}])
 
     first = hybrid()
-    first.current, first.tags["hybrid_phase_1_from_round"] = 1, "3"
-    first.phases[0][0].diagnostics = {"alpha_distance": 0.5}
+    first.current, first.switched["hybrid_phase_1_from_round"] = 1, "3"
+    first.phases[0][0].temperature = 0.5
     again = hybrid()
     again.load_state_dict(through_a_file(first.state_dict()))
-    assert again.current == 1 and again.tags == {"hybrid_phase_1_from_round": "3"}
-    assert again.phases[0][0].diagnostics == {"alpha_distance": 0.5} and again.phases[0][0] is not first.phases[0][0]
+    assert again.current == 1 and again.run_tags() == {"hybrid_phase_1_from_round": "3"}
+    assert again.phases[0][0].temperature == 0.5 and again.phases[0][0] is not first.phases[0][0]
 
 
 def test_an_old_checkpoint_of_pickled_objects_is_refused_then_converted_by_fedrun_upgrade_and_resumes_the_same_state(
@@ -87,7 +87,11 @@ def test_an_old_checkpoint_of_pickled_objects_is_refused_then_converted_by_fedru
         return Hybrid([{"aggregator": FedSoftBetter(temperature=0.2), "until_round": 2}, {"aggregator": Aggregator()}])
 
     old = hybrid()
-    old.current, old.phases[0][0].diagnostics = 1, {"alpha_distance": 0.5}
+    old.current, old.phases[0][0].temperature = 1, 0.5
+    # As the hybrid was then: its switches in ``tags``, the last round's numbers in ``diagnostics`` (now returned).
+    del old.switched
+    old.tags, old.diagnostics = {"hybrid_phase_1_from_round": "3"}, {"hybrid_phase": 1.0}
+    old.phases[0][0].tags, old.phases[0][0].diagnostics = {}, {"alpha_distance": 0.5}
     streams, sampler = _Streams(3, "speed"), np.random.default_rng(1)
     streams[2].random(4)
     # What fedrun wrote before explicit state: vars() of the objects, numpy generators and objects pickled whole.
@@ -123,7 +127,9 @@ def test_an_old_checkpoint_of_pickled_objects_is_refused_then_converted_by_fedru
     again, again_streams = hybrid(), _Streams(3, "speed")
     again.load_state_dict(state["aggregator"])
     again_streams.load_state_dict(state["speed_rng"])
-    assert again.current == 1 and again.phases[0][0].diagnostics == {"alpha_distance": 0.5}
+    assert again.current == 1 and again.phases[0][0].temperature == 0.5
+    assert again.run_tags() == {"hybrid_phase_1_from_round": "3"}
+    assert not hasattr(again, "diagnostics") and not hasattr(again.phases[0][0], "diagnostics")
     assert again_streams[2].random(3).tolist() == streams[2].random(3).tolist()
     assert state["sampler"].random(3).tolist() == sampler.random(3).tolist()
     assert state["extra"] == {"mlflow_run_id": "abc"} and type(state["rows"][0]["staleness_mean"]) is np.float64

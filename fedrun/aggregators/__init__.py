@@ -1,6 +1,6 @@
 """Aggregators: how the server combines a cohort's updates (weights alpha plus a server step)."""
 
-from fedrun.aggregators.base import Aggregator
+from fedrun.aggregators.base import Aggregation, Aggregator
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport, FedAsync, FedBuff, FedStaleWeight
 from fedrun.aggregators.loss_weighted import (
     FedAvg,
@@ -17,6 +17,7 @@ from fedrun.aggregators.normalised import MVR, FedNova
 from fedrun.cohort import RoundView
 
 __all__ = [
+    "Aggregation",
     "Aggregator",
     "AsyncAggregator",
     "BufferReport",

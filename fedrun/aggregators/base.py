@@ -3,7 +3,12 @@
 With Delta_i = w_i - w (local model minus the global model it started from) and alpha summing to 1 over
 the cohort, the server optimizer (the ``server`` group) then steps, e.g. w <- w + server_lr * Delta.
 Aggregators differ in how they choose alpha; ``weights`` is the only method most of them write.
+
+``aggregate`` returns an ``Aggregation``: the update, alpha and the round's diagnostics, all three as return values
+(an aggregator keeps no per-round results on itself; its attributes are its state, ``fedrun.state``).
 """
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -13,11 +18,19 @@ from fedrun.errors import check
 from fedrun.state import Stateful
 
 
+class Aggregation(NamedTuple):
+    """What one aggregation gives the engine."""
+
+    update: torch.Tensor  # Delta = sum_i alpha_i Delta_i (or the aggregator's own form), for the server optimizer
+    alpha: np.ndarray  # the weight of each client of the cohort (or buffer), logged
+    diagnostics: dict[str, float]  # numbers to log for this round
+
+
 class Aggregator(Stateful):
     """Base of the ``aggregator`` group.
 
-    After each ``aggregate`` call, ``diagnostics`` holds numbers to log for the round (at least
-    ``alpha_distance``, the L1 distance between alpha and p); ``tags`` holds run-level facts.
+    ``aggregate`` returns the round's diagnostics with the weights: at least ``alpha_distance``, the L1 distance
+    between alpha and p, and what ``diagnose`` adds; ``run_tags`` gives run-level facts (logged as tags at the end).
 
     Args:
         weighting: How p_i, the FedAvg weight, is set: ``samples`` (proportional to the client's sample
@@ -27,8 +40,6 @@ class Aggregator(Stateful):
     def __init__(self, weighting: str = "samples"):
         check(weighting in ("samples", "uniform"), "weighting", weighting, "samples or uniform")
         self.weighting = weighting
-        self.diagnostics: dict[str, float] = {}
-        self.tags: dict[str, str] = {}
 
     def base_weights(self, report: RoundView) -> np.ndarray:
         """p_i over the cohort, summing to 1."""
@@ -36,12 +47,23 @@ class Aggregator(Stateful):
         return p / p.sum()
 
     def weights(self, report: RoundView) -> np.ndarray:
-        """alpha_i over the cohort, summing to 1. May add entries to ``self.diagnostics``."""
+        """alpha_i over the cohort, summing to 1."""
         raise NotImplementedError
 
-    def aggregate(
-        self, global_params: torch.Tensor, deltas: torch.Tensor, report: RoundView
-    ) -> tuple[torch.Tensor, np.ndarray]:
+    def diagnose(self, report: RoundView, alpha: np.ndarray) -> dict[str, float]:
+        """Numbers to log for the round beyond ``alpha_distance`` (called after ``weights`` with its alpha)."""
+        return {}
+
+    def run_tags(self) -> dict[str, str]:
+        """Run-level facts, logged as tags when the run closes (e.g. the round a hybrid switched)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Checkpoints written before diagnostics were returned also hold the last round's ``diagnostics`` (and
+        # ``tags``, which only the hybrid filled and now keeps as ``switched``): nothing to restore there.
+        super().load_state_dict({k: v for k, v in state.items() if k not in ("diagnostics", "tags")})
+
+    def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, report: RoundView) -> Aggregation:
         """Combine the cohort's updates.
 
         Args:
@@ -50,10 +72,12 @@ class Aggregator(Stateful):
             report: What the server knows about the cohort.
 
         Returns:
-            The update Delta = sum_i alpha_i Delta_i for the server optimizer, and alpha over the cohort
-            (a diagnostic for tracking).
+            The update Delta = sum_i alpha_i Delta_i for the server optimizer, alpha over the cohort and the
+            round's diagnostics.
         """
-        self.diagnostics = {}
         alpha = self.weights(report)
-        self.diagnostics["alpha_distance"] = float(np.abs(alpha - self.base_weights(report)).sum())
-        return torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas, alpha
+        diagnostics = {"alpha_distance": float(np.abs(alpha - self.base_weights(report)).sum())}
+        diagnostics.update(self.diagnose(report, alpha))
+        return Aggregation(
+            torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas, alpha, diagnostics
+        )

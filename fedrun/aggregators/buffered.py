@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedrun.aggregators.base import Aggregation
 from fedrun.errors import check
 from fedrun.state import Stateful
 
@@ -44,8 +45,6 @@ class AsyncAggregator(Stateful):
     def __init__(self, buffer_size: int = 5):
         check(isinstance(buffer_size, int) and buffer_size >= 1, "buffer_size", buffer_size, "an integer >= 1")
         self.buffer_size = buffer_size
-        self.diagnostics: dict[str, float] = {}
-        self.tags: dict[str, str] = {}
 
     def observe(self, client: int, staleness: int) -> None:
         """Called at every arrival, before the update enters the buffer (for staleness statistics)."""
@@ -53,12 +52,18 @@ class AsyncAggregator(Stateful):
     def weights(self, buffer: BufferReport) -> np.ndarray:
         raise NotImplementedError
 
-    def aggregate(
-        self, global_params: torch.Tensor, deltas: torch.Tensor, buffer: BufferReport
-    ) -> tuple[torch.Tensor, np.ndarray]:
-        """The update sum_j alpha_j Delta_j and alpha over the buffer."""
+    def run_tags(self) -> dict[str, str]:
+        """Run-level facts, logged as tags when the run closes (none for the buffered aggregators so far)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Checkpoints written before diagnostics were returned also hold the last ``diagnostics`` and ``tags``.
+        super().load_state_dict({k: v for k, v in state.items() if k not in ("diagnostics", "tags")})
+
+    def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, buffer: BufferReport) -> Aggregation:
+        """The update sum_j alpha_j Delta_j, alpha over the buffer, and no diagnostics."""
         alpha = self.weights(buffer)
-        return torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas, alpha
+        return Aggregation(torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas, alpha, {})
 
 
 class FedBuff(AsyncAggregator):
@@ -172,6 +177,5 @@ class FedAsync(AsyncAggregator):
 
     def aggregate(self, global_params, deltas, buffer):
         a = self.mixing * self.s(float(buffer.staleness[0]))
-        self.diagnostics = {"mixing_weight": a}
         local = buffer.pulled[0] + deltas[0]
-        return a * (local - global_params), np.ones(1)
+        return Aggregation(a * (local - global_params), np.ones(1), {"mixing_weight": a})

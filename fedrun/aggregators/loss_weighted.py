@@ -164,9 +164,11 @@ class FedSoftMax(LossWeighted):
         t0, t1 = self.temperature, self.temperature_final
         return t0 + (t1 - t0) * progress if self.anneal == "linear" else t0 * (t1 / t0) ** progress
 
+    def diagnose(self, report, alpha):
+        return {"temperature": self.temperature_at(report.round)}
+
     def weigh(self, score, p, round_):
         temperature = self.temperature_at(round_)
-        self.diagnostics["temperature"] = temperature
         # log-sum-exp form: subtracting the max keeps exp() finite for any loss and temperature.
         logits = np.log(p) + score / temperature
         w = np.exp(logits - logits.max())
@@ -235,6 +237,7 @@ class Hybrid(Aggregator):
             )
             self.phases.append((phase["aggregator"], rounds, accuracy))
         self.current = 0
+        self.switched: dict[str, str] = {}  # when each phase began (and on what), the run's tags
 
     def state_dict(self) -> dict:
         """Its own attributes, with each phase's aggregator as that aggregator's state (the phases' ends are config)."""
@@ -247,6 +250,9 @@ class Hybrid(Aggregator):
         state = dict(state)
         for (agg, _, _), phase in zip(self.phases, state.pop("phases"), strict=True):
             agg.load_state_dict(phase)
+        if "tags" in state:  # a checkpoint written before diagnostics were returned: its switches were its tags
+            state.setdefault("switched", state.pop("tags"))
+        state.pop("diagnostics", None)
         vars(self).update(state)
 
     def _ended(self, report: RoundView) -> bool:
@@ -258,11 +264,13 @@ class Hybrid(Aggregator):
     def weights(self, report: RoundView) -> np.ndarray:
         while self.current < len(self.phases) - 1 and self._ended(report):
             self.current += 1
-            self.tags[f"hybrid_phase_{self.current}_from_round"] = str(report.round)
+            self.switched[f"hybrid_phase_{self.current}_from_round"] = str(report.round)
             if self.phases[self.current - 1][2] is not None:
-                self.tags["hybrid_switch_on"] = report.accuracy_source
-        aggregator = self.phases[self.current][0]
-        aggregator.diagnostics = {}
-        alpha = aggregator.weights(report)
-        self.diagnostics.update(aggregator.diagnostics, hybrid_phase=float(self.current))
-        return alpha
+                self.switched["hybrid_switch_on"] = report.accuracy_source
+        return self.phases[self.current][0].weights(report)
+
+    def diagnose(self, report: RoundView, alpha: np.ndarray) -> dict[str, float]:
+        return {**self.phases[self.current][0].diagnose(report, alpha), "hybrid_phase": float(self.current)}
+
+    def run_tags(self) -> dict[str, str]:
+        return dict(self.switched)

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from fedrun.aggregators.base import Aggregator
+from fedrun.aggregators.base import Aggregation, Aggregator
 from fedrun.cohort import RoundView
 from fedrun.errors import check
 
@@ -19,14 +19,12 @@ class FedNova(Aggregator):
         return self.base_weights(report)
 
     def aggregate(self, global_params, deltas, report):
-        self.diagnostics = {"alpha_distance": 0.0}
         p = self.base_weights(report)
         norms = np.asarray(report.coefficient_norms, dtype=np.float64)
         check(bool(np.all(norms > 0)), "aggregator", "fednova", "clients that take at least one local step")
         tau_eff = float(p @ norms)
-        self.diagnostics["tau_eff"] = tau_eff
         scale = torch.as_tensor(p * tau_eff / norms, dtype=deltas.dtype, device=deltas.device)
-        return scale @ deltas, p
+        return Aggregation(scale @ deltas, p, {"alpha_distance": 0.0, "tau_eff": tau_eff})
 
 
 class MVR(Aggregator):
@@ -53,7 +51,6 @@ class MVR(Aggregator):
         return self.base_weights(report)
 
     def aggregate(self, global_params, deltas, report):
-        self.diagnostics = {"alpha_distance": 0.0}
         p = self.base_weights(report)
         weights = torch.as_tensor(p, dtype=deltas.dtype, device=deltas.device)
         fresh = weights @ deltas
@@ -62,4 +59,4 @@ class MVR(Aggregator):
         else:
             correction = weights @ (deltas - report.previous_deltas)
             self.momentum = self.beta * fresh + (1 - self.beta) * (self.momentum + correction)
-        return self.momentum, p
+        return Aggregation(self.momentum, p, {"alpha_distance": 0.0})

@@ -26,6 +26,7 @@ from fedrun.cli.resume import Job, open_job
 from fedrun.cli.runinfo import description, git_commit, run_name
 from fedrun.cli.sweeps import SweepRun, job_cores, sweep_parent
 from fedrun.errors import ConfigError, DivergenceError
+from fedrun.metrics import run_summary
 from fedrun.models import load_flat
 from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
 
@@ -106,7 +107,6 @@ def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
         uri=resolve_uri(cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)),
         experiment=cfg.tracking.experiment,
         max_alpha_series=cfg.tracking.max_alpha_series,
-        r_targets=tuple(cfg.metrics.r_targets),
     )
     title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset", "method"))
     title += f" seed={cfg.seed}"
@@ -149,7 +149,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
     """Run the engine and close the MLflow run as FINISHED, FAILED (diverged: exit 1, the rounds before kept) or
     KILLED (a signal: exit 128 + its number, after a checkpoint; under submitit, SIGUSR2 requeues the job)."""
     output_dir, checkpoint, model = job.output_dir, job.checkpoint, parts["model"]
-    status, reason, final, stopped, divergence = "FAILED", None, None, None, None
+    status, reason, final, stopped, divergence, measured = "FAILED", None, None, None, None, {}
     on_submitit = os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2")
     submitit_handler = signal.getsignal(signal.SIGUSR2) if on_submitit else None
     names = (
@@ -175,7 +175,8 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
         )
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()
-        tracker.log_result(result.summary, result.tables)
+        tracker.log_tables(result.tables)
+        measured = result.summary
         accuracy = result.rows[-1]["test_accuracy"]
     except Stopped as exc:
         status, reason, stopped = "KILLED", str(exc), exc
@@ -186,7 +187,9 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
         raise
     finally:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
-        tracker.finish(status, model=final, reason=reason, title=title, tags=parts["aggregator"].tags)
+        values, tags = run_summary(tracker.rows, job.cfg.metrics.r_targets, measured)
+        tags.update(parts["aggregator"].run_tags())
+        tracker.finish(status, values, tags, model=final, reason=reason, title=title)
         signals.__exit__()
         if tracker.lost:
             print(
