@@ -22,9 +22,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport
-from fedrun.backends import as_device
+from fedrun.backends import as_device, passes
 from fedrun.checkpoint import Checkpoint
-from fedrun.clients import per_sample_loss, train_cohort
+from fedrun.clients import per_sample_loss
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, check
 from fedrun.heterogeneity import EqualWork
@@ -180,11 +180,15 @@ class AsyncEngine:
         pipeline = pipeline or Pipeline()
         group_of = self.assign(len(clients))
         server = server or ServerOptimizer()
-        # One client trains at a time here, so the loop backend; the device's layout still applies.
-        x, y, x_test, y_test = as_device(device).prepare(model, data.x_train, data.y_train, data.x_test, data.y_test)
+        device = as_device(device)
+        x, y, x_test, y_test = device.prepare(model, data.x_train, data.y_train, data.x_test, data.y_test)
         model.eval()
         label_sets = self._label_sets(data, clients, group_of)
         sizes = np.array([len(c) for c in clients])
+        # The clients that arrive at one instant train together (each from the model it pulled), on the device's
+        # backend. Drawn speeds make them arrive one at a time, so ``auto`` keeps the loop; with equal speeds a
+        # whole wave arrives together, and ``device.backend=processes`` (CPU) or ``vmap`` (GPU) trains it at once.
+        trainer = device.trainer(model, x, y, optimizer, passes(int(sizes.mean()), schedule.work), together=1)
         first_lr = base_lr(optimizer)
         speed_rng = _Streams(seed, "speed")  # a client's stream is made when it first trains
 
@@ -215,105 +219,128 @@ class AsyncEngine:
             server.load_state_dict(saved["server"])
             pipeline.load_state_dict(saved["pipeline"])
             result = RunResult(w, rows=saved["rows"])
-        bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True, initial=version)
-        start, done = time.perf_counter(), False
-        while events and not done:
-            now = events[0][0]
-            if self.max_time is not None and now > self.max_time:
-                break
-            arrived = []  # every arrival at this instant, in client-id order (the heap's tie-break)
-            while events and events[0][0] == now:
-                arrived.append(heapq.heappop(events)[1])
-            for c in arrived:
-                jobs[c] += 1
-                from_version, w_pulled = pulled[c]
-                lr = schedule.lr(first_lr, version + 1)
-                delta = train_cohort(
-                    model, w_pulled, x, y, [clients[c]], np.array([c]), optimizer, lr, schedule.work, seed, int(jobs[c])
-                ).deltas[0]
-                delta, stage_diagnostics = (
-                    pipeline(delta[None], np.array([c]), version + 1) if pipeline else (delta[None], {})
-                )
-                aggregator.observe(c, version - from_version)
-                buffer.append((c, delta[0], version - from_version, w_pulled, stage_diagnostics))
-                if len(buffer) < aggregator.buffer_size:
-                    continue
-                ids = np.array([b[0] for b in buffer])
-                staleness = np.array([b[2] for b in buffer], dtype=np.float64)
-                report = BufferReport(ids, sizes[ids], staleness, version, [b[3] for b in buffer])
-                update, alpha, diagnostics = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
-                pipeline.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation
-                w = server.step(w, update)
-                version, buffer, buffer_done = version + 1, [], buffer
-                alpha_all = np.bincount(ids, weights=alpha, minlength=len(clients))
-                applied += alpha_all
-                row = {
-                    "round": version,
-                    "virtual_time": now,
-                    "staleness_mean": staleness.mean(),
-                    "staleness_max": staleness.max(),
-                    "lr": lr,
-                    "upload_mb": len(ids) * message_mb,
-                    "download_mb": len(ids) * message_mb,
-                }
-                row.update(
-                    dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan)
-                )
-                row.update(diagnostics)
-                row.update({k: float(np.mean([b[4][k] for b in buffer_done])) for k in buffer_done[0][4]})
-                done = record(
-                    row,
-                    w,
-                    not torch.isfinite(w).all(),
-                    lr,
-                    schedule,
-                    lambda p: self._evaluate(model, p, x_test, y_test, label_sets),
-                    result,
-                    on_round,
-                    {"alpha": alpha_all},
-                    bar,
-                    start,
-                )
-                start = time.perf_counter()
-                bar.update()
-                if done:
+        try:
+            bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True, initial=version)
+            start, done = time.perf_counter(), False
+            while events and not done:
+                now = events[0][0]
+                if self.max_time is not None and now > self.max_time:
                     break
-            # Restart with the newest model at this instant, this instant's aggregations included: the arrived
-            # clients themselves, or as many clients drawn among those not training.
-            for c in self._next(arrived, pulled, len(clients), sampler):
-                pulled[c] = (version, w)
-                self._start(events, c, now, speed_rng, group_of)
-            if (
-                checkpoint and result.rows and result.rows[-1]["round"] > checkpoint.saved_round
-            ):  # aggregated at this instant
-                checkpoint.after_round(
-                    version,
-                    result.rows[-1]["round_wall_s"],
-                    done,
-                    lambda: {
-                        "round": version,
-                        "engine": "async",
-                        "finished": done,
-                        "w": w,
-                        "version": version,
-                        "jobs": jobs,
-                        "buffer": buffer,
-                        "pulled": pulled,
-                        "events": events,
-                        "sampler": sampler,
-                        "speed_rng": speed_rng.state_dict(),
-                        "applied": applied,
-                        "aggregator": aggregator.state_dict(),
-                        "server": server.state_dict(),
-                        "pipeline": pipeline.state_dict(),
-                        "rows": result.rows,
-                    },
+                arrived = []  # every arrival at this instant, in client-id order (the heap's tie-break)
+                while events and events[0][0] == now:
+                    arrived.append(heapq.heappop(events)[1])
+                trained = self._train(
+                    trainer, arrived, pulled, jobs, clients, schedule, first_lr, version, len(buffer), aggregator, seed
                 )
-        bar.close()
+                for c in arrived:
+                    jobs[c] += 1
+                    from_version, w_pulled = pulled[c]
+                    lr = schedule.lr(first_lr, version + 1)
+                    delta = trained[c]
+                    delta, stage_diagnostics = (
+                        pipeline(delta[None], np.array([c]), version + 1) if pipeline else (delta[None], {})
+                    )
+                    aggregator.observe(c, version - from_version)
+                    buffer.append((c, delta[0], version - from_version, w_pulled, stage_diagnostics))
+                    if len(buffer) < aggregator.buffer_size:
+                        continue
+                    ids = np.array([b[0] for b in buffer])
+                    staleness = np.array([b[2] for b in buffer], dtype=np.float64)
+                    report = BufferReport(ids, sizes[ids], staleness, version, [b[3] for b in buffer])
+                    update, alpha, diagnostics = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
+                    pipeline.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation
+                    w = server.step(w, update)
+                    version, buffer, buffer_done = version + 1, [], buffer
+                    alpha_all = np.bincount(ids, weights=alpha, minlength=len(clients))
+                    applied += alpha_all
+                    row = {
+                        "round": version,
+                        "virtual_time": now,
+                        "staleness_mean": staleness.mean(),
+                        "staleness_max": staleness.max(),
+                        "lr": lr,
+                        "upload_mb": len(ids) * message_mb,
+                        "download_mb": len(ids) * message_mb,
+                    }
+                    row.update(
+                        dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan)
+                    )
+                    row.update(diagnostics)
+                    row.update({k: float(np.mean([b[4][k] for b in buffer_done])) for k in buffer_done[0][4]})
+                    done = record(
+                        row,
+                        w,
+                        not torch.isfinite(w).all(),
+                        lr,
+                        schedule,
+                        lambda p: self._evaluate(model, p, x_test, y_test, label_sets),
+                        result,
+                        on_round,
+                        {"alpha": alpha_all},
+                        bar,
+                        start,
+                    )
+                    start = time.perf_counter()
+                    bar.update()
+                    if done:
+                        break
+                # Restart with the newest model at this instant, this instant's aggregations included: the arrived
+                # clients themselves, or as many clients drawn among those not training.
+                for c in self._next(arrived, pulled, len(clients), sampler):
+                    pulled[c] = (version, w)
+                    self._start(events, c, now, speed_rng, group_of)
+                if (
+                    checkpoint and result.rows and result.rows[-1]["round"] > checkpoint.saved_round
+                ):  # aggregated at this instant
+                    checkpoint.after_round(
+                        version,
+                        result.rows[-1]["round_wall_s"],
+                        done,
+                        lambda: {
+                            "round": version,
+                            "engine": "async",
+                            "finished": done,
+                            "w": w,
+                            "version": version,
+                            "jobs": jobs,
+                            "buffer": buffer,
+                            "pulled": pulled,
+                            "events": events,
+                            "sampler": sampler,
+                            "speed_rng": speed_rng.state_dict(),
+                            "applied": applied,
+                            "aggregator": aggregator.state_dict(),
+                            "server": server.state_dict(),
+                            "pipeline": pipeline.state_dict(),
+                            "rows": result.rows,
+                        },
+                    )
+            bar.close()
+        finally:
+            trainer.close()
         result.summary, result.tables = self._fairness(
             model, result.params, x, y, clients, client_tests, group_of, applied
         )
         return result
+
+    @staticmethod
+    def _train(
+        trainer, arrived, pulled, jobs, clients, schedule, first_lr, version, buffered, aggregator, seed
+    ) -> dict:
+        """The update of each client arriving at this instant, trained together: each from the model it pulled,
+        with its own (job, client) stream and the learning rate of the aggregation it will join. The k-th
+        arrival (0-based) joins aggregation ``version + 1 + (buffered + k) // b``, one aggregation each time the
+        buffer of b fills. Clients with equal rates train in one call."""
+        rates = [
+            schedule.lr(first_lr, version + 1 + (buffered + k) // aggregator.buffer_size) for k in range(len(arrived))
+        ]
+        trained = {}
+        for lr in dict.fromkeys(rates):
+            ids = np.array([c for c, rate in zip(arrived, rates) if rate == lr])
+            starts = torch.stack([pulled[int(c)][1] for c in ids])
+            update = trainer(starts, [clients[c] for c in ids], ids, lr, schedule.work, seed, jobs[ids] + 1)
+            trained.update(zip(ids.tolist(), update.deltas))
+        return trained
 
     def _first(self, num_clients: int, sampler: np.random.Generator) -> list[int]:
         """The clients training at the start: all, or ``concurrency`` drawn by ``sampler``."""

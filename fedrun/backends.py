@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedrun.clients import client_signal, cohort_losses, train_cohort
+from fedrun.clients import client_rows, client_signal, cohort_losses, train_cohort
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import check
 from fedrun.trainer import Trainer
@@ -131,20 +131,25 @@ class Device:
             for t in tensors
         ]
 
-    def chosen_backend(self, passes_per_round: int, vmap_ok: bool = False) -> str:
-        """The backend for a round of this many sample-passes (``vmap_ok``: the solver and model allow vmap)."""
+    def chosen_backend(self, passes_per_round: int, vmap_ok: bool = False, together: int | None = None) -> str:
+        """The backend for a round of this many sample-passes (``vmap_ok``: the solver and model allow vmap;
+        ``together``: how many clients a call usually trains, when known; one alone gains nothing from workers
+        or vmap)."""
         if self.backend != "auto":
             return self.backend
+        if together is not None and together < 2:
+            return "loop"
         if self.torch.type == "cuda":
             return "vmap" if vmap_ok else "loop"
         workers = self.workers or self.cores or usable_cores()
         fits = self.torch.type == "cpu" and workers >= 2 and "fork" in multiprocessing.get_all_start_methods()
         return "processes" if fits and passes_per_round >= MIN_PASSES_PER_WORKER * workers else "loop"
 
-    def trainer(self, model, x, y, make_optimizer, passes_per_round: int):
-        """A trainer for the run (close it when done): ``LoopTrainer``, ``ProcessTrainer`` or ``VmapTrainer``."""
+    def trainer(self, model, x, y, make_optimizer, passes_per_round: int, together: int | None = None):
+        """A trainer for the run (close it when done): ``LoopTrainer``, ``ProcessTrainer`` or ``VmapTrainer``
+        (``together``: see ``chosen_backend``)."""
         vmap_ok = self.torch.type == "cuda" and self.backend == "auto" and vmap_supported(make_optimizer, model) is None
-        backend = self.chosen_backend(passes_per_round, vmap_ok)
+        backend = self.chosen_backend(passes_per_round, vmap_ok, together)
         if backend == "processes":
             return ProcessTrainer(model, x, y, make_optimizer, self.workers or self.cores or usable_cores())
         if backend == "vmap":
@@ -264,7 +269,16 @@ class ProcessTrainer(Trainer):
         results = self._scatter(
             "train",
             blocks,
-            lambda lo, hi: (global_params, parts[lo:hi], client_ids[lo:hi], works[lo:hi], lr, seed, round_, stream),
+            lambda lo, hi: (
+                client_rows(global_params, lo, hi),
+                parts[lo:hi],
+                client_ids[lo:hi],
+                works[lo:hi],
+                lr,
+                seed,
+                client_rows(round_, lo, hi),
+                stream,
+            ),
         )
         return CohortUpdate(
             deltas=torch.cat([r.deltas for r in results]),
@@ -278,7 +292,7 @@ class ProcessTrainer(Trainer):
         results = self._scatter(
             "losses",
             _blocks([len(p) for p in parts], len(self.connections)),
-            lambda lo, hi: (params, parts[lo:hi], batch_size),
+            lambda lo, hi: (client_rows(params, lo, hi), parts[lo:hi], batch_size),
         )
         return ClientLosses.concat(results)
 

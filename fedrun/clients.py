@@ -70,7 +70,12 @@ def cohort_losses(
     model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], batch_size: int
 ) -> ClientLosses:
     """F_i(w): each cohort client's training loss under ``params``, in one pass over their data (one pass per
-    client when the model's outputs depend on their batch, ``BatchSoftmax``: two clients never share one)."""
+    client when the model's outputs depend on their batch, ``BatchSoftmax``: two clients never share one).
+    ``params`` may hold one row per client (each client's loss under its own model)."""
+    if params.dim() == 2:
+        return ClientLosses.concat(
+            [cohort_losses(model, params[i], x, y, [part], batch_size) for i, part in enumerate(parts)]
+        )
     if hasattr(model, "eval_batch"):
         load_flat(model, params)  # once for all clients
         with torch.inference_mode():
@@ -180,6 +185,23 @@ def solver_coefficient_norm(optimizer: torch.optim.Optimizer, steps: int, lr: fl
     return coefficient_norm(steps, lr, group.get("momentum", 0.0), group.get("mu", 0.0))
 
 
+def per_client_start(params: torch.Tensor, row: int) -> torch.Tensor:
+    """Client ``row``'s starting model: ``params`` itself (one model for the cohort) or its row (one each)."""
+    return params[row] if params.dim() == 2 else params
+
+
+def client_rows(value, lo: int, hi: int):
+    """Clients [lo, hi) of a per-client argument (a starting model or round with one row/entry per client), or the
+    argument itself when the whole cohort shares it."""
+    per_client = value.dim() == 2 if isinstance(value, torch.Tensor) else np.ndim(value) > 0
+    return value[lo:hi] if per_client else value
+
+
+def per_client_round(round_, row: int) -> int:
+    """Client ``row``'s round (the key of its mini-batch stream): ``round_`` itself or its entry (one each)."""
+    return int(round_) if np.ndim(round_) == 0 else int(round_[row])
+
+
 def train_cohort(
     model: nn.Module,
     global_params: torch.Tensor,
@@ -191,14 +213,15 @@ def train_cohort(
     lr: float,
     work: LocalWork | list[LocalWork],
     seed: int,
-    round_: int,
+    round_: int | np.ndarray,
     stream: str = "batches",
 ) -> CohortUpdate:
     """Train each cohort client from the global model.
 
     Args:
         model: A module whose parameters are overwritten (a workspace, not a client's model).
-        global_params: Flat global model w the round started from.
+        global_params: Flat global model w the round started from, or one row per client (each client's own
+            start: the asynchronous engine's clients pulled different versions; the F* estimate's epochs).
         x, y: Training tensors on the training device.
         parts: Each cohort client's sample indices.
         client_ids: The cohort's client ids (they key each client's mini-batch stream).
@@ -206,32 +229,34 @@ def train_cohort(
         lr: Local learning rate of this round.
         work: How much local work, the same for all or one per client.
         seed: Run seed; mini-batch order comes from its ``stream`` keyed by (round, client).
-        round_: The round, 1-based.
+        round_: The round, 1-based, or one per client (an asynchronous client's job count).
         stream: Name of the mini-batch random stream.
 
     Returns:
-        The updates, last-epoch running losses (the last ceil(n / batch_size) mini-batches, in both
-        scales), step counts and FedNova coefficient norms.
+        The updates (each from its client's start), last-epoch running losses (the last ceil(n / batch_size)
+        mini-batches, in both scales), step counts and FedNova coefficient norms.
     """
     works = work if isinstance(work, list) else [work] * len(parts)
-    deltas = torch.empty(len(parts), global_params.numel(), dtype=global_params.dtype, device=global_params.device)
+    dimension = global_params.shape[-1]
+    deltas = torch.empty(len(parts), dimension, dtype=global_params.dtype, device=global_params.device)
     local_mean, local_authors = np.full(len(parts), np.nan), np.full(len(parts), np.nan)
     steps, norms = np.zeros(len(parts), dtype=int), np.zeros(len(parts))
     model.train()
     for row, (part, client, job) in enumerate(zip(parts, client_ids, works)):
-        load_flat(model, global_params)
+        start, client_round = per_client_start(global_params, row), per_client_round(round_, row)
+        load_flat(model, start)
         optimizer = make_optimizer(model.parameters(), lr=lr)  # fresh state: clients keep nothing across rounds
         index = torch.as_tensor(part, device=x.device)
         if hasattr(optimizer, "start_round"):  # solvers whose step follows the round (STORM's eta_t)
-            optimizer.start_round(round_, _loss_closure(model, optimizer, x, y, index))  # over all the client's samples
-        generator = torch_generator(seed, stream, round_, int(client))
+            optimizer.start_round(client_round, _loss_closure(model, optimizer, x, y, index))  # all its samples
+        generator = torch_generator(seed, stream, client_round, int(client))
         plain = plain_sgd_step(optimizer)
         batch_losses, batch_sizes = [], []
         for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, generator):
             closure = _loss_closure(model, optimizer, x, y, index[batch.to(x.device)])
             batch_losses.append((plain(closure) if plain else optimizer.step(closure)).detach())
             batch_sizes.append(len(batch))
-        deltas[row] = flat_parameters(model) - global_params
+        deltas[row] = flat_parameters(model) - start
         steps[row] = len(batch_losses)
         norms[row] = solver_coefficient_norm(optimizer, len(batch_losses), lr)
         if batch_losses:
@@ -245,51 +270,38 @@ def train_cohort(
 
 class FStarEstimate:
     """F_i*: each client's smallest loss (over epoch ends) in ``epochs`` of local training from the
-    initial model, computed on first request and cached.
+    initial model, computed on first request and cached. The clients asked for together are trained together,
+    epoch by epoch, by the run's trainer (every backend: the loop, worker processes, vmap), each epoch from
+    where the client's previous one ended.
 
     Args:
-        model: Workspace module.
+        trainer: The run's ``fedrun.trainer.Trainer``.
         initial_params: The initial global model w_0.
-        x, y: Training tensors.
         clients: Every client's sample indices.
         make_optimizer: Local optimizer factory (its base ``lr``).
         batch_size: Mini-batch size.
-        seed: Run seed (the ``fstar`` mini-batch stream).
+        seed: Run seed (the ``fstar`` mini-batch stream, keyed by (epoch, client)).
     """
 
-    def __init__(self, model, initial_params, x, y, clients, make_optimizer, batch_size: int, seed: int):
-        self.model, self.w0, self.x, self.y, self.clients = model, initial_params.clone(), x, y, clients
+    def __init__(self, trainer, initial_params, clients, make_optimizer, batch_size: int, seed: int):
+        self.trainer, self.w0, self.clients = trainer, initial_params.clone(), clients
         self.make_optimizer, self.batch_size, self.seed = make_optimizer, batch_size, seed
         self.cache: dict[tuple[int, int], tuple[float, float]] = {}
 
     def __call__(self, client_ids: np.ndarray, epochs: int) -> ClientLosses:
-        for client in client_ids:
-            if (int(client), epochs) not in self.cache:
-                self.cache[int(client), epochs] = self._estimate(int(client), epochs)
+        missing = list(dict.fromkeys(int(c) for c in client_ids if (int(c), epochs) not in self.cache))
+        if missing:
+            self._estimate(np.array(missing), epochs)
         values = np.array([self.cache[int(c), epochs] for c in client_ids])
         return ClientLosses(values[:, 0], values[:, 1])
 
-    def _estimate(self, client: int, epochs: int) -> tuple[float, float]:
-        part = self.clients[client]
-        w, best_mean, best_authors = self.w0, np.inf, np.inf
-        work = LocalWork(self.batch_size, local_epochs=1)
+    def _estimate(self, ids: np.ndarray, epochs: int) -> None:
+        parts = [self.clients[c] for c in ids]
+        w, best_mean, best_authors = self.w0, np.full(len(ids), np.inf), np.full(len(ids), np.inf)
+        work, lr = LocalWork(self.batch_size, local_epochs=1), base_lr(self.make_optimizer)
         for epoch in range(1, epochs + 1):
-            lr = base_lr(self.make_optimizer)
-            update = train_cohort(
-                self.model,
-                w,
-                self.x,
-                self.y,
-                [part],
-                np.array([client]),
-                self.make_optimizer,
-                lr,
-                work,
-                self.seed,
-                epoch,
-                "fstar",
-            )
-            w = w + update.deltas[0]
-            losses = cohort_losses(self.model, w, self.x, self.y, [part], self.batch_size)
-            best_mean, best_authors = min(best_mean, losses.mean[0]), min(best_authors, losses.authors[0])
-        return best_mean, best_authors
+            w = w + self.trainer(w, parts, ids, lr, work, self.seed, epoch, "fstar").deltas  # one row per client
+            losses = self.trainer.losses(w, parts, self.batch_size)
+            best_mean, best_authors = np.minimum(best_mean, losses.mean), np.minimum(best_authors, losses.authors)
+        for client, mean, authors in zip(ids, best_mean, best_authors):
+            self.cache[int(client), epochs] = (float(mean), float(authors))

@@ -81,7 +81,7 @@ def run(
     sizes = np.array([len(part) for part in clients])
     first_lr = base_lr(optimizer)
     params = flat_parameters(model)
-    fstar = FStarEstimate(model, params, x, y, clients, optimizer, schedule.batch_size, seed)
+    initial = params  # w_0, where the F* estimate starts
     sampler = numpy_rng(seed, "sampling")
     m = schedule.cohort_size(len(clients))
     accuracy_source = "val_accuracy" if has_val else "test_accuracy"
@@ -102,9 +102,10 @@ def run(
         aggregator.load_state_dict(saved["aggregator"])
         server.load_state_dict(saved["server"])
         pipeline.load_state_dict(saved["pipeline"])
-        fstar.cache.update(saved["fstar"])
         result = RunResult(params, rows=saved["rows"])
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
+    fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)
+    fstar.cache.update(saved["fstar"] if saved is not None else {})
 
     def measure(w: torch.Tensor) -> dict:
         columns = dict(zip(("test_accuracy", "test_loss"), evaluate(model, w, x_test, y_test)))

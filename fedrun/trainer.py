@@ -7,6 +7,9 @@ and the loss pass, it runs *per-client signals*: a signal is one plain function 
 number per client (each client's gradient norm at the global model, say) writes that function and reads
 ``report.per_client(signal)``: no engine or backend changes (tests/test_pipeline.py shows one).
 
+Every engine trains through it: the round loop, the asynchronous engine (the clients of one instant together,
+each from the model it pulled) and the F* estimate (its clients together, epoch by epoch).
+
 A signal sent to worker processes travels by reference: define it at the top level of a module.
 """
 
@@ -27,11 +30,14 @@ class Trainer:
 
     def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
         """Train each cohort client from ``global_params`` on its ``parts`` entry with its (round, client) stream;
-        ``work`` is one ``LocalWork`` or one per client. The updates come back in cohort order."""
+        ``work`` is one ``LocalWork`` or one per client. ``global_params`` may hold one row per client and
+        ``round_`` one entry per client (the asynchronous engine's clients started from different versions and
+        are at different jobs; the F* estimate's clients at different points). The updates come back in cohort
+        order, each from its client's start."""
         raise NotImplementedError
 
     def losses(self, params, parts, batch_size) -> ClientLosses:
-        """F_i(params) of each client, one pass over its data."""
+        """F_i(params) of each client, one pass over its data (``params`` may hold one row per client)."""
         raise NotImplementedError
 
     def per_client(self, signal: Signal, params: torch.Tensor, parts: list[np.ndarray]) -> np.ndarray:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.functional import cross_entropy
 
-from fedrun.clients import _batches, cohort_losses
+from fedrun.clients import _batches, client_rows, cohort_losses, per_client_round
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import ConfigError
 from fedrun.models import BatchSoftmax
@@ -133,13 +133,13 @@ class VmapTrainer(Trainer):
         size = self.chunk or max(1, len(parts))
         pieces = [
             self._train(
-                global_params,
+                client_rows(global_params, lo, lo + size),
                 parts[lo : lo + size],
                 client_ids[lo : lo + size],
                 works[lo : lo + size],
                 rule,
                 seed,
-                round_,
+                client_rows(round_, lo, lo + size),
                 stream,
             )
             for lo in range(0, len(parts), size)
@@ -147,7 +147,7 @@ class VmapTrainer(Trainer):
         return CohortUpdate(
             deltas=torch.cat([p.deltas for p in pieces])
             if pieces
-            else global_params.new_empty(0, global_params.numel()),
+            else global_params.new_empty(0, global_params.shape[-1]),
             local_losses=ClientLosses.concat([p.local_losses for p in pieces]),
             steps=np.concatenate([p.steps for p in pieces]) if pieces else np.zeros(0, dtype=int),
             coefficient_norms=np.concatenate([p.coefficient_norms for p in pieces]) if pieces else np.zeros(0),
@@ -164,10 +164,10 @@ class VmapTrainer(Trainer):
                     job.batch_size,
                     job.local_epochs,
                     job.local_steps,
-                    torch_generator(seed, stream, round_, int(client)),
+                    torch_generator(seed, stream, per_client_round(round_, i), int(client)),
                 )
             )
-            for part, client, job in zip(parts, client_ids, works)
+            for i, (part, client, job) in enumerate(zip(parts, client_ids, works))
         ]
         steps = np.array([len(b) for b in batches])
         most, width = int(steps.max(initial=0)), max(job.batch_size for job in works)
@@ -175,8 +175,11 @@ class VmapTrainer(Trainer):
         sizes = mask.sum(2)
         index, mask, counts = index.to(device), mask.to(device), sizes.clamp(min=1).to(device)
         active = torch.as_tensor(steps[:, None] > np.arange(most)[None, :], device=device)
-        anchor = self._unflatten(global_params)
-        params = [a.unsqueeze(0).repeat(clients, *([1] * a.dim())) for a in anchor]
+        anchor = self._unflatten(global_params)  # FedProx's pull: to the model each client started from
+        if global_params.dim() == 2:  # one start per client
+            params = [a.clone() for a in anchor]
+        else:
+            params = [a.unsqueeze(0).repeat(clients, *([1] * a.dim())) for a in anchor]
         buffers: list[torch.Tensor | None] = [None] * len(params)
         losses = torch.empty(clients, most, dtype=global_params.dtype, device=device)
         for k in range(most):
@@ -201,10 +204,11 @@ class VmapTrainer(Trainer):
         return CohortUpdate(flat - global_params, ClientLosses(local_mean, local_authors), steps, norms)
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view of a flat model, or [clients, *shape] of one model per row."""
         out, offset = [], 0
         for shape in self.shapes:
             n = math.prod(shape)
-            out.append(flat[offset : offset + n].view(shape))
+            out.append(flat[..., offset : offset + n].reshape(*flat.shape[:-1], *shape))
             offset += n
         return out
 

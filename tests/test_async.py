@@ -311,3 +311,119 @@ def test_fairness_in_one_pass_equals_each_client_evaluated_alone():
     assert summary["weight_share/fast"] == 0.75 and summary["client_accuracy_std"] == pytest.approx(
         alone.std(), rel=1e-6
     )
+
+
+DATA64 = FederatedData(DATA.x_train.double(), DATA.y_train, DATA.x_test.double(), DATA.y_test, num_classes=3)
+
+
+class OneAtATime:
+    """A trainer that trains the clients of a call one by one, each alone: the plain computation."""
+
+    def __init__(self, inner, calls):
+        self.inner, self.calls = inner, calls
+
+    def __call__(self, params, parts, client_ids, lr, work, seed, round_, stream="batches"):
+        from fedrun.clients import client_rows
+
+        self.calls.append((client_ids.tolist(), lr))
+        from fedrun.cohort import ClientLosses, CohortUpdate
+
+        alone = [
+            self.inner(client_rows(params, i, i + 1), parts[i : i + 1], client_ids[i : i + 1], lr, work, seed,
+                       client_rows(round_, i, i + 1), stream)
+            for i in range(len(parts))
+        ]  # fmt: skip
+        return CohortUpdate(
+            torch.cat([a.deltas for a in alone]),
+            ClientLosses.concat([a.local_losses for a in alone]),
+            np.concatenate([a.steps for a in alone]),
+            np.concatenate([a.coefficient_norms for a in alone]),
+        )
+
+    def close(self):
+        self.inner.close()
+
+
+def async_final(device, lr_decay):
+    # Speeds 1, 2, 3 and b = 2 (the hand-traced case above): at t = 2, 3, 4 and 6 several clients arrive, each
+    # from the version it pulled.
+    torch.manual_seed(torch_seed(0, "init"))
+    rows = []
+    result = AsyncEngine(constant(1.0, 2.0, 3.0))(
+        Logistic((4,), 3).double(),
+        DATA64,
+        CLIENTS,
+        FedBuff(buffer_size=2),
+        SGD,
+        Schedule(rounds=6, local_steps=2, batch_size=4, lr_decay=lr_decay),
+        device,
+        0,
+        on_round=lambda row, alpha: rows.append(row["lr"]),
+    )
+    return result.params, rows
+
+
+@pytest.mark.parametrize("backend", ["loop", "processes", "vmap"])
+def test_the_clients_of_one_instant_train_together_equal_to_each_alone_on_every_backend(backend, monkeypatch):
+    from fedrun.backends import Device
+
+    together, _ = async_final(Device(kind="cpu", memory_format="contiguous", backend=backend), 1.0)
+    loop_trainer, calls = Device.trainer, []
+    monkeypatch.setattr(Device, "trainer", lambda self, *a, **k: OneAtATime(loop_trainer(self, *a, **k), calls))
+    alone, _ = async_final(Device(kind="cpu", memory_format="contiguous", backend="loop"), 1.0)
+    # One call per instant (a constant rate): t = 1 c0 | t = 2 c0 c1 | t = 3 c0 c2 | t = 4 c0 c1 | ...
+    assert [ids for ids, _ in calls[:4]] == [[0], [0, 1], [0, 2], [0, 1]]
+    tolerance = 0 if backend == "loop" else 1e-10
+    torch.testing.assert_close(together, alone, rtol=tolerance, atol=tolerance)
+
+
+def test_each_arrival_trains_at_the_rate_of_the_aggregation_it_joins(monkeypatch):
+    from fedrun.backends import Device
+
+    loop_trainer, calls = Device.trainer, []
+    monkeypatch.setattr(Device, "trainer", lambda self, *a, **k: OneAtATime(loop_trainer(self, *a, **k), calls))
+    _, rates = async_final(Device(kind="cpu", memory_format="contiguous", backend="loop"), 0.9)
+    # lr 0.1 * 0.9^(v - 1) for aggregation v. t = 1: c0 waits for v1. t = 2: c0 fills the buffer (v1, 0.1), c1
+    # starts the next (v2, 0.09). t = 3: c0 joins c1 (v2, 0.09), c2 starts v3 (0.081). t = 4: c0 joins c2 (v3),
+    # c1 starts v4 (0.0729).
+    expected = [([0], 0.1), ([0], 0.1), ([1], 0.09), ([0], 0.09), ([2], 0.081), ([0], 0.081), ([1], 0.0729)]
+    assert [ids for ids, _ in calls[:7]] == [ids for ids, _ in expected]
+    assert_allclose([lr for _, lr in calls[:7]], [lr for _, lr in expected], rtol=1e-12)
+    assert_allclose(rates, 0.1 * 0.9 ** np.arange(6), rtol=1e-12)  # each aggregation logs its own rate
+
+
+@pytest.mark.parametrize("backend", ["loop", "processes", "vmap"])
+def test_the_fstar_estimate_trains_its_clients_together_equal_to_each_alone_on_every_backend(backend):
+    from fedrun.backends import Device
+    from fedrun.clients import FStarEstimate, cohort_losses, train_cohort
+    from fedrun.cohort import LocalWork
+    from fedrun.models import flat_parameters
+
+    torch.manual_seed(0)
+    net = Logistic((4,), 3).double()
+    w0 = flat_parameters(net)
+    x, y = DATA64.x_train, DATA64.y_train
+    # The plain computation: each client alone, epoch by epoch from w_0, its smallest epoch-end loss.
+    expected = []
+    for client, part in enumerate(CLIENTS):
+        w, best = w0, (math.inf, math.inf)
+        for epoch in (1, 2, 3):
+            w = (
+                w
+                + train_cohort(
+                    net, w, x, y, [part], np.array([client]), SGD, 0.1, LocalWork(4, local_epochs=1), 7, epoch, "fstar"
+                ).deltas[0]
+            )
+            losses = cohort_losses(net, w, x, y, [part], 4)
+            best = (min(best[0], losses.mean[0]), min(best[1], losses.authors[0]))
+        expected.append(best)
+    trainer = Device(kind="cpu", memory_format="contiguous", backend=backend).trainer(net, x, y, SGD, 10**9)
+    try:
+        estimate = FStarEstimate(trainer, w0, CLIENTS, SGD, 4, 7)
+        got = estimate(np.array([2, 0, 1]), 3)
+    finally:
+        trainer.close()
+    tolerance = 0 if backend == "loop" else 1e-10
+    assert_allclose(got.mean, [expected[c][0] for c in (2, 0, 1)], rtol=tolerance, atol=tolerance)
+    assert_allclose(got.authors, [expected[c][1] for c in (2, 0, 1)], rtol=tolerance, atol=tolerance)
+    assert set(estimate.cache) == {(0, 3), (1, 3), (2, 3)}

@@ -313,6 +313,11 @@ def test_auto_backend_picks_vmap_on_cuda_only_when_it_can():
     device.torch = torch.device("cuda")  # the rule only (this machine may have no GPU)
     assert device.chosen_backend(10, vmap_ok=True) == "vmap"
     assert device.chosen_backend(10, vmap_ok=False) == "loop"
+    # The asynchronous engine's calls mostly hold one client: auto keeps the loop (an explicit backend is kept).
+    assert device.chosen_backend(10**9, vmap_ok=True, together=1) == "loop"
+    device.torch, device.workers = torch.device("cpu"), 2
+    assert device.chosen_backend(10**9, together=1) == "loop" and device.chosen_backend(10**9, together=2) != "loop"
+    assert Device("cpu", backend="processes").chosen_backend(10, together=1) == "processes"
 
 
 def test_a_whole_run_with_vmap_matches_the_loop_in_float64():
