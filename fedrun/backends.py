@@ -11,6 +11,7 @@ order of some sums).
 """
 
 import copy
+import importlib
 import multiprocessing
 import os
 import signal
@@ -23,7 +24,17 @@ from fedrun.clients import client_rows, client_signal, cohort_losses, train_coho
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import check
 from fedrun.trainer import Trainer
-from fedrun.vmap import VmapTrainer, vmap_supported
+from fedrun.vmap import vmap_supported
+
+# The backends by name: ``device.backend`` is one of these names, ``auto``, or the import path of any other
+# ``fedrun.trainer.Trainer`` class (``device.backend=mypackage.trainers.RayTrainer``), as a ``_target_`` names a
+# class: a new backend is one class, no edit here. A class is built with ``cls.for_device(model, x, y,
+# make_optimizer, device)``.
+BACKENDS = {
+    "loop": "fedrun.backends.LoopTrainer",
+    "processes": "fedrun.backends.ProcessTrainer",
+    "vmap": "fedrun.vmap.VmapTrainer",
+}
 
 # The ``auto`` backend uses worker processes when a round has at least this many sample-passes per worker:
 # below it, sending the model and updates costs more than the second core saves (scripts/bench.py).
@@ -70,7 +81,12 @@ class Device:
             memory_format,
             "auto, channels_last or contiguous",
         )
-        check(backend in ("auto", "loop", "processes", "vmap"), "backend", backend, "auto, loop, processes or vmap")
+        check(
+            backend == "auto" or backend in BACKENDS or trainer_class(backend) is not None,
+            "backend",
+            backend,
+            "auto, loop, processes, vmap or the import path of a fedrun.trainer.Trainer class",
+        )
         check(
             workers is None or (isinstance(workers, int) and workers >= 1),
             "workers",
@@ -145,16 +161,24 @@ class Device:
         fits = self.torch.type == "cpu" and workers >= 2 and "fork" in multiprocessing.get_all_start_methods()
         return "processes" if fits and passes_per_round >= MIN_PASSES_PER_WORKER * workers else "loop"
 
-    def trainer(self, model, x, y, make_optimizer, passes_per_round: int, together: int | None = None):
-        """A trainer for the run (close it when done): ``LoopTrainer``, ``ProcessTrainer`` or ``VmapTrainer``
-        (``together``: see ``chosen_backend``)."""
+    def trainer(self, model, x, y, make_optimizer, passes_per_round: int, together: int | None = None) -> Trainer:
+        """A trainer for the run (close it when done): the chosen backend's class (``BACKENDS``, or the class
+        ``backend`` names) built by its ``for_device`` (``together``: see ``chosen_backend``)."""
         vmap_ok = self.torch.type == "cuda" and self.backend == "auto" and vmap_supported(make_optimizer, model) is None
         backend = self.chosen_backend(passes_per_round, vmap_ok, together)
-        if backend == "processes":
-            return ProcessTrainer(model, x, y, make_optimizer, self.workers or self.cores or usable_cores())
-        if backend == "vmap":
-            return VmapTrainer(model, x, y, make_optimizer, self.chunk)
-        return LoopTrainer(model, x, y, make_optimizer)
+        return trainer_class(BACKENDS.get(backend, backend)).for_device(model, x, y, make_optimizer, self)
+
+
+def trainer_class(path: str):
+    """The ``Trainer`` subclass at an import path (``package.module.Class``), or None when there is none."""
+    module, _, name = str(path).rpartition(".")
+    if not module:
+        return None
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) and issubclass(found, Trainer) else None
 
 
 def as_device(device) -> Device:
@@ -239,6 +263,10 @@ class ProcessTrainer(Trainer):
     memory where ``worker_start_method`` says forkserver, so memory does not grow with the workers. Clients are
     dealt to workers in contiguous blocks of about equal work, and the updates come back in cohort order.
     """
+
+    @classmethod
+    def for_device(cls, model, x, y, make_optimizer, device) -> "ProcessTrainer":
+        return cls(model, x, y, make_optimizer, device.workers or device.cores or usable_cores())
 
     def __init__(self, model, x, y, make_optimizer, workers: int, start_method: str | None = None):
         start_method = start_method or worker_start_method()

@@ -26,7 +26,15 @@ Signal = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], float]
 
 
 class Trainer:
-    """The protocol of the training backends (``LoopTrainer``, ``ProcessTrainer``, ``VmapTrainer``)."""
+    """The protocol of the training backends (``LoopTrainer``, ``ProcessTrainer``, ``VmapTrainer``). A backend of
+    your own is a subclass, chosen with ``device.backend=<its import path>`` (``fedrun.backends.BACKENDS``)."""
+
+    @classmethod
+    def for_device(cls, model, x, y, make_optimizer, device) -> "Trainer":
+        """The trainer for a run on ``device`` (a ``fedrun.backends.Device``: its ``workers``, ``chunk``, cores)
+        of ``model`` (a workspace module) on the training tensors ``x``, ``y``. A subclass whose constructor
+        takes more than these overrides it."""
+        return cls(model, x, y, make_optimizer)
 
     def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
         """Train each cohort client from ``global_params`` on its ``parts`` entry with its (round, client) stream;

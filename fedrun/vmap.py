@@ -113,6 +113,10 @@ class VmapTrainer(Trainer):
         chunk: Clients trained together; null = the whole cohort (lower it if the device runs out of memory).
     """
 
+    @classmethod
+    def for_device(cls, model, x, y, make_optimizer, device) -> "VmapTrainer":
+        return cls(model, x, y, make_optimizer, device.chunk)
+
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, make_optimizer, chunk: int | None = None):
         why = vmap_supported(make_optimizer, model)
         if why is not None:

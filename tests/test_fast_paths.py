@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fedrun.aggregators import FedAvg, FedSoftMax
+from fedrun.backends import LoopTrainer
 from fedrun.cohort import Lazy, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
@@ -442,3 +443,33 @@ def test_forked_workers_with_a_large_model_after_multithreaded_work_do_not_hang(
     finally:
         signal.alarm(0)
     assert list(update.steps) == [3, 3] and update.deltas.abs().max() > 0
+
+
+class NotATrainer:
+    """Not a Trainer: refused as a backend."""
+
+
+class CountedLoop(LoopTrainer):
+    """A backend of a user's own: the loop, counting its calls."""
+
+    calls = 0
+
+    def __call__(self, *args, **kwargs):
+        CountedLoop.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+def test_a_backend_of_ones_own_is_chosen_by_its_import_path_and_anything_else_is_refused():
+    from fedrun.backends import Device
+    from fedrun.errors import ConfigError
+
+    CountedLoop.calls = 0
+    mine = Device("cpu", "contiguous", f"{__name__}.CountedLoop")
+    assert isinstance(mine.trainer(nn.Linear(1, 1), X, Y, SGD, 10), CountedLoop)
+    ours = cohort_update(Device("cpu", "contiguous", "loop"), SGD, torch.float64)
+    theirs = cohort_update(mine, SGD, torch.float64)
+    torch.testing.assert_close(theirs.deltas, ours.deltas, rtol=0, atol=0)
+    assert CountedLoop.calls == 1
+    for wrong in ("threads", "fedrun.backends.Nothing", f"{__name__}.NotATrainer", "no.such.module.Trainer"):
+        with pytest.raises(ConfigError, match="the import path of a fedrun.trainer.Trainer class"):
+            Device("cpu", backend=wrong)
