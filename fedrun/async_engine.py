@@ -131,8 +131,12 @@ class AsyncEngine:
         )
         self.max_time, self.concurrency = max_time, concurrency
 
-    def check(self, aggregator, heterogeneity, pipeline=None) -> None:
+    def check(self, aggregator, heterogeneity, pipeline=None, schedule=None) -> None:
         """Refuse, before training, what this engine cannot run."""
+        if schedule is not None and schedule.sampling != "fixed":
+            raise ConfigError(
+                "schedule.sampling", schedule.sampling, "fixed with engine=async (its clients come back as they finish)"
+            )
         if not isinstance(aggregator, AsyncAggregator):
             raise ConfigError("engine", "async", f"sync for {type(aggregator).__name__}, a synchronous aggregator")
         if heterogeneity is not None and type(heterogeneity) is not EqualWork:

@@ -308,15 +308,12 @@ class ProcessTrainer(Trainer):
                 stream,
             ),
         )
-        return CohortUpdate(
-            deltas=torch.cat([r.deltas for r in results]),
-            local_losses=ClientLosses.concat([r.local_losses for r in results]),
-            steps=np.concatenate([r.steps for r in results]),
-            coefficient_norms=np.concatenate([r.coefficient_norms for r in results]),
-        )
+        return CohortUpdate.concat(results, global_params)
 
     def losses(self, params, parts, batch_size) -> ClientLosses:
         """F_i(params) of each client, the clients split over the workers by sample count."""
+        if not parts:
+            return ClientLosses(np.zeros(0), np.zeros(0))
         results = self._scatter(
             "losses",
             _blocks([len(p) for p in parts], len(self.connections)),

@@ -57,6 +57,22 @@ class CohortUpdate:
     steps: np.ndarray
     coefficient_norms: np.ndarray
 
+    @staticmethod
+    def concat(parts: list["CohortUpdate"], params: torch.Tensor) -> "CohortUpdate":
+        """The updates of consecutive groups of clients, joined in order; none for no group (an empty cohort,
+        ``params`` giving the width and dtype of the empty rows)."""
+        if not parts:
+            empty = np.zeros(0)
+            return CohortUpdate(
+                params.new_empty(0, params.shape[-1]), ClientLosses(empty, empty), empty.astype(int), empty
+            )
+        return CohortUpdate(
+            deltas=torch.cat([p.deltas for p in parts]),
+            local_losses=ClientLosses.concat([p.local_losses for p in parts]),
+            steps=np.concatenate([p.steps for p in parts]),
+            coefficient_norms=np.concatenate([p.coefficient_norms for p in parts]),
+        )
+
 
 class Lazy:
     """A signal computed on first read (``RoundView`` caches the value and the time it took)."""

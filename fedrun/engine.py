@@ -124,7 +124,7 @@ def run(
         )
         for t in bar:
             start = time.perf_counter()
-            cohort = np.sort(sampler.choice(len(clients), size=m, replace=False))
+            cohort = schedule.draw(sampler, len(clients))
             plan = heterogeneity.plan(t, cohort, sizes[cohort], schedule.work, seed)
             works = [work for work in plan if work is not None]
             cohort = cohort[[work is not None for work in plan]]  # stragglers that dropped out of the round
@@ -167,7 +167,11 @@ def run(
                 else None
             )
             clock = time.perf_counter()
-            update, alpha, diagnostics = aggregator.aggregate(params, sent, report)
+            if len(cohort):
+                update, alpha, diagnostics = aggregator.aggregate(params, sent, report)
+            else:  # nobody sampled (poisson): a zero update, and the server steps on it as Opacus steps on an
+                # empty Poisson batch (a server optimizer with momentum still moves; plain SGD does not)
+                update, alpha, diagnostics = torch.zeros_like(params), np.zeros(0), {}
             params = server.step(params, update)
             diverged = not torch.isfinite(params).all()
             signals_s = sum(report.wall_s.values())  # lazy signals read while aggregating have their own columns
@@ -177,7 +181,7 @@ def run(
             models = 2 if report.read("previous_deltas") else 1  # the previous model goes down, its update up
             evaluated = not diverged and schedule.evaluates(t)
             train_loss = math.nan
-            if report.read("losses") or evaluated:
+            if len(cohort) and (report.read("losses") or evaluated):
                 if not np.all(np.isfinite(report.losses.mean)):
                     raise DivergenceError(f"non-finite training loss of the global model at round {t} (lr={lr:g})")
                 train_loss = float(np.average(report.losses.mean, weights=sizes[cohort]))
@@ -189,7 +193,8 @@ def run(
                 "lr": lr,
                 "upload_mb": models * len(cohort) * message_mb,
                 "download_mb": models * len(cohort) * message_mb,
-                "local_steps_mean": float(trained.steps.mean()),
+                "local_steps_mean": float(trained.steps.mean()) if len(cohort) else 0.0,
+                "cohort_size": len(cohort),
             }
             row.update(
                 dict.fromkeys(
@@ -197,7 +202,7 @@ def run(
                 )
             )
             if local_accuracy is not None:
-                row["client_accuracy"] = float(local_accuracy.mean())
+                row["client_accuracy"] = float(local_accuracy.mean()) if len(cohort) else math.nan
             row.update(diagnostics)
             row.update(stage_diagnostics)
             row.update(timings)
@@ -249,7 +254,7 @@ def run(
 class SyncEngine:
     """The ``engine=sync`` option: runs ``run`` (a class, so unknown config keys fail when it is built)."""
 
-    def check(self, aggregator, heterogeneity, pipeline=None) -> None:
+    def check(self, aggregator, heterogeneity, pipeline=None, schedule=None) -> None:
         """Refuse, before training, an aggregator this engine cannot run."""
         if not isinstance(aggregator, Aggregator):
             raise ConfigError("engine", "sync", f"async for {type(aggregator).__name__}, an asynchronous aggregator")

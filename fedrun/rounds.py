@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fedrun.cohort import LocalWork
@@ -17,6 +18,7 @@ STOP_ON = {
     "client": ("client_accuracy",),
     "both": ("test_accuracy", "client_accuracy"),
 }  # the row columns
+SAMPLINGS = ("fixed", "poisson")
 
 
 @dataclass
@@ -28,7 +30,10 @@ class Schedule:
         local_epochs: Local epochs per round (used when ``local_steps`` is null).
         local_steps: Fixed number of local mini-batch steps per round, or null.
         batch_size: Local mini-batch size.
-        clients_per_round: Fraction C in (0, 1] of the clients sampled each round (at least one).
+        clients_per_round: Fraction C in (0, 1] of the clients sampled each round (at least one with ``fixed``).
+        sampling: How a round's cohort is drawn: ``fixed`` (round(C * N) clients without replacement, McMahan et
+            al.'s FedAvg) or ``poisson`` (each client joins with probability C on its own, so the cohort's size
+            varies and may be empty: the sampling that privacy amplification by subsampling assumes).
         lr_decay: Per-round multiplicative decay of the local learning rate (1 = none).
         eval_every: Evaluate every this many rounds (and always at the last round).
         stop_at_accuracy: Stop early once the accuracy ``stop_on`` names reaches this, or null.
@@ -41,6 +46,7 @@ class Schedule:
     local_steps: int | None = None
     batch_size: int = 10
     clients_per_round: float = 1.0
+    sampling: str = "fixed"
     lr_decay: float = 1.0
     eval_every: int = 1
     stop_at_accuracy: float | None = None
@@ -64,6 +70,13 @@ class Schedule:
             isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1"
         )
         check(0 < self.clients_per_round <= 1, "clients_per_round", self.clients_per_round, "a fraction in (0, 1]")
+        check(
+            self.sampling in SAMPLINGS,
+            "sampling",
+            self.sampling,
+            "fixed (clients_per_round of the clients, drawn without replacement) or poisson (each client with "
+            "probability clients_per_round)",
+        )
         check(0 < self.lr_decay <= 1, "lr_decay", self.lr_decay, "a factor in (0, 1]")
         check(
             isinstance(self.eval_every, int) and self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1"
@@ -101,7 +114,14 @@ class Schedule:
         )
 
     def cohort_size(self, num_clients: int) -> int:
+        """Clients a round with ``fixed`` sampling (the expected size, rounded, with ``poisson``)."""
         return max(1, int(round(self.clients_per_round * num_clients)))
+
+    def draw(self, sampler: np.random.Generator, num_clients: int) -> np.ndarray:
+        """A round's cohort, sorted client ids (see ``sampling``); with ``poisson`` it may be empty."""
+        if self.sampling == "poisson":
+            return np.flatnonzero(sampler.random(num_clients) < self.clients_per_round)
+        return np.sort(sampler.choice(num_clients, size=self.cohort_size(num_clients), replace=False))
 
 
 @dataclass

@@ -148,14 +148,7 @@ class VmapTrainer(Trainer):
             )
             for lo in range(0, len(parts), size)
         ]
-        return CohortUpdate(
-            deltas=torch.cat([p.deltas for p in pieces])
-            if pieces
-            else global_params.new_empty(0, global_params.shape[-1]),
-            local_losses=ClientLosses.concat([p.local_losses for p in pieces]),
-            steps=np.concatenate([p.steps for p in pieces]) if pieces else np.zeros(0, dtype=int),
-            coefficient_norms=np.concatenate([p.coefficient_norms for p in pieces]) if pieces else np.zeros(0),
-        )
+        return CohortUpdate.concat(pieces, global_params)
 
     def _train(
         self, global_params, parts, client_ids, works: list[LocalWork], rule: SGDRule, seed, round_, stream

@@ -86,6 +86,8 @@ def test_working_combinations_build(compose_config, overrides):
         (["seed=-1"], "seed=-1", ">= 0"),
         (["aggregator=fedbuff", "engine=sync"], "engine='sync'", "async for FedBuff"),
         (["aggregator=fedbuff", "heterogeneity=stragglers"], "heterogeneity='Stragglers'", "none with engine=async"),
+        (["schedule.sampling=shuffle"], "schedule.sampling='shuffle'", "fixed (clients_per_round"),
+        (["aggregator=fedbuff", "schedule.sampling=poisson"], "schedule.sampling='poisson'", "fixed with engine=async"),
         (["metrics.r_targets=[0.6,1.5]"], "metrics.r_targets", "(0, 1]"),
         (
             [

@@ -80,7 +80,7 @@ def setup(cfg: DictConfig) -> dict:
     # Each stage on its own, so that an error names its key (pipeline.stages.0.max_norm), then the pipeline around them.
     stages = [build(f"pipeline.stages.{i}", stage) for i, stage in enumerate(cfg.pipeline.get("stages", []))]
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
-    objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"])
+    objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"], objects["schedule"])
     for group in ("aggregator", "server", "pipeline"):  # a state a checkpoint cannot hold fails now, not at round 10
         try:
             encode(objects[group].state_dict(), group)
