@@ -172,6 +172,7 @@ class AsyncEngine:
         heterogeneity=None,
         checkpoint: Checkpoint | None = None,
         pipeline: Pipeline | None = None,
+        privacy=None,  # refused by ``fedrun.privacy.Privacy.check`` (not accounted here)
     ):
         """Simulate until ``schedule.rounds`` aggregations (server versions) or ``max_time``.
 

@@ -20,6 +20,7 @@ from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.pipeline import Pipeline
+from fedrun.privacy import Privacy
 from fedrun.rounds import RunResult, Schedule, record
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
@@ -40,6 +41,7 @@ def run(
     heterogeneity: EqualWork | None = None,
     checkpoint: Checkpoint | None = None,
     pipeline: Pipeline | None = None,
+    privacy: Privacy | None = None,
 ) -> RunResult:
     """Run synchronous federated training.
 
@@ -60,6 +62,8 @@ def run(
         heterogeneity: How much local work each cohort client does (default: the schedule's).
         checkpoint: Where and when to checkpoint, and whether to resume from its file (see fedrun.checkpoint).
         pipeline: The stages each round's updates pass between training and aggregation (default: none).
+        privacy: DP-FedAvg's clipping, noise and accounting in place of the aggregator (default: none; bound to the
+            run's sampling by ``Privacy.bind``).
 
     Returns:
         The final model and the metrics rows.
@@ -78,6 +82,7 @@ def run(
     server = server or ServerOptimizer()
     heterogeneity = heterogeneity or EqualWork()
     pipeline = pipeline or Pipeline()
+    privacy = privacy or Privacy()
     sizes = np.array([len(part) for part in clients])
     first_lr = base_lr(optimizer)
     params = flat_parameters(model)
@@ -102,6 +107,7 @@ def run(
         aggregator.load_state_dict(saved["aggregator"])
         server.load_state_dict(saved["server"])
         pipeline.load_state_dict(saved["pipeline"])
+        privacy.load_state_dict(saved.get("privacy", {}))  # a checkpoint from before privacy has no ledger
         result = RunResult(params, rows=saved["rows"])
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
     fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)
@@ -123,6 +129,8 @@ def run(
             total=schedule.rounds,
         )
         for t in bar:
+            if privacy.exceeds():  # the run ends here, FINISHED, its epsilon within max_epsilon (tag stopped_by)
+                break
             start = time.perf_counter()
             cohort = schedule.draw(sampler, len(clients))
             plan = heterogeneity.plan(t, cohort, sizes[cohort], schedule.work, seed)
@@ -167,7 +175,9 @@ def run(
                 else None
             )
             clock = time.perf_counter()
-            if len(cohort):
+            if privacy:  # DP-FedAvg: clipped, noised, a fixed denominator (an empty round is noise alone)
+                update, alpha, diagnostics = privacy.aggregate(sent, params, t)
+            elif len(cohort):
                 update, alpha, diagnostics = aggregator.aggregate(params, sent, report)
             else:  # nobody sampled (poisson): a zero update, and the server steps on it as Opacus steps on an
                 # empty Poisson batch (a server optimizer with momentum still moves; plain SGD does not)
@@ -239,6 +249,7 @@ def run(
                         "aggregator": aggregator.state_dict(),
                         "server": server.state_dict(),
                         "pipeline": pipeline.state_dict(),
+                        "privacy": privacy.state_dict(),
                         "fstar": fstar.cache,
                         "rows": result.rows,
                     },

@@ -23,12 +23,17 @@ from the whole ledger (one self-composed event per entry), never accumulated rou
 on where a run was stopped.
 """
 
+import contextlib
+import logging
 import math
 
 import dp_accounting
+import numpy as np
+import torch
 from dp_accounting import pld, rdp
 
 from fedrun.errors import ConfigError, check
+from fedrun.seeding import torch_generator
 from fedrun.state import Stateful
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -66,6 +71,19 @@ def neighbours(sampling: str, num_clients: int, cohort: int | None) -> str:
     """The neighbouring relation the epsilon holds for: replace-one for a fixed-size sample of some clients,
     add-or-remove-one otherwise."""
     return REPLACE_ONE if sampling == "fixed" and cohort < num_clients else ADD_OR_REMOVE
+
+
+@contextlib.contextmanager
+def quiet_absl():
+    """dp-accounting warns through absl for every RDP order it drops as non-convergent (dozens a call at large q);
+    the orders left give a valid bound, so those warnings are kept out of a run's output."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def make_accountant(kind: str, relation: str):
@@ -146,8 +164,9 @@ class Accountant(Stateful):
         if self.event["noise_multiplier"] == 0:
             return math.inf
         accountant = make_accountant(self.kind, self.relation)
-        accountant.compose(dp_accounting.SelfComposedDpEvent(round_event(**self.event), rounds))
-        return float(accountant.get_epsilon(self.delta))
+        with quiet_absl():
+            accountant.compose(dp_accounting.SelfComposedDpEvent(round_event(**self.event), rounds))
+            return float(accountant.get_epsilon(self.delta))
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "delta": self.delta, "event": dict(self.event), "rounds": self.rounds}
@@ -179,13 +198,202 @@ def calibrate(
     def event(z: float):
         return dp_accounting.SelfComposedDpEvent(round_event(z, sampling, num_clients, cohort, rate), rounds)
 
-    return float(
-        dp_accounting.calibrate_dp_mechanism(
-            lambda: make_accountant(kind, relation),
-            event,
-            target_epsilon,
-            delta,
-            bracket_interval=dp_accounting.ExplicitBracketInterval(1e-3, 1e3),
-            tol=1e-6,
+    with quiet_absl():
+        return float(
+            dp_accounting.calibrate_dp_mechanism(
+                lambda: make_accountant(kind, relation),
+                event,
+                target_epsilon,
+                delta,
+                bracket_interval=dp_accounting.ExplicitBracketInterval(1e-3, 1e3),
+                tol=1e-6,
+            )
         )
-    )
+
+
+class Privacy(Stateful):
+    """The ``privacy`` group: none, or user-level DP-FedAvg with central noise (McMahan et al. 2018, "Learning
+    differentially private recurrent language models", Algorithm 1 with the fixed denominator of its
+    estimator f~_f; as Flower's server-side fixed clipping and pfl's central Gaussian mechanism).
+
+    Each round, every cohort update Delta_i is clipped to l2 norm C (Delta_i * min(1, C / ||Delta_i||)), Gaussian
+    noise N(0, (z C)^2 I) is added to their sum, and the sum is divided by a fixed denominator D: the expected
+    cohort size q N with Poisson sampling, m with a fixed one. Every client weighs 1 / D whatever its data, so the
+    sum's sensitivity is C (add-or-remove; 2C replace-one, see ``round_event``) and the update
+    Delta = (sum_i clip(Delta_i) + noise) / D is the mechanism's output; the server optimizer then steps on it
+    (post-processing). A round that samples nobody still adds the noise. The noise comes from its own stream
+    (seed, round): the same on every backend and device.
+
+    The epsilon logged each round (``epsilon``, at ``delta``) is what the rounds run so far guarantee for the
+    released global models, by dp-accounting (``Accountant``). fedrun's other per-round numbers computed on
+    clients' data (``train_loss``, ``client_accuracy``, alpha, the clip statistics) are measurements of the
+    simulation, outside that guarantee.
+
+    Args:
+        mechanism: ``none`` or ``central``.
+        noise_multiplier: z (give it or ``target_epsilon``).
+        clip_norm: C > 0.
+        delta: delta of the reported epsilon.
+        accountant: ``rdp`` or ``pld``.
+        target_epsilon: Calibrate z so that the run's ``schedule.rounds`` rounds give this epsilon.
+        max_epsilon: Stop the run, FINISHED, before the round that would take epsilon above this.
+    """
+
+    def __init__(
+        self,
+        mechanism: str = "none",
+        noise_multiplier: float | None = None,
+        clip_norm: float = 1.0,
+        delta: float = 1e-5,
+        accountant: str = "rdp",
+        target_epsilon: float | None = None,
+        max_epsilon: float | None = None,
+    ):
+        check(mechanism in ("none", "central"), "mechanism", mechanism, "none or central")
+        self.mechanism = mechanism
+        if mechanism == "none":
+            return
+        check(
+            (noise_multiplier is None) != (target_epsilon is None),
+            "noise_multiplier",
+            noise_multiplier,
+            "a number >= 0, or null with target_epsilon set (one of the two)",
+        )
+        check(noise_multiplier is None or noise_multiplier >= 0, "noise_multiplier", noise_multiplier, "a number >= 0")
+        check(isinstance(clip_norm, (int, float)) and clip_norm > 0, "clip_norm", clip_norm, "a number > 0")
+        check(isinstance(delta, float) and 0 < delta < 1, "delta", delta, "a number in (0, 1)")
+        check(accountant in ACCOUNTANTS, "accountant", accountant, "rdp or pld")
+        check(target_epsilon is None or target_epsilon > 0, "target_epsilon", target_epsilon, "null or a number > 0")
+        check(max_epsilon is None or max_epsilon > 0, "max_epsilon", max_epsilon, "null or a number > 0")
+        self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
+        self.clip_norm, self.delta, self.kind = float(clip_norm), float(delta), accountant
+        self.target_epsilon, self.max_epsilon = target_epsilon, max_epsilon
+        self.ledger: Accountant | None = None
+        self.denominator, self.seed, self.stopped = None, 0, ""
+
+    def __bool__(self) -> bool:
+        return self.mechanism != "none"
+
+    def check(self, aggregator, engine, heterogeneity) -> None:
+        """Refuse, before training, what this mechanism's accounting does not cover."""
+        from fedrun.aggregators import FedAvg
+        from fedrun.engine import SyncEngine
+        from fedrun.heterogeneity import EqualWork
+
+        if not self:
+            return
+        if not isinstance(engine, SyncEngine):
+            raise ConfigError("engine", "async", "sync with privacy=central (asynchronous privacy is not accounted)")
+        if type(aggregator) is not FedAvg:
+            raise ConfigError(
+                "aggregator",
+                type(aggregator).__name__,
+                "fedavg with privacy=central (weights that follow the clients' losses, steps or data would change "
+                "the sensitivity the noise is calibrated to)",
+            )
+        if aggregator.weighting != "uniform":
+            raise ConfigError(
+                "aggregator.weighting",
+                aggregator.weighting,
+                "uniform with privacy=central (DP-FedAvg weighs every client 1 / D; sample counts are private)",
+            )
+        if heterogeneity is not None and type(heterogeneity) is not EqualWork:
+            raise ConfigError(
+                "heterogeneity",
+                type(heterogeneity).__name__,
+                "none with privacy=central (clients dropping out would change the sampling that is accounted)",
+            )
+
+    def bind(self, schedule, num_clients: int, seed: int) -> None:
+        """Set the accounting for this run's sampling and rounds (and calibrate z for ``target_epsilon``)."""
+        if not self:
+            return
+        poisson = schedule.sampling == "poisson"
+        cohort = None if poisson else schedule.cohort_size(num_clients)
+        rate = schedule.clients_per_round if poisson else None
+        if self.noise_multiplier is None:
+            self.noise_multiplier = calibrate(
+                self.target_epsilon,
+                self.delta,
+                schedule.rounds,
+                schedule.sampling,
+                num_clients,
+                cohort,
+                rate,
+                self.kind,
+            )
+        try:
+            self.ledger = Accountant(
+                self.noise_multiplier, self.delta, schedule.sampling, num_clients, cohort, rate, self.kind
+            )
+        except ConfigError as exc:
+            raise exc.within("privacy") from None
+        self.denominator = rate * num_clients if poisson else float(cohort)
+        self.seed = seed
+        if self.max_epsilon is not None and self.ledger.epsilon(1) > self.max_epsilon:
+            raise ConfigError(
+                "privacy.max_epsilon",
+                self.max_epsilon,
+                f"at least {self.ledger.epsilon(1):.4g}, the epsilon of one round with z = {self.noise_multiplier:g}",
+            )
+
+    def exceeds(self) -> bool:
+        """Whether the next round would take epsilon above ``max_epsilon`` (then the run stops before it)."""
+        if not self or self.max_epsilon is None:
+            return False
+        after = self.ledger.epsilon(self.ledger.rounds + 1)
+        if after > self.max_epsilon:
+            self.stopped = (
+                f"max_epsilon {self.max_epsilon:g}: round {self.ledger.rounds + 1} would bring epsilon to {after:.4g}"
+            )
+            return True
+        return False
+
+    def aggregate(self, deltas: torch.Tensor, params: torch.Tensor, round_: int):
+        """The round's noised update (an ``Aggregation``: the update, alpha = 1 / D each, the round's numbers)."""
+        from fedrun.aggregators import Aggregation
+
+        norms = torch.linalg.vector_norm(deltas, dim=1)
+        over = norms > self.clip_norm
+        # min(1, C / norm), exactly 1.0 within the bound (Clip's rule): an update of norm <= C is unchanged.
+        scale = torch.where(over, self.clip_norm / norms, torch.ones_like(norms))
+        alpha = np.full(len(deltas), 1.0 / self.denominator)
+        total = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ (deltas * scale[:, None])
+        std = self.noise_multiplier * self.clip_norm
+        noise = torch.randn(
+            params.numel(), generator=torch_generator(self.seed, "privacy", round_), dtype=torch.float64
+        )
+        update = (total if len(deltas) else torch.zeros_like(params)) + (std * noise / self.denominator).to(
+            dtype=params.dtype, device=params.device
+        )
+        self.ledger.step()
+        return Aggregation(
+            update,
+            alpha,
+            {
+                "epsilon": self.ledger.epsilon(),
+                "clip_norm": self.clip_norm,
+                "clipped_fraction": float(over.double().mean()) if len(deltas) else math.nan,
+                "update_norm_mean": float(norms.double().mean()) if len(deltas) else math.nan,
+                "noise_std": std,
+            },
+        )
+
+    def run_tags(self) -> dict[str, str]:
+        if not self:
+            return {}
+        tags = {
+            "privacy_noise_multiplier": f"{self.noise_multiplier:.6g}",
+            "privacy_neighbours": self.ledger.relation if self.ledger else "",
+            "privacy_accountant": self.kind,
+        }
+        if self.stopped:
+            tags["stopped_by"] = self.stopped
+        return tags
+
+    def state_dict(self) -> dict:
+        return {"ledger": self.ledger.state_dict()} if self and self.ledger else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("ledger") is not None:
+            self.ledger.load_state_dict(state["ledger"])

@@ -55,6 +55,10 @@ BAD = [
     (["checkpoint.every=0"], "checkpoint.every"),
     (["pipeline=clip", "pipeline.stages.0.max_norm=0"], "pipeline.stages.0.max_norm"),
     (["pipeline=clip", "pipeline.stages.0.clip_lr=-1"], "pipeline.stages.0.clip_lr"),
+    (["privacy=central", "privacy.clip_norm=0"], "privacy.clip_norm"),
+    (["privacy=central", "privacy.delta=2.0"], "privacy.delta"),
+    (["privacy=central", "privacy.mechanism=local"], "privacy.mechanism"),
+    (["schedule.sampling=shuffle"], "schedule.sampling"),
 ]
 
 

@@ -1,13 +1,23 @@
 """Privacy accounting: epsilon against published values, the events a run's sampling gives, the ledger's state."""
 
+import functools
 import math
 
 import dp_accounting
+import numpy as np
 import pytest
+import torch
 from dp_accounting import pld, rdp
+from numpy.testing import assert_allclose
 
+from fedrun.aggregators import FedAvg
+from fedrun.backends import Device
+from fedrun.datasets import FederatedData
+from fedrun.engine import run
 from fedrun.errors import ConfigError
-from fedrun.privacy import Accountant, calibrate, make_accountant, round_event, without_replacement
+from fedrun.models import Logistic
+from fedrun.privacy import Accountant, Privacy, calibrate, make_accountant, round_event, without_replacement
+from fedrun.rounds import Schedule
 
 
 def test_epsilon_matches_the_published_values():
@@ -113,3 +123,123 @@ def test_bad_settings_are_refused_naming_the_key(kwargs, key):
     settings.update(kwargs)
     with pytest.raises(ConfigError, match=key):
         Accountant(**settings)
+
+
+# --- the mechanism: DP-FedAvg with central noise (fedrun.privacy.Privacy) ---
+
+G = torch.Generator().manual_seed(0)
+DATA = FederatedData(
+    torch.randn(60, 4, generator=G, dtype=torch.float64),
+    torch.randint(0, 3, (60,), generator=G),
+    torch.randn(12, 4, generator=G, dtype=torch.float64),
+    torch.randint(0, 3, (12,), generator=G),
+    num_classes=3,
+)
+CLIENTS = [np.arange(10 * i, 10 * i + 10) for i in range(6)]
+
+
+def private(**kwargs) -> Privacy:
+    settings = {"mechanism": "central", "noise_multiplier": 1.0, "clip_norm": 1.0}
+    settings.update(kwargs)
+    return Privacy(**settings)
+
+
+def train(privacy=None, backend="loop", rounds=4, sampling="fixed", q=0.5, seed=0, rows=None):
+    torch.manual_seed(0)
+    schedule = Schedule(rounds=rounds, local_steps=2, batch_size=4, clients_per_round=q, sampling=sampling)
+    if privacy is not None:
+        privacy.bind(schedule, len(CLIENTS), seed)
+    return run(
+        Logistic((4,), 3).double(),
+        DATA,
+        CLIENTS,
+        FedAvg(weighting="uniform"),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        schedule,
+        Device("cpu", "contiguous", backend, workers=2),
+        seed,
+        on_round=lambda row, per_client: rows.append(row) if rows is not None else None,
+        privacy=privacy,
+    )
+
+
+def test_no_noise_and_a_bound_no_update_reaches_equal_the_non_private_run_exactly():
+    plain = train()
+    mine = train(private(noise_multiplier=0.0, clip_norm=1e6))
+    torch.testing.assert_close(mine.params, plain.params, rtol=0, atol=0)
+
+
+def test_clipping_and_the_fixed_denominator_by_hand():
+    privacy = private(noise_multiplier=0.0, clip_norm=2.0)
+    privacy.bind(Schedule(rounds=3, clients_per_round=0.5), 8, 0)  # fixed sampling: m = 4 of 8, D = 4
+    deltas = torch.tensor([[3.0, 4.0], [0.6, 0.8], [0.0, 0.0]], dtype=torch.float64)  # norms 5, 1, 0
+    update, alpha, numbers = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1)
+    # clip: [3, 4] * 2 / 5 = [1.2, 1.6]; the others within C, unchanged. Sum [1.8, 2.4] over D = 4 (not the 3 here).
+    torch.testing.assert_close(update, torch.tensor([0.45, 0.6], dtype=torch.float64), rtol=0, atol=1e-15)
+    assert_allclose(alpha, [0.25, 0.25, 0.25])
+    assert numbers["clipped_fraction"] == pytest.approx(1 / 3) and numbers["update_norm_mean"] == pytest.approx(2.0)
+    assert numbers["noise_std"] == 0.0 and numbers["clip_norm"] == 2.0
+
+
+def test_the_noise_has_the_calibrated_law_and_follows_the_seed():
+    def noise(seed, round_=1, poisson=True):
+        privacy = private(noise_multiplier=1.3, clip_norm=0.5)
+        sampling = "poisson" if poisson else "fixed"
+        privacy.bind(Schedule(rounds=5, clients_per_round=0.1, sampling=sampling), 200, seed)
+        empty = torch.zeros(0, 400_000, dtype=torch.float64)  # nobody sampled: the update is the noise alone
+        return privacy.aggregate(empty, torch.zeros(400_000, dtype=torch.float64), round_).update
+
+    draw = noise(0)
+    sigma = 1.3 * 0.5 / (0.1 * 200)  # z C / D, D = q N = 20
+    assert abs(float(draw.mean())) < 0.01 * sigma  # its standard error is sigma / sqrt(4e5) = 0.0016 sigma
+    assert float(draw.var()) == pytest.approx(sigma**2, rel=0.02)  # standard error about 0.2%
+    assert torch.equal(noise(0), draw) and not torch.equal(noise(1), draw) and not torch.equal(noise(0, 2), draw)
+
+
+def test_each_round_logs_the_epsilon_dp_accounting_gives_for_the_rounds_so_far():
+    rows = []
+    train(private(noise_multiplier=1.2), rounds=4, sampling="poisson", q=0.5, rows=rows)
+    ledger = Accountant(1.2, 1e-5, "poisson", num_clients=6, rate=0.5)
+    assert [r["epsilon"] for r in rows] == [ledger.epsilon(t) for t in (1, 2, 3, 4)]
+    assert all(r["noise_std"] == 1.2 for r in rows)
+
+
+def test_max_epsilon_stops_before_the_round_that_would_exceed_it_and_target_epsilon_calibrates():
+    ledger = Accountant(1.2, 1e-5, "poisson", num_clients=6, rate=0.5)
+    limit = (ledger.epsilon(3) + ledger.epsilon(4)) / 2  # rounds 1-3 fit, round 4 would not
+    rows, privacy = [], private(noise_multiplier=1.2, max_epsilon=limit)
+    train(privacy, rounds=8, sampling="poisson", q=0.5, rows=rows)
+    assert len(rows) == 3 and rows[-1]["epsilon"] <= limit
+    assert privacy.run_tags()["stopped_by"].startswith(f"max_epsilon {limit:g}: round 4 would bring epsilon to")
+    calibrated = private(noise_multiplier=None, target_epsilon=4.0)
+    rows = []
+    train(calibrated, rounds=5, sampling="poisson", q=0.5, rows=rows)
+    assert rows[-1]["epsilon"] <= 4.0 and rows[-1]["epsilon"] == pytest.approx(4.0, rel=1e-3)
+    with pytest.raises(ConfigError, match="privacy.max_epsilon"):
+        private(max_epsilon=0.01).bind(Schedule(rounds=5, clients_per_round=0.5, sampling="poisson"), 6, 0)
+
+
+def test_private_runs_are_equal_on_every_backend():
+    loop, processes = train(private(), "loop", sampling="poisson"), train(private(), "processes", sampling="poisson")
+    torch.testing.assert_close(processes.params, loop.params, rtol=1e-10, atol=1e-10)
+
+
+def test_what_cannot_be_accounted_is_refused_in_one_line(compose_config):
+    from fedrun.cli.build import setup
+
+    cases = [
+        (["aggregator=fedsoftmax"], "aggregator='FedSoftMax'", "would change the sensitivity"),
+        ([], "aggregator.weighting='samples'", "uniform with privacy=central"),
+        (["aggregator.weighting=uniform", "heterogeneity=stragglers"], "heterogeneity='Stragglers'", "dropping out"),
+        (["aggregator=fedbuff"], "engine='async'", "asynchronous privacy is not accounted"),
+        (
+            ["aggregator.weighting=uniform", "schedule.clients_per_round=0.5", "privacy.accountant=pld"],
+            "privacy.accountant='pld'",
+            "no event for a fixed-size sample",
+        ),
+        (["aggregator.weighting=uniform", "privacy.noise_multiplier=null"], "privacy.noise_multiplier", "one of"),
+    ]
+    for overrides, key, allowed in cases:
+        with pytest.raises(ConfigError) as error:
+            setup(compose_config("privacy=central", "partition.num_clients=4", *overrides))
+        assert key in str(error.value) and allowed in str(error.value), str(error.value)

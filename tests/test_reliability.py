@@ -125,6 +125,17 @@ CASES = {
         "partition.num_clients=6",
         *ADAPTIVE_CLIP,
     ],
+    # the privacy ledger (epsilon goes on from the checkpoint's rounds), Poisson sampling and the noise streams
+    "private": [
+        "privacy=central",
+        "privacy.noise_multiplier=0.8",
+        "privacy.clip_norm=0.1",
+        "aggregator.weighting=uniform",
+        "schedule.sampling=poisson",
+        "schedule.clients_per_round=0.5",
+        "schedule.rounds=8",
+        "partition.num_clients=6",
+    ],
 }
 
 

@@ -163,6 +163,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
         "client_tests",
         "heterogeneity",
         "pipeline",
+        "privacy",
     )
     signals = StopSignals(checkpoint).__enter__()  # until the run is closed: a signal while it closes waits for that
     try:
@@ -188,7 +189,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
     finally:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
         values, tags = run_summary(tracker.rows, job.cfg.metrics.r_targets, measured)
-        tags.update(parts["aggregator"].run_tags())
+        tags.update(parts["aggregator"].run_tags(), **parts["privacy"].run_tags())
         tracker.finish(status, values, tags, model=final, reason=reason, title=title)
         signals.__exit__()
         if tracker.lost:

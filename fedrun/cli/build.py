@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedrun.errors import ConfigError
 from fedrun.partitions import hold_out
+from fedrun.privacy import Privacy
 from fedrun.rounds import STOP_ON
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.state import encode
@@ -81,6 +82,9 @@ def setup(cfg: DictConfig) -> dict:
     stages = [build(f"pipeline.stages.{i}", stage) for i, stage in enumerate(cfg.pipeline.get("stages", []))]
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
     objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"], objects["schedule"])
+    # A run dir saved before the privacy group has none.
+    objects["privacy"] = build("privacy", cfg.privacy) if "privacy" in cfg else Privacy()
+    objects["privacy"].check(objects["aggregator"], objects["engine"], objects["heterogeneity"])
     for group in ("aggregator", "server", "pipeline"):  # a state a checkpoint cannot hold fails now, not at round 10
         try:
             encode(objects[group].state_dict(), group)
@@ -121,6 +125,10 @@ def setup(cfg: DictConfig) -> dict:
             )
         except ConfigError as exc:
             raise exc.within("dataset") from None
+    try:
+        objects["privacy"].bind(objects["schedule"], len(clients), seed)
+    except ConfigError as exc:
+        raise exc.within("privacy") from None
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
