@@ -27,6 +27,15 @@ SWEEP_TAG = "tags.fedrun.role"  # "sweep" on a sweep's parent run
 SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_autocorr")
 
 
+def with_group_defaults(runs: pd.DataFrame) -> pd.DataFrame:
+    """A run made before a config group existed (no ``pipeline`` tag, say) ran as that group's default option:
+    its tag is filled in, so that it groups with the runs that name the default (``pipeline=none``)."""
+    from fedrun.tracking import group_defaults
+
+    fill = {f"tags.{g}": option for g, option in group_defaults().items() if f"tags.{g}" in runs}
+    return runs.fillna(fill) if len(runs) else runs
+
+
 def group_keys(runs: pd.DataFrame) -> list[str]:
     """The columns that vary across runs: group choices (tags) first, then params that vary within them.
 
@@ -342,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = mlflow.search_runs([experiment.experiment_id], filter_string=args.filter or "", output_format="pandas")
     if SWEEP_TAG in runs:  # a sweep's parent run groups its jobs in the UI; it is not a run of its own
         runs = runs[runs[SWEEP_TAG] != "sweep"]
+    runs = with_group_defaults(runs)
     finished = runs[runs["status"] == "FINISHED"] if len(runs) else runs
     if finished.empty:
         raise SystemExit(

@@ -45,6 +45,17 @@ def _config_groups() -> tuple[str, ...]:
 CONFIG_GROUPS = _config_groups()
 
 
+def group_defaults() -> dict[str, str]:
+    """Each group's default option in the root config (``pipeline: none``), for the groups that have one: what a
+    run made before its group existed ran as."""
+    from importlib.resources import files
+
+    import yaml
+
+    defaults = yaml.safe_load(files("fedrun.conf").joinpath("config.yaml").read_text())["defaults"]
+    return {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items() if isinstance(v, str)}
+
+
 def flatten(config: dict, prefix: str = "") -> dict:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
     flat = {}

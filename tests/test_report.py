@@ -72,6 +72,25 @@ def test_groups_a_method_chooses_are_not_keys_beside_it():
     assert group_keys(by_partition) == ["tags.method", "tags.partition"]
 
 
+def test_a_run_made_before_a_group_existed_groups_with_that_group_s_default():
+    from fedrun.report import with_group_defaults
+
+    # Two runs from before the pipeline and privacy groups, two after: one table row, not two.
+    runs = pd.DataFrame(
+        {
+            "tags.aggregator": ["fedavg"] * 4,
+            "tags.pipeline": [None, None, "none", "clip"],
+            "tags.privacy": [None, None, "none", "none"],
+            "tags.method": [None] * 4,  # a group without a default option stays empty
+            "params.seed": ["0", "1", "0", "1"],
+        }
+    )
+    filled = with_group_defaults(runs)
+    assert filled["tags.pipeline"].tolist() == ["none", "none", "none", "clip"]
+    assert filled["tags.privacy"].tolist() == ["none"] * 4 and filled["tags.method"].isna().all()
+    assert group_keys(filled) == ["tags.pipeline"] and group_keys(runs) == ["tags.pipeline", "tags.privacy"]
+
+
 def test_summary_counts_reached_runs_and_uses_student_t():
     runs = frame()
     keys = group_keys(runs)
