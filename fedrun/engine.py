@@ -107,7 +107,7 @@ def run(
         aggregator.load_state_dict(saved["aggregator"])
         server.load_state_dict(saved["server"])
         pipeline.load_state_dict(saved["pipeline"])
-        privacy.load_state_dict(saved.get("privacy", {}))  # a checkpoint from before privacy has no ledger
+        privacy.load_state_dict(saved.get("privacy", {}))  # refused if private and the checkpoint has no ledger
         result = RunResult(params, rows=saved["rows"])
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
     fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)

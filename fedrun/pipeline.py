@@ -28,6 +28,12 @@ class Stage(Stateful):
     def __call__(self, deltas: torch.Tensor, clients: np.ndarray, round_: int) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def crosses_clients(self) -> bool:
+        """Whether what the stage does to one client's update depends on other clients' updates (in this round or,
+        through its state, in later ones). Privacy refuses such a stage: it would carry clients into rounds they
+        were not sampled for."""
+        return False
+
     def end_round(self) -> None:
         """Called once a round's updates have all passed (synchronous: after the cohort; asynchronous: at each
         aggregation, after the buffer's updates passed one by one): where a stage that adapts to a round adapts."""
@@ -95,6 +101,9 @@ class Clip(Stage):
         }
         self.seen, self.fit = self.seen + len(norms), self.fit + int((~over).sum())
         return deltas * scale[:, None], diagnostics
+
+    def crosses_clients(self) -> bool:
+        return self.adaptive  # C follows the round's norms
 
     def end_round(self):
         if self.adaptive and self.seen:

@@ -1,26 +1,29 @@
 """Privacy accounting: the (epsilon, delta) that a run's private rounds guarantee, computed by Google's dp-accounting.
 
-Each private round is one event of user-level DP-FedAvg (McMahan et al. 2018; Andrew et al. 2021): every update of
-the round's cohort is clipped to l2 norm C, Gaussian noise of std z * C is added to their sum, and the sum is
-divided by a fixed denominator (post-processing). Which event that is depends on how the cohort was drawn, and the
+Each private round is one event of user-level DP-FedAvg (McMahan et al. 2018): every update of the round's cohort is
+clipped to l2 norm C, Gaussian noise of std z * C is added to their sum, and the sum is divided by a fixed
+denominator D (post-processing). D is q N or m: it depends on the number of clients N, which is therefore public,
+and neighbouring datasets have the same N. Which event a round is depends on how its cohort was drawn, and the
 ledger records what ran (``schedule.sampling``):
 
-- ``poisson``: each client joins with probability q on its own. Add-or-remove-one neighbours; the sum moves by at
-  most C when one client's data is added or removed, so the event is ``PoissonSampled(q, Gaussian(z))``;
-  amplified by sampling.
+- ``poisson``: each client joins with probability q on its own. Neighbours differ in one client's data, replaced by
+  a client that contributes nothing (zero-out; dp-accounting's ``REPLACE_SPECIAL``, Kairouz et al. 2021): the sum
+  moves by at most C, so the event is ``PoissonSampled(q, Gaussian(z))``, amplified by sampling. (Add-or-remove-one
+  would change N and with it D, which the noised update reveals: it is not claimed.)
 - ``fixed`` with m < N clients a round: a sample of m drawn without replacement. dp-accounting has that event for
   replace-one neighbours only (Wang, Balle and Kasiviswanathan 2019, Theorem 27; RDP only), where replacing one
   client's data moves the sum by up to ||v_j - v_j'|| <= 2C: the noise is z * C = (z / 2) * 2C, so the event is
   ``SampledWithoutReplacement(N, m, Gaussian(z / 2))``, its noise multiplier relative to that sensitivity as
   dp-accounting's RDP code defines it. (Its PLD accountant instead takes the per-client bound and doubles it
-  itself; ``tests/test_privacy.py`` checks the two conventions against each other.) The epsilon is then for
-  replace-one neighbours, which the run's tags say.
-- full participation (``fixed`` with every client each round): no amplification, ``Gaussian(z)``, add-or-remove.
+  itself; ``tests/test_privacy.py`` checks the two conventions against each other.) That bound is loose: for some
+  m and z it is above the plain Gaussian(z / 2) without amplification, which holds too; the smaller of the two is
+  reported (and calibrated).
+- full participation (``fixed`` with every client each round): no amplification, ``Gaussian(z)``, zero-out.
 
-The ledger is plain data (``state_dict``): the events' parameters and how many rounds each ran, so a resumed run
+The ledger is plain data (``state_dict``): the event's parameters and how many rounds ran, so a resumed run
 replays it into a fresh accountant and reports the same epsilon as an uninterrupted one. Epsilon is always computed
-from the whole ledger (one self-composed event per entry), never accumulated round by round, so it does not depend
-on where a run was stopped.
+from the whole ledger (one self-composed event), never accumulated round by round, so it does not depend on where
+a run was stopped.
 """
 
 import contextlib
@@ -31,6 +34,7 @@ import dp_accounting
 import numpy as np
 import torch
 from dp_accounting import pld, rdp
+from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
 
 from fedrun.errors import ConfigError, check
 from fedrun.seeding import torch_generator
@@ -38,7 +42,7 @@ from fedrun.state import Stateful
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "fixed")
-ADD_OR_REMOVE, REPLACE_ONE = "add_or_remove_one", "replace_one"
+ZERO_OUT, REPLACE_ONE = "zero_out", "replace_one"  # the neighbouring relations (N public in both)
 
 
 def round_event(noise_multiplier: float, sampling: str, num_clients: int, cohort: int | None, rate: float | None):
@@ -69,8 +73,17 @@ def without_replacement(noise_multiplier: float, num_clients: int, cohort: int):
 
 def neighbours(sampling: str, num_clients: int, cohort: int | None) -> str:
     """The neighbouring relation the epsilon holds for: replace-one for a fixed-size sample of some clients,
-    add-or-remove-one otherwise."""
-    return REPLACE_ONE if sampling == "fixed" and cohort < num_clients else ADD_OR_REMOVE
+    zero-out otherwise."""
+    return REPLACE_ONE if sampling == "fixed" and cohort < num_clients else ZERO_OUT
+
+
+def bounds(noise_multiplier: float, sampling: str, num_clients: int, cohort: int | None, rate: float | None) -> list:
+    """The events whose epsilon is a valid bound for one round (the smallest is reported): the round's event, and
+    for a fixed-size sample also the Gaussian(z / 2) without amplification (replace-one)."""
+    events = [round_event(noise_multiplier, sampling, num_clients, cohort, rate)]
+    if neighbours(sampling, num_clients, cohort) == REPLACE_ONE:
+        events.append(dp_accounting.GaussianDpEvent(noise_multiplier / 2))
+    return events
 
 
 @contextlib.contextmanager
@@ -90,7 +103,7 @@ def make_accountant(kind: str, relation: str):
     """A fresh dp-accounting accountant: ``rdp`` (Renyi DP, Mironov 2017, at dp-accounting's default orders) or
     ``pld`` (privacy loss distributions, tighter and slower)."""
     neighbouring = dp_accounting.NeighboringRelation
-    relation_enum = neighbouring.REPLACE_ONE if relation == REPLACE_ONE else neighbouring.ADD_OR_REMOVE_ONE
+    relation_enum = neighbouring.REPLACE_ONE if relation == REPLACE_ONE else neighbouring.REPLACE_SPECIAL
     if kind == "rdp":
         return rdp.RdpAccountant(neighboring_relation=relation_enum)
     return pld.PLDAccountant(neighboring_relation=relation_enum)
@@ -151,22 +164,29 @@ class Accountant(Stateful):
             "rate": None if rate is None else float(rate),
         }
         self.rounds = 0  # the ledger: this many rounds of ``event``
+        self._cache: dict[int, float] = {}  # epsilon by rounds (a function of the event and delta only)
 
     def step(self, rounds: int = 1) -> None:
         """Record ``rounds`` more private rounds."""
         self.rounds += rounds
 
     def epsilon(self, rounds: int | None = None) -> float:
-        """Epsilon at ``delta`` after the ledger's rounds (or ``rounds``); inf for z = 0, 0 before any round."""
+        """Epsilon at ``delta`` after the ledger's rounds (or ``rounds``); inf for z = 0, 0 before any round. The
+        smallest over ``bounds``; cached (a PLD takes about a second)."""
         rounds = self.rounds if rounds is None else rounds
         if rounds == 0:
             return 0.0
         if self.event["noise_multiplier"] == 0:
             return math.inf
-        accountant = make_accountant(self.kind, self.relation)
-        with quiet_absl():
-            accountant.compose(dp_accounting.SelfComposedDpEvent(round_event(**self.event), rounds))
-            return float(accountant.get_epsilon(self.delta))
+        if rounds not in self._cache:
+            values = []
+            for event in bounds(**self.event):
+                accountant = make_accountant(self.kind, self.relation)
+                with quiet_absl():
+                    accountant.compose(dp_accounting.SelfComposedDpEvent(event, rounds))
+                    values.append(float(accountant.get_epsilon(self.delta)))
+            self._cache[rounds] = min(values)
+        return self._cache[rounds]
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "delta": self.delta, "event": dict(self.event), "rounds": self.rounds}
@@ -191,24 +211,37 @@ def calibrate(
     kind: str = "rdp",
 ) -> float:
     """The smallest noise multiplier z (to dp-accounting's tolerance, rounded up) whose ``rounds`` rounds give at
-    most ``target_epsilon`` at ``delta`` (``dp_accounting.calibrate_dp_mechanism``)."""
+    most ``target_epsilon`` at ``delta`` (``dp_accounting.calibrate_dp_mechanism`` for each of ``bounds``; the
+    reported epsilon is their smallest, so the smallest z that brings any of them to the target)."""
     check(target_epsilon > 0, "target_epsilon", target_epsilon, "a number > 0")
     relation = neighbours(sampling, num_clients, cohort)
+    found = []
+    for k in range(len(bounds(1.0, sampling, num_clients, cohort, rate))):
 
-    def event(z: float):
-        return dp_accounting.SelfComposedDpEvent(round_event(z, sampling, num_clients, cohort, rate), rounds)
+        def event(z: float, k=k):
+            return dp_accounting.SelfComposedDpEvent(bounds(z, sampling, num_clients, cohort, rate)[k], rounds)
 
-    with quiet_absl():
-        return float(
-            dp_accounting.calibrate_dp_mechanism(
-                lambda: make_accountant(kind, relation),
-                event,
-                target_epsilon,
-                delta,
-                bracket_interval=dp_accounting.ExplicitBracketInterval(1e-3, 1e3),
-                tol=1e-6,
-            )
+        try:
+            with quiet_absl():
+                found.append(
+                    dp_accounting.calibrate_dp_mechanism(
+                        lambda: make_accountant(kind, relation),
+                        event,
+                        target_epsilon,
+                        delta,
+                        bracket_interval=dp_accounting.ExplicitBracketInterval(1e-3, 1e3),
+                        tol=1e-6,
+                    )
+                )
+        except (ValueError, NoBracketIntervalFoundError):
+            continue
+    if not found:
+        raise ConfigError(
+            "target_epsilon",
+            target_epsilon,
+            f"an epsilon some noise multiplier in [0.001, 1000] gives in {rounds} rounds",
         )
+    return float(min(found))
 
 
 class Privacy(Stateful):
@@ -274,7 +307,7 @@ class Privacy(Stateful):
     def __bool__(self) -> bool:
         return self.mechanism != "none"
 
-    def check(self, aggregator, engine, heterogeneity) -> None:
+    def check(self, aggregator, engine, heterogeneity, pipeline=None, schedule=None) -> None:
         """Refuse, before training, what this mechanism's accounting does not cover."""
         from fedrun.aggregators import FedAvg
         from fedrun.engine import SyncEngine
@@ -301,7 +334,24 @@ class Privacy(Stateful):
             raise ConfigError(
                 "heterogeneity",
                 type(heterogeneity).__name__,
-                "none with privacy=central (clients dropping out would change the sampling that is accounted)",
+                "none with privacy=central (stragglers that drop out change the sampling that is accounted; the "
+                "other options are not checked against the accounting yet)",
+            )
+        for i, stage in enumerate(getattr(pipeline, "stages", [])):
+            if stage.crosses_clients():
+                raise ConfigError(
+                    f"pipeline.stages.{i}",
+                    type(stage).__name__,
+                    "a stage that acts on each update alone with privacy=central (one that adapts to the round's "
+                    "clients, as adaptive clipping without its noised count, carries them into later rounds "
+                    "unaccounted)",
+                )
+        if schedule is not None and schedule.stop_at_accuracy is not None and schedule.stop_on != "test":
+            raise ConfigError(
+                "schedule.stop_on",
+                schedule.stop_on,
+                "test with privacy=central and stop_at_accuracy (the clients' held-out accuracy is un-noised client "
+                "data: stopping on it would release it)",
             )
 
     def bind(self, schedule, num_clients: int, seed: int) -> None:
@@ -328,6 +378,13 @@ class Privacy(Stateful):
             )
         except ConfigError as exc:
             raise exc.within("privacy") from None
+        if self.delta >= 1 / num_clients:
+            raise ConfigError(
+                "privacy.delta",
+                self.delta,
+                f"a delta below 1 / N = {1 / num_clients:.3g} (a delta of 1 / N allows releasing one client's data "
+                "outright)",
+            )
         self.denominator = rate * num_clients if poisson else float(cohort)
         self.seed = seed
         if self.max_epsilon is not None and self.ledger.epsilon(1) > self.max_epsilon:
@@ -353,6 +410,10 @@ class Privacy(Stateful):
         """The round's noised update (an ``Aggregation``: the update, alpha = 1 / D each, the round's numbers)."""
         from fedrun.aggregators import Aggregation
 
+        # A client's non-finite update (its local training diverged) is sent as zero: one client's data must not be
+        # able to stop the run, which a non-finite sum would.
+        finite = torch.isfinite(deltas).all(dim=1)
+        deltas = torch.where(finite[:, None], deltas, torch.zeros_like(deltas))
         norms = torch.linalg.vector_norm(deltas, dim=1)
         over = norms > self.clip_norm
         # min(1, C / norm), exactly 1.0 within the bound (Clip's rule): an update of norm <= C is unchanged.
@@ -376,6 +437,7 @@ class Privacy(Stateful):
                 "clipped_fraction": float(over.double().mean()) if len(deltas) else math.nan,
                 "update_norm_mean": float(norms.double().mean()) if len(deltas) else math.nan,
                 "noise_std": std,
+                "nonfinite_updates": float((~finite).sum()),
             },
         )
 
@@ -395,5 +457,8 @@ class Privacy(Stateful):
         return {"ledger": self.ledger.state_dict()} if self and self.ledger else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("ledger") is not None:
-            self.ledger.load_state_dict(state["ledger"])
+        if not self:
+            return
+        if state.get("ledger") is None:  # the rounds already run must be counted
+            raise ConfigError("privacy", self.mechanism, "a run whose checkpoint holds its privacy ledger")
+        self.ledger.load_state_dict(state["ledger"])

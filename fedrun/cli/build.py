@@ -84,7 +84,9 @@ def setup(cfg: DictConfig) -> dict:
     objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"], objects["schedule"])
     # A run dir saved before the privacy group has none.
     objects["privacy"] = build("privacy", cfg.privacy) if "privacy" in cfg else Privacy()
-    objects["privacy"].check(objects["aggregator"], objects["engine"], objects["heterogeneity"])
+    objects["privacy"].check(
+        objects["aggregator"], objects["engine"], objects["heterogeneity"], objects["pipeline"], objects["schedule"]
+    )
     for group in ("aggregator", "server", "pipeline"):  # a state a checkpoint cannot hold fails now, not at round 10
         try:
             encode(objects[group].state_dict(), group)
