@@ -471,7 +471,8 @@ def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool, part
     # The table is paired with the baseline once the baseline's part has run (now or before).
     baseline = any(p in chosen or started(out, paper, p) for p in spec.parts if has_baseline(p, spec.paired))
     table = spec.report_extra + (("--paired", spec.paired) if baseline else ())
-    run(report(paper, out, group_by=spec.report_by, extra=table), dry_run)
+    if any(p in chosen or started(out, paper, p) for p in spec.parts if not p.side):  # else no table run exists yet
+        run(report(paper, out, group_by=spec.report_by, extra=table), dry_run)
     # The views (e.g. 000's very non-IID split alone: a plot with four lines, not ten) once every table part has run.
     table_ran = all(p in chosen or started(out, paper, p) for p in spec.parts if not p.side)
     for name, where in spec.views if table_ran else ():
