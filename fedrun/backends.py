@@ -312,8 +312,6 @@ class ProcessTrainer(Trainer):
 
     def losses(self, params, parts, batch_size) -> ClientLosses:
         """F_i(params) of each client, the clients split over the workers by sample count."""
-        if not parts:
-            return ClientLosses(np.zeros(0), np.zeros(0))
         results = self._scatter(
             "losses",
             _blocks([len(p) for p in parts], len(self.connections)),

@@ -73,7 +73,7 @@ def cohort_losses(
     client when the model's outputs depend on their batch, ``BatchSoftmax``: two clients never share one).
     ``params`` may hold one row per client (each client's loss under its own model)."""
     if not parts:
-        return ClientLosses(np.zeros(0), np.zeros(0))
+        return ClientLosses.concat([])
     if params.dim() == 2:
         return ClientLosses.concat(
             [cohort_losses(model, params[i], x, y, [part], batch_size) for i, part in enumerate(parts)]

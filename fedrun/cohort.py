@@ -37,7 +37,9 @@ class ClientLosses:
 
     @staticmethod
     def concat(parts: list["ClientLosses"]) -> "ClientLosses":
-        """The losses of consecutive groups of clients, joined in order."""
+        """The losses of consecutive groups of clients, joined in order (none for no group: an empty cohort)."""
+        if not parts:
+            return ClientLosses(np.zeros(0), np.zeros(0))
         return ClientLosses(np.concatenate([p.mean for p in parts]), np.concatenate([p.authors for p in parts]))
 
 

@@ -39,6 +39,15 @@ class Stage(Stateful):
         aggregation, after the buffer's updates passed one by one): where a stage that adapts to a round adapts."""
 
 
+def clip_rows(deltas: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row scaled to l2 norm at most ``bound``: Delta_i * min(1, C / ||Delta_i||), the factor exactly 1.0 for a
+    row within the bound (so it is unchanged bit for bit). Returns the clipped rows, the norms before clipping and
+    which rows were over the bound (the ``clip`` stage and the privacy mechanism both clip this way)."""
+    norms = torch.linalg.vector_norm(deltas, dim=1)
+    over = norms > bound
+    return deltas * torch.where(over, bound / norms, torch.ones_like(norms))[:, None], norms, over
+
+
 class Clip(Stage):
     """Scale each client's update to l2 norm at most C: Delta_i * min(1, C / ||Delta_i||), the per-update clipping
     of DP-FedAvg (McMahan et al. 2018, Algorithm 1, "ClipFn"), as Flower and pfl-research clip. An update of norm
@@ -90,17 +99,14 @@ class Clip(Stage):
         self.seen, self.fit = 0, 0  # updates of this round so far, and those whose norm was at most C
 
     def __call__(self, deltas, clients, round_):
-        norms = torch.linalg.vector_norm(deltas, dim=1)
-        over = norms > self.max_norm
-        # min(1, C / norm): exactly 1.0 for an update within the bound, so that such an update is unchanged bit for bit.
-        scale = torch.where(over, self.max_norm / norms, torch.ones_like(norms))
+        clipped, norms, over = clip_rows(deltas, self.max_norm)
         diagnostics = {
             "clip/max_norm": self.max_norm,
             "clip/fraction_clipped": float(over.double().mean()),
             "clip/norm_mean": float(norms.double().mean()),
         }
         self.seen, self.fit = self.seen + len(norms), self.fit + int((~over).sum())
-        return deltas * scale[:, None], diagnostics
+        return clipped, diagnostics
 
     def crosses_clients(self) -> bool:
         return self.adaptive  # C follows the round's norms

@@ -37,6 +37,7 @@ from dp_accounting import pld, rdp
 from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
 
 from fedrun.errors import ConfigError, check
+from fedrun.pipeline import clip_rows
 from fedrun.seeding import torch_generator
 from fedrun.state import Stateful
 
@@ -414,12 +415,9 @@ class Privacy(Stateful):
         # able to stop the run, which a non-finite sum would.
         finite = torch.isfinite(deltas).all(dim=1)
         deltas = torch.where(finite[:, None], deltas, torch.zeros_like(deltas))
-        norms = torch.linalg.vector_norm(deltas, dim=1)
-        over = norms > self.clip_norm
-        # min(1, C / norm), exactly 1.0 within the bound (Clip's rule): an update of norm <= C is unchanged.
-        scale = torch.where(over, self.clip_norm / norms, torch.ones_like(norms))
+        clipped, norms, over = clip_rows(deltas, self.clip_norm)
         alpha = np.full(len(deltas), 1.0 / self.denominator)
-        total = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ (deltas * scale[:, None])
+        total = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ clipped
         std = self.noise_multiplier * self.clip_norm
         noise = torch.randn(
             params.numel(), generator=torch_generator(self.seed, "privacy", round_), dtype=torch.float64
