@@ -30,30 +30,27 @@ PER_CLIENT = ("alpha", "local_steps")  # the per-client series the engines repor
 WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
 
 
-def _config_groups() -> tuple[str, ...]:
-    """The groups of the root config's defaults list, in its order (``sweep`` left out: a named sweep is a
-    multirun, not a run's choice); a new group in conf/config.yaml is a tag and a report key without a code edit."""
+def _root_defaults() -> dict[str, str | None]:
+    """The root config's defaults list (conf/config.yaml), group -> default option, in its order."""
     from importlib.resources import files
 
     import yaml
 
     defaults = yaml.safe_load(files("fedrun.conf").joinpath("config.yaml").read_text())["defaults"]
-    return tuple(name for entry in defaults if isinstance(entry, dict) for name in entry if name != "sweep")
+    return {name: option for entry in defaults if isinstance(entry, dict) for name, option in entry.items()}
 
 
-# Config groups whose chosen option becomes a run tag (and a grouping key in fedrun-report).
-CONFIG_GROUPS = _config_groups()
+ROOT_DEFAULTS = _root_defaults()
+# Config groups whose chosen option becomes a run tag (and a grouping key in fedrun-report), in the defaults list's
+# order (``sweep`` left out: a named sweep is a multirun, not a run's choice); a new group in conf/config.yaml is a
+# tag and a report key without a code edit.
+CONFIG_GROUPS = tuple(name for name in ROOT_DEFAULTS if name != "sweep")
 
 
 def group_defaults() -> dict[str, str]:
     """Each group's default option in the root config (``pipeline: none``), for the groups that have one: what a
     run made before its group existed ran as."""
-    from importlib.resources import files
-
-    import yaml
-
-    defaults = yaml.safe_load(files("fedrun.conf").joinpath("config.yaml").read_text())["defaults"]
-    return {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items() if isinstance(v, str)}
+    return {name: option for name, option in ROOT_DEFAULTS.items() if isinstance(option, str)}
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
