@@ -176,7 +176,7 @@ def run(
             )
             clock = time.perf_counter()
             if privacy:  # DP-FedAvg: clipped, noised, a fixed denominator (an empty round is noise alone)
-                update, alpha, diagnostics = privacy.aggregate(sent, params, t)
+                update, alpha, diagnostics = privacy.aggregate(sent, params, t, cohort)
             elif len(cohort):
                 update, alpha, diagnostics = aggregator.aggregate(params, sent, report)
             else:  # nobody sampled (poisson): a zero update, and the server steps on it as Opacus steps on an

@@ -20,6 +20,12 @@ ledger records what ran (``schedule.sampling``):
   reported (and calibrated).
 - full participation (``fixed`` with every client each round): no amplification, ``Gaussian(z)``, zero-out.
 
+With ``mechanism: local`` each client clips and noises its own update before sending it (local DP): the server sees
+every noised update and who sent it, so there is no amplification by sampling, and a client's guarantee is the
+composition of one Gaussian mechanism per round it took part in. Its neighbours are any two datasets of that client
+(replace-one: the clipped update moves by up to 2C, the noise is z C, so the event is ``Gaussian(z / 2)`` for RDP;
+``local_event``). The ledger counts each client's rounds and the logged epsilon is the worst client's.
+
 The ledger is plain data (``state_dict``): the event's parameters and how many rounds ran, so a resumed run
 replays it into a fresh accountant and reports the same epsilon as an uninterrupted one. Epsilon is always computed
 from the whole ledger (one self-composed event), never accumulated round by round, so it does not depend on where
@@ -201,26 +207,79 @@ class Accountant(Stateful):
         self.rounds = int(state["rounds"])
 
 
-def calibrate(
-    target_epsilon: float,
-    delta: float,
-    rounds: int,
-    sampling: str,
-    num_clients: int,
-    cohort: int | None = None,
-    rate: float | None = None,
-    kind: str = "rdp",
-) -> float:
-    """The smallest noise multiplier z (to dp-accounting's tolerance, rounded up) whose ``rounds`` rounds give at
-    most ``target_epsilon`` at ``delta`` (``dp_accounting.calibrate_dp_mechanism`` for each of ``bounds``; the
-    reported epsilon is their smallest, so the smallest z that brings any of them to the target)."""
+def local_event(noise_multiplier: float, kind: str):
+    """One round of one client under local DP (replace-one, sensitivity 2C, noise z C): ``Gaussian(z / 2)`` for
+    dp-accounting's RDP, which reads the noise over the sensitivity; its PLD accountant takes ``Gaussian(z)`` and
+    doubles the sensitivity itself for replace-one (``tests/test_privacy.py`` checks the two agree)."""
+    return dp_accounting.GaussianDpEvent(noise_multiplier / 2 if kind == "rdp" else noise_multiplier)
+
+
+class LocalAccountant(Stateful):
+    """Local DP's ledger: how many rounds each client has sent a noised update in. Each client's epsilon is that
+    many self-composed ``local_event``; the worst client's is reported.
+
+    Args:
+        noise_multiplier: z.
+        delta: The delta of the reported (epsilon, delta), for each client.
+        num_clients: N.
+        kind: ``rdp`` or ``pld``.
+    """
+
+    relation = REPLACE_ONE
+
+    def __init__(self, noise_multiplier: float, delta: float, num_clients: int, kind: str = "rdp"):
+        check(kind in ACCOUNTANTS, "accountant", kind, "rdp or pld")
+        self.kind, self.delta = kind, float(delta)
+        self.event = {"noise_multiplier": float(noise_multiplier), "num_clients": int(num_clients)}
+        self.counts = np.zeros(num_clients, dtype=np.int64)
+        self._cache: dict[int, float] = {}
+
+    @property
+    def rounds(self) -> int:
+        """The most rounds any one client has taken part in."""
+        return int(self.counts.max(initial=0))
+
+    def step(self, clients) -> None:
+        """Record a round in which ``clients`` (indices) sent noised updates."""
+        np.add.at(self.counts, np.asarray(clients, dtype=np.int64), 1)
+
+    def epsilon(self, rounds: int | None = None) -> float:
+        """The worst client's epsilon (or that of a client in ``rounds`` rounds); inf for z = 0 once a client sent."""
+        rounds = self.rounds if rounds is None else rounds
+        if rounds == 0:
+            return 0.0
+        if self.event["noise_multiplier"] == 0:
+            return math.inf
+        if rounds not in self._cache:
+            accountant = make_accountant(self.kind, REPLACE_ONE)
+            with quiet_absl():
+                accountant.compose(
+                    dp_accounting.SelfComposedDpEvent(local_event(self.event["noise_multiplier"], self.kind), rounds)
+                )
+                self._cache[rounds] = float(accountant.get_epsilon(self.delta))
+        return self._cache[rounds]
+
+    def state_dict(self) -> dict:
+        return {"kind": self.kind, "delta": self.delta, "event": dict(self.event), "counts": self.counts.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = {"kind": self.kind, "delta": self.delta, "event": self.event}
+        theirs = {k: state.get(k) for k in mine}
+        if theirs != mine:
+            raise ConfigError("privacy", theirs, f"the ledger of this run's config ({mine})")
+        self.counts = np.asarray(state["counts"], dtype=np.int64)
+
+
+def calibrate_events(events, relation: str, kind: str, target_epsilon: float, delta: float, rounds: int) -> float:
+    """The smallest z (to dp-accounting's tolerance, rounded up) for which some event of ``events(z)`` (a list of
+    valid bounds for one round) composed ``rounds`` times gives at most ``target_epsilon`` at ``delta``
+    (``dp_accounting.calibrate_dp_mechanism`` for each bound)."""
     check(target_epsilon > 0, "target_epsilon", target_epsilon, "a number > 0")
-    relation = neighbours(sampling, num_clients, cohort)
     found = []
-    for k in range(len(bounds(1.0, sampling, num_clients, cohort, rate))):
+    for k in range(len(events(1.0))):
 
         def event(z: float, k=k):
-            return dp_accounting.SelfComposedDpEvent(bounds(z, sampling, num_clients, cohort, rate)[k], rounds)
+            return dp_accounting.SelfComposedDpEvent(events(z)[k], rounds)
 
         try:
             with quiet_absl():
@@ -245,32 +304,89 @@ def calibrate(
     return float(min(found))
 
 
+def calibrate(
+    target_epsilon: float,
+    delta: float,
+    rounds: int,
+    sampling: str,
+    num_clients: int,
+    cohort: int | None = None,
+    rate: float | None = None,
+    kind: str = "rdp",
+) -> float:
+    """The smallest noise multiplier z (to dp-accounting's tolerance, rounded up) whose ``rounds`` rounds give at
+    most ``target_epsilon`` at ``delta`` (``dp_accounting.calibrate_dp_mechanism`` for each of ``bounds``; the
+    reported epsilon is their smallest, so the smallest z that brings any of them to the target)."""
+    return calibrate_events(
+        lambda z: bounds(z, sampling, num_clients, cohort, rate),
+        neighbours(sampling, num_clients, cohort),
+        kind,
+        target_epsilon,
+        delta,
+        rounds,
+    )
+
+
+def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> float:
+    """z_Delta of adaptive clipping (Andrew et al. 2021, Theorem 1): the update's noise multiplier that, released
+    together with the unclipped count noised with std sigma_b (sensitivity 1/2 once centred), makes one Gaussian
+    mechanism of multiplier z: z^-2 = z_Delta^-2 + (2 sigma_b)^-2, so z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2).
+    Needs 2 sigma_b > z; z = 0 gives 0."""
+    if noise_multiplier == 0:
+        return 0.0
+    return (noise_multiplier**-2 - (2 * count_noise) ** -2) ** -0.5
+
+
 class Privacy(Stateful):
-    """The ``privacy`` group: none, or user-level DP-FedAvg with central noise (McMahan et al. 2018, "Learning
-    differentially private recurrent language models", Algorithm 1 with the fixed denominator of its
-    estimator f~_f; as Flower's server-side fixed clipping and pfl's central Gaussian mechanism).
+    """The ``privacy`` group: none, user-level DP-FedAvg with central noise, or local DP.
 
-    Each round, every cohort update Delta_i is clipped to l2 norm C (Delta_i * min(1, C / ||Delta_i||)), Gaussian
-    noise N(0, (z C)^2 I) is added to their sum, and the sum is divided by a fixed denominator D: the expected
-    cohort size q N with Poisson sampling, m with a fixed one. Every client weighs 1 / D whatever its data, so the
-    sum's sensitivity is C (add-or-remove; 2C replace-one, see ``round_event``) and the update
+    ``central`` (McMahan et al. 2018, "Learning differentially private recurrent language models", Algorithm 1 with
+    the fixed denominator of its estimator f~_f; as Flower's server-side fixed clipping and pfl's central Gaussian
+    mechanism): each round, every cohort update Delta_i is clipped to l2 norm C (Delta_i * min(1, C / ||Delta_i||)),
+    Gaussian noise N(0, (z C)^2 I) is added to their sum, and the sum is divided by a fixed denominator D: the
+    expected cohort size q N with Poisson sampling, m with a fixed one. Every client weighs 1 / D whatever its data,
+    so the sum's sensitivity is C (zero-out; 2C replace-one, see ``round_event``) and the update
     Delta = (sum_i clip(Delta_i) + noise) / D is the mechanism's output; the server optimizer then steps on it
-    (post-processing). A round that samples nobody still adds the noise. The noise comes from its own stream
-    (seed, round): the same on every backend and device.
+    (post-processing). A round that samples nobody still adds the noise.
 
-    The epsilon logged each round (``epsilon``, at ``delta``) is what the rounds run so far guarantee for the
-    released global models, by dp-accounting (``Accountant``). fedrun's other per-round numbers computed on
-    clients' data (``train_loss``, ``client_accuracy``, alpha, the clip statistics) are measurements of the
+    With ``adaptive`` (Andrew et al. 2021, "Differentially private learning with adaptive clipping", Algorithm 1
+    with the centred count of its section 3): the round clips with its C, counts the updates whose norm was at
+    most C (b_i = 1, the *unclipped* ones), releases the centred count sum_i (b_i - 1/2) + N(0, sigma_b^2) (its
+    sensitivity is 1/2), estimates the unclipped fraction b~ = that / D + 1/2, and moves C <- C exp(-eta (b~ - gamma))
+    for the next round. The update's noise is z_Delta C with the C this round clipped with, and
+    z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (``update_noise_multiplier``), so the two releases together are one
+    Gaussian mechanism of multiplier z: the ledger accounts z, as for fixed clipping. sigma_b defaults to the
+    expected cohort over 20 (Andrew et al.'s recommendation, section 3.1).
+
+    ``local``: each client clips its update to C and adds N(0, (z C)^2 I) itself (its own noise stream), and the
+    server averages the noised updates it received (uniform FedAvg over the round's cohort: post-processing). See
+    ``LocalAccountant`` for the epsilon (the worst client's; no amplification by sampling).
+
+    The noise comes from its own streams (seed, round[, client]): the same on every backend and device. The epsilon
+    logged each round (``epsilon``, at ``delta``) is what the rounds run so far guarantee for everything released
+    (the global models; with ``local``, each noised update), by dp-accounting. fedrun's other per-round numbers
+    computed on clients' data (``train_loss``, ``client_accuracy``, the clip statistics) are measurements of the
     simulation, outside that guarantee.
 
+    ``deployment_clients`` and ``deployment_cohort`` (central only) also log ``epsilon_deployment``: the epsilon of
+    a larger, hypothetical deployment (pfl-research's benchmarks report this one) that adds the same noise to the
+    averaged update: Poisson sampling of cohort / clients, z_dep = z * cohort / D. It is not this run's epsilon.
+
     Args:
-        mechanism: ``none`` or ``central``.
+        mechanism: ``none``, ``central`` or ``local``.
         noise_multiplier: z (give it or ``target_epsilon``).
-        clip_norm: C > 0.
+        clip_norm: C > 0 (with ``adaptive``: its initial value).
         delta: delta of the reported epsilon.
         accountant: ``rdp`` or ``pld``.
-        target_epsilon: Calibrate z so that the run's ``schedule.rounds`` rounds give this epsilon.
-        max_epsilon: Stop the run, FINISHED, before the round that would take epsilon above this.
+        target_epsilon: Calibrate z so that the run's ``schedule.rounds`` rounds give this epsilon (``local``: for
+            a client in every round, the bound whatever is drawn).
+        max_epsilon: Stop the run, FINISHED, before the round that would take epsilon above this (``local``: that
+            could take some client above it).
+        adaptive: Adaptive clipping (``central``).
+        target_quantile: gamma in [0, 1] (Andrew et al.: 0.5).
+        clip_lr: eta > 0, the geometric step (Andrew et al.: 0.2).
+        clip_count_noise: sigma_b > z / 2; null: the expected cohort / 20.
+        deployment_clients, deployment_cohort: The hypothetical deployment of ``epsilon_deployment``.
     """
 
     def __init__(
@@ -282,8 +398,14 @@ class Privacy(Stateful):
         accountant: str = "rdp",
         target_epsilon: float | None = None,
         max_epsilon: float | None = None,
+        adaptive: bool = False,
+        target_quantile: float = 0.5,
+        clip_lr: float = 0.2,
+        clip_count_noise: float | None = None,
+        deployment_clients: int | None = None,
+        deployment_cohort: int | None = None,
     ):
-        check(mechanism in ("none", "central"), "mechanism", mechanism, "none or central")
+        check(mechanism in ("none", "central", "local"), "mechanism", mechanism, "none, central or local")
         self.mechanism = mechanism
         if mechanism == "none":
             return
@@ -299,10 +421,32 @@ class Privacy(Stateful):
         check(accountant in ACCOUNTANTS, "accountant", accountant, "rdp or pld")
         check(target_epsilon is None or target_epsilon > 0, "target_epsilon", target_epsilon, "null or a number > 0")
         check(max_epsilon is None or max_epsilon > 0, "max_epsilon", max_epsilon, "null or a number > 0")
+        check(isinstance(adaptive, bool), "adaptive", adaptive, "true or false")
+        check(not adaptive or mechanism == "central", "adaptive", adaptive, "false with mechanism=local")
+        check(0 <= target_quantile <= 1, "target_quantile", target_quantile, "a number in [0, 1]")
+        check(clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
+        check(clip_count_noise is None or clip_count_noise >= 0, "clip_count_noise", clip_count_noise, "null or >= 0")
+        deployment = (deployment_clients, deployment_cohort)
+        check(
+            deployment == (None, None)
+            or (
+                mechanism == "central"
+                and all(isinstance(n, int) and n >= 1 for n in deployment)
+                and deployment_cohort <= deployment_clients
+            ),
+            "deployment_cohort",
+            deployment_cohort,
+            "null with deployment_clients null, or (mechanism=central) an integer in [1, deployment_clients]",
+        )
         self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
         self.clip_norm, self.delta, self.kind = float(clip_norm), float(delta), accountant
         self.target_epsilon, self.max_epsilon = target_epsilon, max_epsilon
-        self.ledger: Accountant | None = None
+        self.adaptive, self.target_quantile, self.clip_lr = adaptive, float(target_quantile), float(clip_lr)
+        self.count_noise = clip_count_noise
+        self.deployment_clients, self.deployment_cohort = deployment
+        self.ledger: Accountant | LocalAccountant | None = None
+        self.deployment: Accountant | None = None
+        self.update_noise = None  # z_Delta: z, or less with adaptive clipping (its count takes the rest)
         self.denominator, self.seed, self.stopped = None, 0, ""
 
     def __bool__(self) -> bool:
@@ -316,26 +460,27 @@ class Privacy(Stateful):
 
         if not self:
             return
+        mine = f"privacy={self.mechanism}"
         if not isinstance(engine, SyncEngine):
-            raise ConfigError("engine", "async", "sync with privacy=central (asynchronous privacy is not accounted)")
+            raise ConfigError("engine", "async", f"sync with {mine} (asynchronous privacy is not accounted)")
         if type(aggregator) is not FedAvg:
             raise ConfigError(
                 "aggregator",
                 type(aggregator).__name__,
-                "fedavg with privacy=central (weights that follow the clients' losses, steps or data would change "
+                f"fedavg with {mine} (weights that follow the clients' losses, steps or data would change "
                 "the sensitivity the noise is calibrated to)",
             )
         if aggregator.weighting != "uniform":
             raise ConfigError(
                 "aggregator.weighting",
                 aggregator.weighting,
-                "uniform with privacy=central (DP-FedAvg weighs every client 1 / D; sample counts are private)",
+                f"uniform with {mine} (DP-FedAvg weighs every client alike; sample counts are private)",
             )
         if heterogeneity is not None and type(heterogeneity) is not EqualWork:
             raise ConfigError(
                 "heterogeneity",
                 type(heterogeneity).__name__,
-                "none with privacy=central (stragglers that drop out change the sampling that is accounted; the "
+                f"none with {mine} (stragglers that drop out change the sampling that is accounted; the "
                 "other options are not checked against the accounting yet)",
             )
         for i, stage in enumerate(getattr(pipeline, "stages", [])):
@@ -343,15 +488,15 @@ class Privacy(Stateful):
                 raise ConfigError(
                     f"pipeline.stages.{i}",
                     type(stage).__name__,
-                    "a stage that acts on each update alone with privacy=central (one that adapts to the round's "
-                    "clients, as adaptive clipping without its noised count, carries them into later rounds "
-                    "unaccounted)",
+                    f"a stage that acts on each update alone with {mine} (one that adapts to the round's "
+                    "clients carries them into later rounds unaccounted; for adaptive clipping with its count "
+                    "noised and accounted, privacy.adaptive=true)",
                 )
         if schedule is not None and schedule.stop_at_accuracy is not None and schedule.stop_on != "test":
             raise ConfigError(
                 "schedule.stop_on",
                 schedule.stop_on,
-                "test with privacy=central and stop_at_accuracy (the clients' held-out accuracy is un-noised client "
+                f"test with {mine} and stop_at_accuracy (the clients' held-out accuracy is un-noised client "
                 "data: stopping on it would release it)",
             )
 
@@ -362,6 +507,38 @@ class Privacy(Stateful):
         poisson = schedule.sampling == "poisson"
         cohort = None if poisson else schedule.cohort_size(num_clients)
         rate = schedule.clients_per_round if poisson else None
+        if self.delta >= 1 / num_clients:
+            raise ConfigError(
+                "privacy.delta",
+                self.delta,
+                f"a delta below 1 / N = {1 / num_clients:.3g} (a delta of 1 / N allows releasing one client's data "
+                "outright)",
+            )
+        try:
+            if self.mechanism == "local":
+                self._bind_local(schedule.rounds, num_clients)
+            else:
+                self._bind_central(schedule, num_clients, cohort, rate)
+        except ConfigError as exc:
+            raise exc.within("privacy") from None
+        self.denominator = rate * num_clients if poisson else float(cohort)  # central's D
+        self.seed = seed
+        if self.max_epsilon is not None and self.ledger.epsilon(1) > self.max_epsilon:
+            raise ConfigError(
+                "privacy.max_epsilon",
+                self.max_epsilon,
+                f"at least {self.ledger.epsilon(1):.4g}, the epsilon of one round with z = {self.noise_multiplier:g}",
+            )
+
+    def _bind_local(self, rounds: int, num_clients: int) -> None:
+        if self.noise_multiplier is None:  # a client may be drawn every round: calibrated for all of them
+            self.noise_multiplier = calibrate_events(
+                lambda z: [local_event(z, self.kind)], REPLACE_ONE, self.kind, self.target_epsilon, self.delta, rounds
+            )
+        self.ledger = LocalAccountant(self.noise_multiplier, self.delta, num_clients, self.kind)
+        self.update_noise = self.noise_multiplier
+
+    def _bind_central(self, schedule, num_clients: int, cohort: int | None, rate: float | None) -> None:
         if self.noise_multiplier is None:
             self.noise_multiplier = calibrate(
                 self.target_epsilon,
@@ -373,26 +550,31 @@ class Privacy(Stateful):
                 rate,
                 self.kind,
             )
-        try:
-            self.ledger = Accountant(
-                self.noise_multiplier, self.delta, schedule.sampling, num_clients, cohort, rate, self.kind
-            )
-        except ConfigError as exc:
-            raise exc.within("privacy") from None
-        if self.delta >= 1 / num_clients:
-            raise ConfigError(
-                "privacy.delta",
+        self.ledger = Accountant(
+            self.noise_multiplier, self.delta, schedule.sampling, num_clients, cohort, rate, self.kind
+        )
+        expected = rate * num_clients if rate is not None else cohort
+        self.update_noise = self.noise_multiplier
+        if self.adaptive:
+            if self.count_noise is None:
+                self.count_noise = expected / 20
+            if self.noise_multiplier > 0 and not 2 * self.count_noise > self.noise_multiplier:
+                raise ConfigError(
+                    "clip_count_noise",
+                    self.count_noise,
+                    f"above z / 2 = {self.noise_multiplier / 2:.4g} (the count takes part of the noise budget: "
+                    "z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2), Andrew et al. 2021)",
+                )
+            self.update_noise = update_noise_multiplier(self.noise_multiplier, self.count_noise)
+        if self.deployment_clients is not None:
+            # The same noise on the averaged update: z_dep C / m_dep = z C / D.
+            self.deployment = Accountant(
+                self.noise_multiplier * self.deployment_cohort / expected,
                 self.delta,
-                f"a delta below 1 / N = {1 / num_clients:.3g} (a delta of 1 / N allows releasing one client's data "
-                "outright)",
-            )
-        self.denominator = rate * num_clients if poisson else float(cohort)
-        self.seed = seed
-        if self.max_epsilon is not None and self.ledger.epsilon(1) > self.max_epsilon:
-            raise ConfigError(
-                "privacy.max_epsilon",
-                self.max_epsilon,
-                f"at least {self.ledger.epsilon(1):.4g}, the epsilon of one round with z = {self.noise_multiplier:g}",
+                "poisson",
+                self.deployment_clients,
+                rate=self.deployment_cohort / self.deployment_clients,
+                kind=self.kind,
             )
 
     def exceeds(self) -> bool:
@@ -407,37 +589,65 @@ class Privacy(Stateful):
             return True
         return False
 
-    def aggregate(self, deltas: torch.Tensor, params: torch.Tensor, round_: int):
-        """The round's noised update (an ``Aggregation``: the update, alpha = 1 / D each, the round's numbers)."""
+    def noise(self, n: int, round_: int, *keys: int, stream: str = "privacy") -> torch.Tensor:
+        """n standard normal draws of ``stream`` under (seed, round, keys), in float64 on the CPU."""
+        return torch.randn(n, generator=torch_generator(self.seed, stream, round_, *keys), dtype=torch.float64)
+
+    def aggregate(self, deltas: torch.Tensor, params: torch.Tensor, round_: int, clients=()):
+        """The round's noised update (an ``Aggregation``: the update, each client's weight, the round's numbers).
+        ``clients``: the cohort's indices (local DP's ledger and noise streams)."""
         from fedrun.aggregators import Aggregation
 
         # A client's non-finite update (its local training diverged) is sent as zero: one client's data must not be
         # able to stop the run, which a non-finite sum would.
         finite = torch.isfinite(deltas).all(dim=1)
         deltas = torch.where(finite[:, None], deltas, torch.zeros_like(deltas))
-        clipped, norms, over = clip_rows(deltas, self.clip_norm)
-        alpha = np.full(len(deltas), 1.0 / self.denominator)
-        total = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ clipped
-        std = self.noise_multiplier * self.clip_norm
-        noise = torch.randn(
-            params.numel(), generator=torch_generator(self.seed, "privacy", round_), dtype=torch.float64
-        )
-        update = (total if len(deltas) else torch.zeros_like(params)) + (std * noise / self.denominator).to(
-            dtype=params.dtype, device=params.device
-        )
-        self.ledger.step()
+        bound = self.clip_norm  # this round's C (adaptive clipping moves it for the next one below)
+        clipped, norms, over = clip_rows(deltas, bound)
+        std = self.update_noise * bound
+        diagnostics = {}
+        if self.mechanism == "local":
+            if len(deltas):  # each client's own noise, N(0, (z C)^2 I), from its own stream
+                clipped = clipped + torch.stack([std * self.noise(params.numel(), round_, int(i)) for i in clients]).to(
+                    clipped
+                )
+            alpha = np.full(len(deltas), 1.0 / max(len(deltas), 1))
+            update = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ clipped
+            update = update if len(deltas) else torch.zeros_like(params)  # nobody sampled (poisson): no step
+            self.ledger.step(clients)
+        else:
+            alpha = np.full(len(deltas), 1.0 / self.denominator)
+            total = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ clipped
+            total = total if len(deltas) else torch.zeros_like(params)  # nobody sampled: the noise alone
+            update = total + (std * self.noise(params.numel(), round_) / self.denominator).to(params)
+            self.ledger.step()
+            if self.adaptive:
+                diagnostics["unclipped_fraction_noised"] = self._adapt(over, round_)
+            if self.deployment is not None:
+                self.deployment.step()
+                diagnostics["epsilon_deployment"] = self.deployment.epsilon()
         return Aggregation(
             update,
             alpha,
             {
                 "epsilon": self.ledger.epsilon(),
-                "clip_norm": self.clip_norm,
+                "clip_norm": bound,
                 "clipped_fraction": float(over.double().mean()) if len(deltas) else math.nan,
                 "update_norm_mean": float(norms.double().mean()) if len(deltas) else math.nan,
                 "noise_std": std,
                 "nonfinite_updates": float((~finite).sum()),
+                **diagnostics,
             },
         )
+
+    def _adapt(self, over: torch.Tensor, round_: int) -> float:
+        """Adaptive clipping's step (Andrew et al. 2021, Algorithm 1): the noised centred count of unclipped
+        updates gives b~, and C <- C exp(-eta (b~ - gamma)). Returns b~."""
+        centred = float((~over).double().sum()) - len(over) / 2  # sum_i (b_i - 1/2): sensitivity 1/2
+        noised = centred + self.count_noise * float(self.noise(1, round_, stream="privacy_count")[0])
+        unclipped = noised / self.denominator + 0.5
+        self.clip_norm *= math.exp(-self.clip_lr * (unclipped - self.target_quantile))
+        return unclipped
 
     def run_tags(self) -> dict[str, str]:
         if not self:
@@ -447,12 +657,27 @@ class Privacy(Stateful):
             "privacy_neighbours": self.ledger.relation if self.ledger else "",
             "privacy_accountant": self.kind,
         }
+        if self.adaptive:
+            tags["privacy_update_noise_multiplier"] = f"{self.update_noise:.6g}"
+            tags["privacy_clip_count_noise"] = f"{self.count_noise:.6g}"
+        if self.deployment is not None:
+            tags["privacy_deployment"] = (
+                f"epsilon_deployment: {self.deployment_cohort} of {self.deployment_clients} clients a round "
+                f"(Poisson), z = {self.deployment.event['noise_multiplier']:.6g}; not this run's epsilon"
+            )
         if self.stopped:
             tags["stopped_by"] = self.stopped
         return tags
 
     def state_dict(self) -> dict:
-        return {"ledger": self.ledger.state_dict()} if self and self.ledger else {}
+        if not self or not self.ledger:
+            return {}
+        state = {"ledger": self.ledger.state_dict()}
+        if self.adaptive:
+            state["clip_norm"] = self.clip_norm
+        if self.deployment is not None:
+            state["deployment"] = self.deployment.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if not self:
@@ -460,3 +685,7 @@ class Privacy(Stateful):
         if state.get("ledger") is None:  # the rounds already run must be counted
             raise ConfigError("privacy", self.mechanism, "a run whose checkpoint holds its privacy ledger")
         self.ledger.load_state_dict(state["ledger"])
+        if self.adaptive:
+            self.clip_norm = float(state["clip_norm"])
+        if self.deployment is not None:
+            self.deployment.load_state_dict(state["deployment"])

@@ -57,7 +57,7 @@ BAD = [
     (["pipeline=clip", "pipeline.stages.0.clip_lr=-1"], "pipeline.stages.0.clip_lr"),
     (["privacy=central", "privacy.clip_norm=0"], "privacy.clip_norm"),
     (["privacy=central", "privacy.delta=2.0"], "privacy.delta"),
-    (["privacy=central", "privacy.mechanism=local"], "privacy.mechanism"),
+    (["privacy=central", "privacy.mechanism=shuffle"], "privacy.mechanism"),
     (["schedule.sampling=shuffle"], "schedule.sampling"),
 ]
 
