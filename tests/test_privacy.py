@@ -16,7 +16,17 @@ from fedrun.datasets import FederatedData
 from fedrun.engine import run
 from fedrun.errors import ConfigError
 from fedrun.models import Logistic
-from fedrun.privacy import Accountant, Privacy, calibrate, make_accountant, round_event, without_replacement
+from fedrun.privacy import (
+    Accountant,
+    LocalAccountant,
+    Privacy,
+    calibrate,
+    local_event,
+    make_accountant,
+    round_event,
+    update_noise_multiplier,
+    without_replacement,
+)
 from fedrun.rounds import Schedule
 
 
@@ -329,3 +339,187 @@ def test_a_fixed_sample_run_and_an_empty_poisson_round_through_the_engine():
     assert [r["epsilon"] for r in rows] == [poisson.epsilon(t) for t in range(1, 11)]  # empty rounds count too
     for i in empty:  # the released model moved by the noise alone
         assert rows[i]["test_loss"] != (rows[i - 1]["test_loss"] if i else None)
+
+
+# --- adaptive clipping (Andrew et al. 2021) ---
+
+
+def adaptive(clip_norm=1.0, count_noise=0.0, noise_multiplier=0.0, clients=8, cohort=1.0, **kwargs) -> Privacy:
+    """A central mechanism with adaptive clipping bound to a fixed sample (D = m exactly; every client by default,
+    whose Gaussian epsilon takes milliseconds where a sample without replacement takes a second)."""
+    privacy = private(
+        noise_multiplier=noise_multiplier, clip_norm=clip_norm, adaptive=True, clip_count_noise=count_noise, **kwargs
+    )
+    privacy.bind(Schedule(rounds=10, clients_per_round=cohort), clients, 0)
+    return privacy
+
+
+def rows_of_norms(norms) -> torch.Tensor:
+    """One update per norm, along distinct axes."""
+    return torch.diag(torch.tensor(norms, dtype=torch.float64))
+
+
+def test_adaptive_clipping_moves_c_by_e_to_the_plus_or_minus_0_1_by_hand():
+    # eta = 0.2, gamma = 0.5, no count noise, m = D = 4: all clipped gives b~ = (0 - 4/2) / 4 + 1/2 = 0, so
+    # C <- C exp(-0.2 (0 - 0.5)) = C e^0.1; none clipped gives b~ = (4 - 2) / 4 + 1/2 = 1, so C <- C e^-0.1.
+    privacy = adaptive(clip_norm=2.0, clients=4, cohort=1.0)
+    zero = torch.zeros(4, dtype=torch.float64)
+    numbers = privacy.aggregate(rows_of_norms([3.0, 4.0, 5.0, 6.0]), zero, 1).diagnostics
+    assert numbers["clip_norm"] == 2.0 and numbers["unclipped_fraction_noised"] == 0.0  # the C this round used
+    assert privacy.clip_norm == pytest.approx(2.0 * math.exp(0.1), rel=1e-15)
+    privacy = adaptive(clip_norm=2.0, clients=4, cohort=1.0)
+    numbers = privacy.aggregate(rows_of_norms([0.5, 1.0, 1.5, 2.0]), zero, 1).diagnostics  # 2.0 = C is unclipped
+    assert numbers["unclipped_fraction_noised"] == 1.0
+    assert privacy.clip_norm == pytest.approx(2.0 * math.exp(-0.1), rel=1e-15)
+
+
+@pytest.mark.parametrize("start", [0.1, 10.0])
+def test_adaptive_clipping_converges_to_the_median_of_fixed_norms(start):
+    norms = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]  # median 5
+    privacy = adaptive(clip_norm=start, clients=9, cohort=1.0)
+    zero = torch.zeros(9, dtype=torch.float64)
+    for t in range(1, 201):  # ln(50) / 0.1 = 39 rounds at least to get there from either start
+        privacy.aggregate(rows_of_norms(norms), zero, t)
+    assert abs(privacy.clip_norm - 5.0) < 0.5
+
+
+def test_the_update_noise_multiplier_leaves_the_count_its_share_of_z():
+    # z = 1, sigma_b = 1: z_Delta = (1 - 1 / 4)^(-1/2) = 1 / sqrt(0.75) = 1.1547005...
+    assert update_noise_multiplier(1.0, 1.0) == pytest.approx(1.1547005383792515, rel=1e-15)
+    z, sigma_b = 0.8, 1.3
+    z_delta = update_noise_multiplier(z, sigma_b)
+    assert z_delta**-2 + (2 * sigma_b) ** -2 == pytest.approx(z**-2, rel=1e-12)  # one Gaussian of multiplier z
+    assert update_noise_multiplier(0.0, 1.0) == 0.0
+
+
+def test_adaptive_noise_uses_the_round_s_clip_norm_and_the_count_noise_has_its_law():
+    # every client every round (a Gaussian event: each round's epsilon is quick), D = m = 10
+    privacy = adaptive(clip_norm=1.0, count_noise=2.0, noise_multiplier=1.0, clients=10, cohort=1.0)
+    z_delta = update_noise_multiplier(1.0, 2.0)
+    zero = torch.zeros(10, dtype=torch.float64)
+    fractions = []
+    for t in range(1, 2001):
+        used = privacy.clip_norm
+        numbers = privacy.aggregate(rows_of_norms([used * 2] * 5 + [used / 2] * 5), zero, t).diagnostics
+        assert numbers["clip_norm"] == used and numbers["noise_std"] == pytest.approx(z_delta * used, rel=1e-15)
+        fractions.append(numbers["unclipped_fraction_noised"])
+    # 5 of 10 unclipped: b~ = (5 - 5 + N(0, 4)) / 10 + 1/2, mean 0.5 and std 0.2
+    assert np.mean(fractions) == pytest.approx(0.5, abs=3 * 0.2 / math.sqrt(2000))
+    assert np.std(fractions) == pytest.approx(0.2, rel=0.05)
+    assert privacy.run_tags()["privacy_update_noise_multiplier"] == f"{z_delta:.6g}"
+
+
+def test_adaptive_clipping_is_refused_where_its_count_would_eat_the_whole_budget_or_with_local_noise():
+    with pytest.raises(ConfigError, match=r"clip_count_noise=0.4.*above z / 2 = 0.5"):
+        adaptive(count_noise=0.4, noise_multiplier=1.0)
+    with pytest.raises(ConfigError, match="adaptive=True.*false with mechanism=local"):
+        Privacy(mechanism="local", noise_multiplier=1.0, adaptive=True)
+    default = adaptive(count_noise=None, noise_multiplier=0.05, clients=200, cohort=0.1)  # m = 20: sigma_b = 1
+    assert default.count_noise == 1.0
+
+
+def test_an_adaptive_run_is_deterministic_and_its_state_carries_the_clip_norm():
+    rows, again = [], []
+    train(adaptive(clip_norm=0.05, count_noise=1.0, noise_multiplier=0.5, clients=6), q=1.0, rows=rows)
+    train(adaptive(clip_norm=0.05, count_noise=1.0, noise_multiplier=0.5, clients=6), q=1.0, rows=again)
+    assert [r["clip_norm"] for r in rows] == [r["clip_norm"] for r in again]
+    assert len({r["clip_norm"] for r in rows}) == len(rows)  # it moves every round
+    privacy = adaptive(clip_norm=0.05, count_noise=1.0, noise_multiplier=0.5, clients=6)
+    train(privacy, rounds=2, q=1.0)
+    state = privacy.state_dict()
+    fresh = adaptive(clip_norm=0.05, count_noise=1.0, noise_multiplier=0.5, clients=6)
+    fresh.load_state_dict(state)
+    assert fresh.clip_norm == privacy.clip_norm != 0.05 and fresh.ledger.rounds == 2
+
+
+# --- local DP ---
+
+
+def local(**kwargs) -> Privacy:
+    settings = {"mechanism": "local", "noise_multiplier": 1.0, "clip_norm": 1.0}
+    settings.update(kwargs)
+    return Privacy(**settings)
+
+
+def test_local_epsilon_is_the_worst_client_s_gaussian_composed_over_its_rounds():
+    ledger = LocalAccountant(2.0, 1e-5, num_clients=5)
+    ledger.step([0, 1])
+    ledger.step([1, 2])
+    ledger.step([1])  # client 1 in 3 rounds, the most
+    reference = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    reference.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.0), 3))  # z / 2 = 1
+    assert ledger.rounds == 3 and ledger.epsilon() == reference.get_epsilon(1e-5)
+    # RDP's z / 2 against PLD, which doubles the sensitivity itself for replace-one: the same mechanism, PLD tighter
+    tight = LocalAccountant(2.0, 1e-5, num_clients=5, kind="pld")
+    tight.counts[:] = ledger.counts
+    assert local_event(2.0, "pld") == dp_accounting.GaussianDpEvent(2.0)
+    assert tight.epsilon() <= ledger.epsilon() <= 1.1 * tight.epsilon()
+
+
+def test_local_noise_is_each_client_s_own_and_the_server_averages_what_arrives():
+    privacy = local(noise_multiplier=0.0, clip_norm=1.0)
+    privacy.bind(Schedule(rounds=2, clients_per_round=0.5), 8, 0)
+    deltas = torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]], dtype=torch.float64)  # norms 5, 0.5, 0
+    # clipped: (0.6, 0.8), (0.3, 0.4), (0, 0); the mean over the 3 that arrived: (0.3, 0.4)
+    update = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1, np.array([2, 5, 7])).update
+    torch.testing.assert_close(update, torch.tensor([0.3, 0.4], dtype=torch.float64), rtol=0, atol=1e-15)
+    assert privacy.ledger.counts.tolist() == [0, 0, 1, 0, 0, 1, 0, 1]
+    noisy = local(noise_multiplier=2.0, clip_norm=0.5)
+    noisy.bind(Schedule(rounds=2, clients_per_round=0.5), 8, 3)
+    d = 200_000
+    one = noisy.aggregate(torch.zeros(1, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 1, [4]).update
+    assert float(one.mean()) == pytest.approx(0.0, abs=0.01 * 1.0) and float(one.var()) == pytest.approx(1.0, rel=0.02)
+    two = noisy.aggregate(torch.zeros(2, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 1, [4, 6]).update
+    # client 4's noise is its own, whoever else is in the round: (n4 + n6) / 2 has variance 1 / 2
+    assert float(two.var()) == pytest.approx(0.5, rel=0.02)
+    assert torch.corrcoef(torch.stack([one, two]))[0, 1] == pytest.approx(math.sqrt(0.5), abs=0.01)
+
+
+def test_a_local_run_without_noise_equals_the_non_private_run_and_logs_the_worst_client_s_epsilon():
+    plain = train()
+    mine = train(local(noise_multiplier=0.0, clip_norm=1e6))
+    torch.testing.assert_close(mine.params, plain.params, rtol=0, atol=0)
+    rows, privacy = [], local(noise_multiplier=1.5)
+    train(privacy, rounds=4, sampling="poisson", q=0.5, rows=rows)
+    worst = LocalAccountant(1.5, 1e-5, 6)
+    assert rows[-1]["epsilon"] == worst.epsilon(privacy.ledger.rounds) and privacy.ledger.counts.sum() == sum(
+        r["cohort_size"] for r in rows
+    )
+    loop, processes = train(local(), "loop", sampling="poisson"), train(local(), "processes", sampling="poisson")
+    torch.testing.assert_close(processes.params, loop.params, rtol=1e-10, atol=1e-10)
+
+
+def test_local_calibration_covers_a_client_drawn_every_round_and_max_epsilon_stops_before_any_could_pass_it():
+    privacy = local(noise_multiplier=None, target_epsilon=3.0)
+    privacy.bind(Schedule(rounds=20, clients_per_round=0.5, sampling="poisson"), 6, 0)
+    assert privacy.ledger.epsilon(20) == pytest.approx(3.0, rel=1e-3) and privacy.ledger.epsilon(20) <= 3.0
+    ledger = LocalAccountant(1.5, 1e-5, 6)
+    limit = (ledger.epsilon(2) + ledger.epsilon(3)) / 2
+    rows, capped = [], local(noise_multiplier=1.5, max_epsilon=limit)
+    train(capped, rounds=12, q=0.5, rows=rows)
+    assert capped.ledger.rounds == 2 and rows[-1]["epsilon"] <= limit and "max_epsilon" in capped.stopped
+
+
+def test_epsilon_deployment_is_a_larger_deployment_s_with_the_same_noise_on_the_average():
+    privacy = private(noise_multiplier=1.0, deployment_clients=10_000_000, deployment_cohort=1000)
+    rows = []
+    train(privacy, rounds=3, sampling="poisson", q=0.5, rows=rows)  # D = 3: z_dep = 1 * 1000 / 3
+    deployment = Accountant(1000 / 3, 1e-5, "poisson", num_clients=10_000_000, rate=1e-4)
+    assert [r["epsilon_deployment"] for r in rows] == [deployment.epsilon(t) for t in (1, 2, 3)]
+    assert all(r["epsilon_deployment"] < r["epsilon"] for r in rows)
+    assert "not this run's epsilon" in privacy.run_tags()["privacy_deployment"]
+    with pytest.raises(ConfigError, match="deployment_cohort"):
+        local(deployment_clients=100, deployment_cohort=10)
+
+
+def test_local_noise_is_refused_where_central_is(compose_config):
+    from fedrun.cli.build import setup
+
+    for overrides, key, allowed in [
+        ([], "aggregator.weighting='samples'", "uniform with privacy=local"),
+        (["aggregator=fedmax"], "aggregator='FedMax'", "fedavg with privacy=local"),
+        (["aggregator.weighting=uniform", "+privacy.adaptive=true"], "privacy.adaptive=True", "mechanism=local"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            setup(compose_config("privacy=local", "partition.num_clients=4", *overrides))
+        assert key in str(error.value) and allowed in str(error.value), str(error.value)

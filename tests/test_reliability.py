@@ -125,13 +125,26 @@ CASES = {
         "partition.num_clients=6",
         *ADAPTIVE_CLIP,
     ],
-    # the privacy ledger (epsilon goes on from the checkpoint's rounds), Poisson sampling and the noise streams
+    # the privacy ledger (epsilon goes on from the checkpoint's rounds), Poisson sampling, the noise streams and
+    # adaptive clipping's clip norm
     "private": [
         "privacy=central",
         "privacy.noise_multiplier=0.8",
         "privacy.clip_norm=0.1",
+        "privacy.adaptive=true",
+        "privacy.clip_count_noise=1.0",
         "aggregator.weighting=uniform",
         "schedule.sampling=poisson",
+        "schedule.clients_per_round=0.5",
+        "schedule.rounds=8",
+        "partition.num_clients=6",
+    ],
+    # local DP: each client's count of rounds in the ledger, each client's noise stream
+    "local": [
+        "privacy=local",
+        "privacy.noise_multiplier=0.8",
+        "privacy.clip_norm=0.1",
+        "aggregator.weighting=uniform",
         "schedule.clients_per_round=0.5",
         "schedule.rounds=8",
         "partition.num_clients=6",
