@@ -7,7 +7,8 @@ as infinitely late; "> N" when fewer than half reached it within their N rounds)
 accuracy, smoothness, and any other metric named with ``--metrics`` (its last logged value, e.g.
 ``accuracy/slow weight_share/slow`` of an asynchronous run). Writes ``report.md``, ``report.csv`` and
 ``accuracy.png`` (mean test accuracy per round with its interval band per group), and a band plot for each
-further metric named with ``--plot`` (``accuracy_slow.png`` for ``accuracy/slow``).
+further metric named with ``--plot`` (``accuracy_slow.png`` for ``accuracy/slow``). ``--versus KEY`` also plots
+final test accuracy against a numeric config key (a privacy-utility curve against ``privacy.target_epsilon``).
 """
 
 import argparse
@@ -289,6 +290,50 @@ def plot_bands(
     return path
 
 
+def plot_versus(
+    table: pd.DataFrame, keys: list[str], key: str, path: Path, title: str, metric: str = "final_test_accuracy"
+) -> Path:
+    """``metric`` (each group's mean with its 95% Student-t interval, from ``summarise``) against the numeric
+    config ``key``: one line per combination of the other keys. Groups where ``key`` has no number (a
+    non-private baseline has no ``privacy.target_epsilon``) are horizontal lines with their interval as a band.
+    The x axis is logarithmic when the values span a factor of 8 or more."""
+    from fedrun.plots import plt
+
+    name, others = label(key), [k for k in keys if k != key]
+    x = pd.to_numeric(table[name], errors="coerce")
+    mean, half = table[f"{metric}_mean"], table[f"{metric}_ci95"].fillna(0.0)
+    fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
+    numbered = table[x.notna()].assign(_x=x[x.notna()])
+    lines = list(numbered.groupby([label(k) for k in others], sort=False)) if others else [((), numbered)]
+    for values, line in lines:
+        line = line.sort_values("_x")
+        values = values if isinstance(values, tuple) else (values,)
+        runs = int(line["runs"].min())
+        ax.errorbar(
+            line["_x"],
+            mean[line.index],
+            yerr=half[line.index],
+            marker="o",
+            capsize=3,
+            label=f"{legend_name(others, values)} (n={runs})" if others else f"n={runs}",
+        )
+    for j, i in enumerate(table.index[x.isna()]):
+        values, color = tuple(table.loc[i, label(k)] for k in keys), f"C{len(lines) + j}"  # after the lines' colours
+        ax.axhline(
+            mean[i], color=color, linestyle="--", label=f"{legend_name(keys, values)} (n={int(table.loc[i, 'runs'])})"
+        )
+        ax.axhspan(mean[i] - half[i], mean[i] + half[i], color=color, alpha=0.15)
+    if x.notna().any() and x.min() > 0 and x.max() / x.min() >= 8:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(x.dropna().unique()), [f"{v:g}" for v in sorted(x.dropna().unique())])
+    ax.set(xlabel=name, ylabel=metric.replace("_", " "), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def step_name(runs: pd.DataFrame) -> str:
     """What the x axis counts: rounds, or the async engine's aggregations (its "rounds" are buffer flushes)."""
     engines = set(runs["tags.engine"].dropna()) if "tags.engine" in runs else set()
@@ -333,6 +378,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=BASELINE",
         help="also each group's per-seed difference from the runs with KEY = BASELINE (e.g. aggregator=fedavg), "
         "paired on the seed and the other keys; written to paired.md and paired.csv",
+    )
+    parser.add_argument(
+        "--versus",
+        metavar="KEY",
+        help="also plot final test accuracy against this numeric config key, one line per value of the other keys "
+        "(e.g. privacy.target_epsilon: a privacy-utility curve; final_test_accuracy_vs_<KEY>.png)",
     )
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
     args = parser.parse_args(argv)
@@ -419,6 +470,22 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.experiment}: mean {metric}, 95% CI band",
                 metric,
                 step,
+            )
+        )
+    if args.versus:
+        column = f"params.{args.versus}"
+        if column not in keys:
+            raise SystemExit(
+                f"fedrun-report: error: --versus {args.versus!r}: one of the table's config keys "
+                f"({', '.join(label(k) for k in keys if k.startswith('params.')) or 'none'})"
+            )
+        plots.append(
+            plot_versus(
+                table,
+                keys,
+                column,
+                out / ("final_test_accuracy_vs_" + re.sub(r"\W", "_", args.versus) + ".png"),
+                f"{args.experiment}: final test accuracy, mean and 95% CI",
             )
         )
     written = [out / "report.md", out / "report.csv", *plots]

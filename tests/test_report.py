@@ -317,3 +317,34 @@ def test_legend_names_leave_out_keys_without_a_value_and_shorten_unique_ones():
         "aggregator=fedsoftmax, anneal=exponential, shards_per_client=2, a.temperature=1.0, b.temperature=3"
     )  # two "temperature"s
     assert legend_name([], ()) == "all runs"
+
+
+def test_a_privacy_utility_plot_has_a_line_per_other_setting_and_the_baseline_as_a_band(tmp_path, monkeypatch):
+    from fedrun.plots import plt
+    from fedrun.report import plot_versus
+
+    table = pd.DataFrame(
+        {
+            "privacy": ["central"] * 4 + ["none"],
+            "privacy.target_epsilon": ["1", "8", "1", "8", "-"],
+            "privacy.adaptive": ["False", "False", "True", "True", "-"],
+            "runs": [3, 3, 3, 2, 3],
+            "final_test_accuracy_mean": [0.8, 0.9, 0.1, 0.85, 0.97],
+            "final_test_accuracy_ci95": [0.05, 0.02, np.nan, 0.03, 0.01],
+        }
+    )
+    drawn = {}
+    monkeypatch.setattr(plt, "close", lambda fig: drawn.setdefault("axes", fig.axes[0]))
+    keys = ["tags.privacy", "params.privacy.target_epsilon", "params.privacy.adaptive"]
+    path = plot_versus(table, keys, "params.privacy.target_epsilon", tmp_path / "v.png", "utility")
+    assert path.stat().st_size > 10_000
+    ax = drawn["axes"]
+    labels = ax.get_legend_handles_labels()[1]
+    assert sorted(labels) == [
+        "privacy=central, adaptive=False (n=3)",
+        "privacy=central, adaptive=True (n=2)",  # the fewest runs of the line's points
+        "privacy=none (n=3)",
+    ]
+    fixed = ax.containers[0].lines[0]  # the first error-bar line: x in order, y the means
+    assert list(fixed.get_xdata()) == [1.0, 8.0] and list(fixed.get_ydata()) == [0.8, 0.9]
+    assert ax.get_xscale() == "log"  # 1 to 8 spans a factor of 8
