@@ -582,9 +582,10 @@ class Privacy(Stateful):
         if not self or self.max_epsilon is None:
             return False
         after = self.ledger.epsilon(self.ledger.rounds + 1)
+        which = "round" if self.mechanism == "central" else "a client's round"  # local: the most any client ran
         if after > self.max_epsilon:
             self.stopped = (
-                f"max_epsilon {self.max_epsilon:g}: round {self.ledger.rounds + 1} would bring epsilon to {after:.4g}"
+                f"max_epsilon {self.max_epsilon:g}: {which} {self.ledger.rounds + 1} would bring epsilon to {after:.4g}"
             )
             return True
         return False
