@@ -229,7 +229,14 @@ def test_max_epsilon_stops_before_the_round_that_would_exceed_it_and_target_epsi
         private(max_epsilon=0.01).bind(Schedule(rounds=5, clients_per_round=0.5, sampling="poisson"), 6, 0)
 
 
-@pytest.mark.parametrize("make", [private, lambda: private(adaptive=True, clip_count_noise=1.0), lambda: local()])
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(private, id="central"),
+        pytest.param(lambda: private(adaptive=True, clip_count_noise=1.0), id="adaptive", marks=pytest.mark.slow),
+        pytest.param(lambda: local(), id="local", marks=pytest.mark.slow),
+    ],
+)
 def test_private_runs_are_equal_on_every_backend(make):
     loop = train(make(), "loop", sampling="poisson")
     for backend in ("processes", "vmap"):  # vmap runs on the CPU too (slower there, the same numbers)
