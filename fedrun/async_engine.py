@@ -30,7 +30,7 @@ from fedrun.errors import ConfigError, check
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
-from fedrun.pipeline import Pipeline
+from fedrun.pipeline import Pipeline, upload_message_mb
 from fedrun.rounds import RunResult, record
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
@@ -183,6 +183,7 @@ class AsyncEngine:
         """
         self.check(aggregator, heterogeneity, pipeline)
         pipeline = pipeline or Pipeline()
+        pipeline.bind(seed)
         group_of = self.assign(len(clients))
         server = server or ServerOptimizer()
         device = as_device(device)
@@ -199,6 +200,7 @@ class AsyncEngine:
 
         w = flat_parameters(model)
         message_mb = w.numel() * w.element_size() / 1e6
+        upload_mb = upload_message_mb(pipeline, w)
         version, jobs, buffer = 0, np.zeros(len(clients), dtype=int), []
         sampler = numpy_rng(seed, "concurrency")  # who trains next, when concurrency limits it
         active = self._first(len(clients), sampler)
@@ -264,7 +266,7 @@ class AsyncEngine:
                         "staleness_mean": staleness.mean(),
                         "staleness_max": staleness.max(),
                         "lr": lr,
-                        "upload_mb": len(ids) * message_mb,
+                        "upload_mb": len(ids) * upload_mb,
                         "download_mb": len(ids) * message_mb,
                     }
                     row.update(

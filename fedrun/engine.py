@@ -19,7 +19,7 @@ from fedrun.errors import ConfigError, DivergenceError
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
-from fedrun.pipeline import Pipeline
+from fedrun.pipeline import Pipeline, upload_message_mb
 from fedrun.privacy import Privacy
 from fedrun.rounds import RunResult, Schedule, record
 from fedrun.seeding import numpy_rng
@@ -82,6 +82,7 @@ def run(
     server = server or ServerOptimizer()
     heterogeneity = heterogeneity or EqualWork()
     pipeline = pipeline or Pipeline()
+    pipeline.bind(seed)
     privacy = privacy or Privacy()
     sizes = np.array([len(part) for part in clients])
     first_lr = base_lr(optimizer)
@@ -92,6 +93,7 @@ def run(
     accuracy_source = "val_accuracy" if has_val else "test_accuracy"
     previous = None  # the previous global model, for aggregators that need it (MVR)
     message_mb = params.numel() * params.element_size() / 1e6
+    upload_mb = upload_message_mb(pipeline, params)  # a compressed update's message, else the dense one
     latest_accuracy = math.nan  # what accuracy-triggered aggregators (hybrid) see
     result = RunResult(params)
     first = 1
@@ -201,7 +203,7 @@ def run(
                 "round": t,
                 "train_loss": train_loss,
                 "lr": lr,
-                "upload_mb": models * len(cohort) * message_mb,
+                "upload_mb": len(cohort) * (upload_mb + (models - 1) * message_mb),
                 "download_mb": models * len(cohort) * message_mb,
                 "local_steps_mean": float(trained.steps.mean()) if len(cohort) else 0.0,
                 "cohort_size": len(cohort),

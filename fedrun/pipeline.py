@@ -34,6 +34,9 @@ class Stage(Stateful):
         were not sampled for."""
         return False
 
+    def bind(self, seed: int) -> None:
+        """Called once before the first round with the run's seed (a randomised stage's streams derive from it)."""
+
     def end_round(self) -> None:
         """Called once a round's updates have all passed (synchronous: after the cohort; asynchronous: at each
         aggregation, after the buffer's updates passed one by one): where a stage that adapts to a round adapts."""
@@ -145,6 +148,10 @@ class Pipeline(Stateful):
             diagnostics.update(more)
         return deltas, diagnostics
 
+    def bind(self, seed: int) -> None:
+        for stage in self.stages:
+            stage.bind(seed)
+
     def end_round(self) -> None:
         for stage in self.stages:
             stage.end_round()
@@ -155,3 +162,13 @@ class Pipeline(Stateful):
     def load_state_dict(self, state: dict) -> None:
         for stage, saved in zip(self.stages, state["stages"], strict=True):
             stage.load_state_dict(saved)
+
+
+def upload_message_mb(pipeline: "Pipeline", params: torch.Tensor) -> float:
+    """Megabytes of one client's upload: the message of the pipeline's last compressor (``fedrun.compression``),
+    else the dense update as the parameters are stored."""
+    from fedrun.compression import Compressor, message_bits
+
+    if any(isinstance(stage, Compressor) for stage in pipeline.stages):
+        return message_bits(pipeline.stages, params.numel()) / 8 / 1e6
+    return params.numel() * params.element_size() / 1e6

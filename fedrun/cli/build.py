@@ -80,6 +80,8 @@ def setup(cfg: DictConfig) -> dict:
     objects = {group: build(group, cfg[group]) for group in groups}
     # Each stage on its own, so that an error names its key (pipeline.stages.0.max_norm), then the pipeline around them.
     stages = [build(f"pipeline.stages.{i}", stage) for i, stage in enumerate(cfg.pipeline.get("stages", []))]
+    if cfg.get("compression") and "_target_" in cfg.compression:  # the last stage; older run dirs have none
+        stages.append(build("compression", cfg.compression))
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
     objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"], objects["schedule"])
     # A run dir saved before the privacy group has none.
