@@ -73,11 +73,15 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, f
 
 
 def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, dict]:
-    """Metrics and tags that summarise a run from its rows so far: rounds and time, final and best test
-    accuracy, the R-index of each target (for the clients' local models too, and in virtual time for an
+    """Metrics and tags that summarise a run from its rows so far: rounds and time, megabytes uploaded
+    (``upload_mb_total``), final and best test accuracy, the R-index of each target (and ``R90_mb``, the
+    megabytes uploaded until it) (for the clients' local models too, and in virtual time for an
     asynchronous run; the tag ``R90=not_reached`` when a target was not reached), and the curve's stability.
     NaN values are left out."""
     values, tags = {"rounds_run": len(metrics), "total_wall_s": float(metrics["round_wall_s"].sum())}, {}
+    uploaded = metrics["upload_mb"].cumsum() if "upload_mb" in metrics else None  # megabytes sent up so far
+    if uploaded is not None and len(uploaded):
+        values["upload_mb_total"] = float(uploaded.iloc[-1])
     accuracy = metrics["test_accuracy"].dropna()
     if len(accuracy):
         values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
@@ -92,6 +96,8 @@ def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, 
                 tags[prefix + r_name(target)] = "not_reached"
                 continue
             values[prefix + r_name(target)] = reached
+            if uploaded is not None:  # the R-index's communication twin: megabytes uploaded until the target
+                values[prefix + r_name(target) + "_mb"] = float(uploaded[metrics["round"] == reached].iloc[0])
             if "virtual_time" in metrics:  # asynchronous runs: the R-index in virtual time too
                 values[prefix + r_name(target) + "_time"] = float(
                     metrics.loc[metrics["round"] == reached, "virtual_time"].iloc[0]

@@ -194,7 +194,9 @@ def _natural(value) -> tuple:
         return (1, 0.0, str(value))
 
 
-R_INDEX = re.compile(r"^(?P<client>client_)?R(?P<target>\d+(\.\d+)?)(?P<time>_time)?$")  # R60, client_R60, R60_time
+R_INDEX = re.compile(
+    r"^(?P<client>client_)?R(?P<target>\d+(\.\d+)?)(?P<time>_time|_mb)?$"
+)  # R60, client_R60, R60_time, R60_mb
 
 
 def _cell(mean: float, half: float, digits: int) -> str:

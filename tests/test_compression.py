@@ -5,6 +5,7 @@ import functools
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -159,3 +160,20 @@ def test_compression_through_the_fedrun_command_sync_and_async(fedrun, store):
     # every upload is a top-5% message, every download the dense float32 model: one ratio, 5% of the values plus
     # their indices, bits(d) / (32 d) = ceil(0.05 d) (32 + ceil(log2 d)) / (32 d), about 0.07 here
     assert len(ratios) >= 4 and max(ratios) - min(ratios) < 1e-12 and 0.05 < ratios[0] < 0.1
+
+
+def test_the_megabytes_uploaded_until_a_target_are_the_r_index_s_communication_twin():
+    from fedrun.metrics import summarise
+
+    rows = pd.DataFrame(
+        {
+            "round": [1, 2, 3, 4],
+            "round_wall_s": [1.0] * 4,
+            "test_accuracy": [0.5, 0.7, 0.95, 0.96],
+            "upload_mb": [2.0, 1.0, 0.5, 0.5],
+        }
+    )
+    values, tags = summarise(rows, [0.6, 0.9, 0.99])
+    # R60 = 2 after 2 + 1 = 3 MB; R90 = 3 after 3.5 MB; 4 MB in all; R99 not reached: no R99_mb
+    assert (values["R60_mb"], values["R90_mb"], values["upload_mb_total"]) == (3.0, 3.5, 4.0)
+    assert "R99_mb" not in values and tags == {"R99": "not_reached"}
