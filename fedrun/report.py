@@ -37,6 +37,21 @@ def with_group_defaults(runs: pd.DataFrame) -> pd.DataFrame:
     return runs.fillna(fill) if len(runs) else runs
 
 
+def without_switched_off_keys(runs: pd.DataFrame) -> pd.DataFrame:
+    """The keys of a group whose option is ``none`` say nothing (``privacy=none`` with ``privacy.target_epsilon``
+    left over from a preset): they are blanked, so the run does not group or plot by them."""
+    runs = runs.copy()
+    for group in CONFIG_GROUPS:
+        tag = f"tags.{group}"
+        if tag not in runs:
+            continue
+        off = runs[tag] == "none"
+        for column in runs.columns:
+            if column.startswith(f"params.{group}.") and not column.endswith("._target_"):
+                runs.loc[off, column] = None
+    return runs
+
+
 def group_keys(runs: pd.DataFrame) -> list[str]:
     """The columns that vary across runs: group choices (tags) first, then params that vary within them.
 
@@ -404,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = mlflow.search_runs([experiment.experiment_id], filter_string=args.filter or "", output_format="pandas")
     if SWEEP_TAG in runs:  # a sweep's parent run groups its jobs in the UI; it is not a run of its own
         runs = runs[runs[SWEEP_TAG] != "sweep"]
-    runs = with_group_defaults(runs)
+    runs = without_switched_off_keys(with_group_defaults(runs))
     finished = runs[runs["status"] == "FINISHED"] if len(runs) else runs
     if finished.empty:
         raise SystemExit(

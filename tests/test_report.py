@@ -348,3 +348,20 @@ def test_a_privacy_utility_plot_has_a_line_per_other_setting_and_the_baseline_as
     fixed = ax.containers[0].lines[0]  # the first error-bar line: x in order, y the means
     assert list(fixed.get_xdata()) == [1.0, 8.0] and list(fixed.get_ydata()) == [0.8, 0.9]
     assert ax.get_xscale() == "log"  # 1 to 8 spans a factor of 8
+
+
+def test_the_keys_of_a_group_switched_off_are_blanked():
+    from fedrun.report import without_switched_off_keys
+
+    runs = pd.DataFrame(
+        {
+            "tags.privacy": ["central", "none"],
+            "params.privacy.target_epsilon": ["8", "8"],  # the none run's is a preset's leftover
+            "params.privacy._target_": ["fedrun.privacy.Privacy"] * 2,
+            "params.seed": ["0", "0"],
+        }
+    )
+    blanked = without_switched_off_keys(runs)
+    assert blanked["params.privacy.target_epsilon"].tolist() == ["8", None]
+    assert blanked["params.seed"].tolist() == ["0", "0"] and runs["params.privacy.target_epsilon"].tolist() == ["8"] * 2
+    assert group_keys(blanked) == ["tags.privacy"]  # the epsilon only changes with the choice: not a key of its own
