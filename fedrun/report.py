@@ -289,6 +289,8 @@ def plot_bands(
         np.nanmin(f.to_numpy()) >= 0 and np.nanmax(f.to_numpy()) <= 1 for f in groups.values() if f.notna().any().any()
     )
     for name, frame in groups.items():
+        if frame.empty:  # the group never logged this metric (a non-private run's clip_norm): no line
+            continue
         stats = np.array([mean_ci(frame.loc[r].dropna().to_numpy()) for r in frame.index])
         low, high = stats[:, 0] - np.nan_to_num(stats[:, 1]), stats[:, 0] + np.nan_to_num(stats[:, 1])
         if unit:
@@ -490,8 +492,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
     if args.versus:
-        column = f"params.{args.versus}"
-        if column not in keys:
+        versus = f"params.{args.versus}"
+        if versus not in keys:
             raise SystemExit(
                 f"fedrun-report: error: --versus {args.versus!r}: one of the table's config keys "
                 f"({', '.join(label(k) for k in keys if k.startswith('params.')) or 'none'})"
@@ -500,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
             plot_versus(
                 table,
                 keys,
-                column,
+                versus,
                 out / ("final_test_accuracy_vs_" + re.sub(r"\W", "_", args.versus) + ".png"),
                 f"{args.experiment}: final test accuracy, mean and 95% CI",
             )

@@ -291,6 +291,12 @@ def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
         text=True,
     )
     assert unknown.returncode != 0 and "metric 'acc/slow' was not logged by these runs (logged: " in unknown.stderr
+    versus = subprocess.run(
+        [report, "--experiment", "report", "--tracking-uri", f"sqlite:///{store}", "--versus", "seed"],
+        capture_output=True,
+        text=True,
+    )
+    assert versus.returncode != 0 and "--versus 'seed': one of the table's config keys (none)" in versus.stderr
     missing = subprocess.run(
         [report, "--experiment", "nope", "--tracking-uri", f"sqlite:///{store}"], capture_output=True, text=True
     )
@@ -362,6 +368,16 @@ def test_the_keys_of_a_group_switched_off_are_blanked():
         }
     )
     blanked = without_switched_off_keys(runs)
-    assert blanked["params.privacy.target_epsilon"].tolist() == ["8", None]
+    assert (
+        blanked["params.privacy.target_epsilon"].iloc[0] == "8" and blanked["params.privacy.target_epsilon"].isna()[1]
+    )
     assert blanked["params.seed"].tolist() == ["0", "0"] and runs["params.privacy.target_epsilon"].tolist() == ["8"] * 2
     assert group_keys(blanked) == ["tags.privacy"]  # the epsilon only changes with the choice: not a key of its own
+
+
+def test_a_band_plot_leaves_out_a_group_that_never_logged_the_metric(tmp_path):
+    from fedrun.report import plot_bands
+
+    logged = pd.DataFrame({"a": [0.5, 0.4], "b": [0.6, 0.5]}, index=[1, 2])
+    path = plot_bands({"adaptive": logged, "privacy=none": pd.DataFrame()}, tmp_path / "c.png", "clip", "clip_norm")
+    assert path.stat().st_size > 10_000
