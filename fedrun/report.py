@@ -288,6 +288,7 @@ def plot_bands(
     unit = all(
         np.nanmin(f.to_numpy()) >= 0 and np.nanmax(f.to_numpy()) <= 1 for f in groups.values() if f.notna().any().any()
     )
+    nonnegative = all(np.nanmin(f.to_numpy()) >= 0 for f in groups.values() if f.notna().any().any())
     for name, frame in groups.items():
         if frame.empty:  # the group never logged this metric (a non-private run's clip_norm): no line
             continue
@@ -295,6 +296,8 @@ def plot_bands(
         low, high = stats[:, 0] - np.nan_to_num(stats[:, 1]), stats[:, 0] + np.nan_to_num(stats[:, 1])
         if unit:
             low, high = np.clip(low, 0, 1), np.clip(high, 0, 1)
+        elif nonnegative:  # a norm, a count: a band below 0 is the interval's artefact
+            low = np.maximum(low, 0)
         ax.plot(frame.index, stats[:, 0], label=f"{name} (n={frame.shape[1]})")
         ax.fill_between(frame.index, low, high, alpha=0.2)
     ax.set(xlabel=step, ylabel=metric, title=title)
@@ -321,6 +324,8 @@ def plot_versus(
     name, others = label(key), [k for k in keys if k != key]
     x = pd.to_numeric(table[name], errors="coerce")
     mean, half = table[f"{metric}_mean"], table[f"{metric}_ci95"].fillna(0.0)
+    # An accuracy's interval is cut to [0, 1] (a t-interval of 3 runs can reach past it), as in the band plots.
+    below, above = np.minimum(half, mean), np.minimum(half, 1 - mean)
     fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
     numbered = table[x.notna()].assign(_x=x[x.notna()])
     lines = list(numbered.groupby([label(k) for k in others], sort=False)) if others else [((), numbered)]
@@ -331,7 +336,7 @@ def plot_versus(
         ax.errorbar(
             line["_x"],
             mean[line.index],
-            yerr=half[line.index],
+            yerr=[below[line.index], above[line.index]],
             marker="o",
             capsize=3,
             label=f"{legend_name(others, values)} (n={runs})" if others else f"n={runs}",
@@ -341,7 +346,7 @@ def plot_versus(
         ax.axhline(
             mean[i], color=color, linestyle="--", label=f"{legend_name(keys, values)} (n={int(table.loc[i, 'runs'])})"
         )
-        ax.axhspan(mean[i] - half[i], mean[i] + half[i], color=color, alpha=0.15)
+        ax.axhspan(mean[i] - below[i], mean[i] + above[i], color=color, alpha=0.15)
     if x.notna().any() and x.min() > 0 and x.max() / x.min() >= 8:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(x.dropna().unique()), [f"{v:g}" for v in sorted(x.dropna().unique())])
