@@ -58,6 +58,8 @@ BAD = [
     (["privacy=central", "privacy.clip_norm=0"], "privacy.clip_norm"),
     (["privacy=central", "privacy.delta=2.0"], "privacy.delta"),
     (["privacy=central", "privacy.mechanism=shuffle"], "privacy.mechanism"),
+    (["compression=topk", "compression.k=0"], "compression.k"),
+    (["compression=qsgd", "compression.levels=0"], "compression.levels"),
     (["schedule.sampling=shuffle"], "schedule.sampling"),
 ]
 
