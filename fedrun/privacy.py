@@ -386,7 +386,8 @@ class Privacy(Stateful):
         target_quantile: gamma in [0, 1] (Andrew et al.: 0.5).
         clip_lr: eta > 0, the geometric step (Andrew et al.: 0.2).
         clip_count_noise: sigma_b > z / 2; null: the expected cohort / 20.
-        deployment_clients, deployment_cohort: The hypothetical deployment of ``epsilon_deployment``.
+        deployment_clients, deployment_cohort, deployment_delta: The hypothetical deployment of
+            ``epsilon_deployment`` and its delta (below 1 / deployment_clients).
     """
 
     def __init__(
@@ -404,6 +405,7 @@ class Privacy(Stateful):
         clip_count_noise: float | None = None,
         deployment_clients: int | None = None,
         deployment_cohort: int | None = None,
+        deployment_delta: float | None = None,
     ):
         check(mechanism in ("none", "central", "local"), "mechanism", mechanism, "none, central or local")
         self.mechanism = mechanism
@@ -444,6 +446,16 @@ class Privacy(Stateful):
         self.adaptive, self.target_quantile, self.clip_lr = adaptive, float(target_quantile), float(clip_lr)
         self.count_noise = clip_count_noise
         self.deployment_clients, self.deployment_cohort = deployment
+        self.deployment_delta = deployment_delta
+        if self.deployment_clients is not None:
+            check(
+                deployment_delta is not None and 0 < deployment_delta < 1 / self.deployment_clients,
+                "deployment_delta",
+                deployment_delta,
+                f"a delta below 1 / deployment_clients = {1 / self.deployment_clients:.3g} (the deployment's own "
+                "delta: one below 1 / N for its N)",
+            )
+        self._given = (self.noise_multiplier, clip_count_noise)  # the config's; bind() computes from them anew
         self.ledger: Accountant | LocalAccountant | None = None
         self.deployment: Accountant | None = None
         self.update_noise = None  # z_Delta: z, or less with adaptive clipping (its count takes the rest)
@@ -504,6 +516,7 @@ class Privacy(Stateful):
         """Set the accounting for this run's sampling and rounds (and calibrate z for ``target_epsilon``)."""
         if not self:
             return
+        self.noise_multiplier, self.count_noise = self._given
         poisson = schedule.sampling == "poisson"
         cohort = None if poisson else schedule.cohort_size(num_clients)
         rate = schedule.clients_per_round if poisson else None
@@ -570,7 +583,7 @@ class Privacy(Stateful):
             # The same noise on the averaged update: z_dep C / m_dep = z C / D.
             self.deployment = Accountant(
                 self.noise_multiplier * self.deployment_cohort / expected,
-                self.delta,
+                float(self.deployment_delta),
                 "poisson",
                 self.deployment_clients,
                 rate=self.deployment_cohort / self.deployment_clients,
@@ -608,6 +621,7 @@ class Privacy(Stateful):
         std = self.update_noise * bound
         diagnostics = {}
         if self.mechanism == "local":
+            check(len(clients) == len(deltas), "clients", len(clients), f"one id per update ({len(deltas)})")
             if len(deltas):  # each client's own noise, N(0, (z C)^2 I), from its own stream
                 clipped = clipped + torch.stack([std * self.noise(params.numel(), round_, int(i)) for i in clients]).to(
                     clipped
@@ -644,7 +658,8 @@ class Privacy(Stateful):
     def _adapt(self, over: torch.Tensor, round_: int) -> float:
         """Adaptive clipping's step (Andrew et al. 2021, Algorithm 1): the noised centred count of unclipped
         updates gives b~, and C <- C exp(-eta (b~ - gamma)). Returns b~."""
-        centred = float((~over).double().sum()) - len(over) / 2  # sum_i (b_i - 1/2): sensitivity 1/2
+        # sum_i (b_i - 1/2): sensitivity 1/2 (zero-out; 1 replace-one, as the update's C doubles to 2C: z holds)
+        centred = float((~over).double().sum()) - len(over) / 2
         noised = centred + self.count_noise * float(self.noise(1, round_, stream="privacy_count")[0])
         unclipped = noised / self.denominator + 0.5
         self.clip_norm *= math.exp(-self.clip_lr * (unclipped - self.target_quantile))
@@ -664,7 +679,8 @@ class Privacy(Stateful):
         if self.deployment is not None:
             tags["privacy_deployment"] = (
                 f"epsilon_deployment: {self.deployment_cohort} of {self.deployment_clients} clients a round "
-                f"(Poisson), z = {self.deployment.event['noise_multiplier']:.6g}; not this run's epsilon"
+                f"(Poisson, zero-out), z = {self.deployment.event['noise_multiplier']:.6g}, delta = "
+                f"{self.deployment_delta:g}; not this run's epsilon"
             )
         if self.stopped:
             tags["stopped_by"] = self.stopped
@@ -686,6 +702,11 @@ class Privacy(Stateful):
         if state.get("ledger") is None:  # the rounds already run must be counted
             raise ConfigError("privacy", self.mechanism, "a run whose checkpoint holds its privacy ledger")
         self.ledger.load_state_dict(state["ledger"])
+        for key, wanted in (("clip_norm", self.adaptive), ("deployment", self.deployment is not None)):
+            if wanted and key not in state:
+                raise ConfigError(
+                    "privacy", self.mechanism, f"a run whose checkpoint holds its {key} (saved without it)"
+                )
         if self.adaptive:
             self.clip_norm = float(state["clip_norm"])
         if self.deployment is not None:

@@ -417,6 +417,18 @@ def test_adaptive_noise_uses_the_round_s_clip_norm_and_the_count_noise_has_its_l
     assert np.mean(fractions) == pytest.approx(0.5, abs=3 * 0.2 / math.sqrt(2000))
     assert np.std(fractions) == pytest.approx(0.2, rel=0.05)
     assert privacy.run_tags()["privacy_update_noise_multiplier"] == f"{z_delta:.6g}"
+    # and the noise actually added: all-zero updates release the noise alone, std z_Delta C / D with this round's C
+    d, used = 200_000, privacy.clip_norm
+    update = privacy.aggregate(torch.zeros(10, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 2001)
+    assert float(update.update.std()) == pytest.approx(z_delta * used / 10, rel=0.01) and privacy.clip_norm != used
+
+
+def test_binding_again_starts_from_the_config_not_from_the_last_bind():
+    privacy = private(noise_multiplier=None, target_epsilon=4.0, adaptive=True)
+    privacy.bind(Schedule(rounds=5, clients_per_round=1.0), 200, 0)  # every client: sigma_b = 200 / 20 = 10
+    first = (privacy.noise_multiplier, privacy.count_noise)
+    privacy.bind(Schedule(rounds=50, clients_per_round=0.1, sampling="poisson"), 200, 0)  # 20 a round: sigma_b = 1
+    assert privacy.count_noise == 1.0 and first[1] == 10.0 and privacy.noise_multiplier != first[0]
 
 
 def test_adaptive_clipping_is_refused_where_its_count_would_eat_the_whole_budget_or_with_local_noise():
@@ -510,15 +522,23 @@ def test_local_calibration_covers_a_client_drawn_every_round_and_max_epsilon_sto
 
 
 def test_epsilon_deployment_is_a_larger_deployment_s_with_the_same_noise_on_the_average():
-    privacy = private(noise_multiplier=1.0, deployment_clients=10_000_000, deployment_cohort=1000)
+    privacy = private(
+        noise_multiplier=1.0, deployment_clients=10_000_000, deployment_cohort=1000, deployment_delta=1e-8
+    )
     rows = []
     train(privacy, rounds=3, sampling="poisson", q=0.5, rows=rows)  # D = 3: z_dep = 1 * 1000 / 3
-    deployment = Accountant(1000 / 3, 1e-5, "poisson", num_clients=10_000_000, rate=1e-4)
+    deployment = Accountant(1000 / 3, 1e-8, "poisson", num_clients=10_000_000, rate=1e-4)
     assert [r["epsilon_deployment"] for r in rows] == [deployment.epsilon(t) for t in (1, 2, 3)]
     assert all(r["epsilon_deployment"] < r["epsilon"] for r in rows)
     assert "not this run's epsilon" in privacy.run_tags()["privacy_deployment"]
     with pytest.raises(ConfigError, match="deployment_cohort"):
         local(deployment_clients=100, deployment_cohort=10)
+    with pytest.raises(ConfigError, match=r"deployment_delta=1e-05 is invalid: allowed is a delta below 1 / "):
+        private(deployment_clients=10_000_000, deployment_cohort=1000, deployment_delta=1e-5)
+    state = privacy.state_dict()
+    del state["deployment"]  # a checkpoint saved before the deployment was asked for
+    with pytest.raises(ConfigError, match="holds its deployment"):
+        privacy.load_state_dict(state)
 
 
 def test_local_noise_is_refused_where_central_is(compose_config):
