@@ -51,6 +51,12 @@ def clip_rows(deltas: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.T
     return deltas * torch.where(over, bound / norms, torch.ones_like(norms))[:, None], norms, over
 
 
+def geometric_clip_step(bound: float, unclipped: float, target_quantile: float, clip_lr: float) -> float:
+    """Adaptive clipping's update of the bound (Andrew et al. 2021, Algorithm 1): C exp(-eta (b - gamma)), with b
+    the (estimated) fraction of updates whose norm was at most C: C grows while fewer than gamma fit under it."""
+    return bound * math.exp(-clip_lr * (unclipped - target_quantile))
+
+
 class Clip(Stage):
     """Scale each client's update to l2 norm at most C: Delta_i * min(1, C / ||Delta_i||), the per-update clipping
     of DP-FedAvg (McMahan et al. 2018, Algorithm 1, "ClipFn"), as Flower and pfl-research clip. An update of norm
@@ -117,7 +123,7 @@ class Clip(Stage):
     def end_round(self):
         if self.adaptive and self.seen:
             unclipped = self.fit / self.seen  # b
-            self.max_norm *= math.exp(-self.clip_lr * (unclipped - self.target_quantile))
+            self.max_norm = geometric_clip_step(self.max_norm, unclipped, self.target_quantile, self.clip_lr)
         self.seen, self.fit = 0, 0
 
 

@@ -43,7 +43,7 @@ from dp_accounting import pld, rdp
 from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
 
 from fedrun.errors import ConfigError, check
-from fedrun.pipeline import clip_rows
+from fedrun.pipeline import clip_rows, geometric_clip_step
 from fedrun.seeding import torch_generator
 from fedrun.state import Stateful
 
@@ -179,7 +179,7 @@ class Accountant(Stateful):
 
     def epsilon(self, rounds: int | None = None) -> float:
         """Epsilon at ``delta`` after the ledger's rounds (or ``rounds``); inf for z = 0, 0 before any round. The
-        smallest over ``bounds``; cached (a PLD takes about a second)."""
+        smallest over ``events``; cached (a PLD takes about a second)."""
         rounds = self.rounds if rounds is None else rounds
         if rounds == 0:
             return 0.0
@@ -187,7 +187,7 @@ class Accountant(Stateful):
             return math.inf
         if rounds not in self._cache:
             values = []
-            for event in bounds(**self.event):
+            for event in self.events():
                 accountant = make_accountant(self.kind, self.relation)
                 with quiet_absl():
                     accountant.compose(dp_accounting.SelfComposedDpEvent(event, rounds))
@@ -195,16 +195,23 @@ class Accountant(Stateful):
             self._cache[rounds] = min(values)
         return self._cache[rounds]
 
+    def events(self) -> list:
+        """The events whose epsilon bounds one round (``bounds``)."""
+        return bounds(**self.event)
+
     def state_dict(self) -> dict:
         return {"kind": self.kind, "delta": self.delta, "event": dict(self.event), "rounds": self.rounds}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take a saved ledger back; one made for other events (another config) is refused."""
+        self.check_same_config(state)
+        self.rounds = int(state["rounds"])
+
+    def check_same_config(self, state: dict) -> None:
+        """A saved ledger made for other events (another config) is refused."""
         mine = {"kind": self.kind, "delta": self.delta, "event": self.event}
-        theirs = {k: state[k] for k in mine}
+        theirs = {k: state.get(k) for k in mine}
         if theirs != mine:
             raise ConfigError("privacy", theirs, f"the ledger of this run's config ({mine})")
-        self.rounds = int(state["rounds"])
 
 
 def local_event(noise_multiplier: float, kind: str):
@@ -214,9 +221,10 @@ def local_event(noise_multiplier: float, kind: str):
     return dp_accounting.GaussianDpEvent(noise_multiplier / 2 if kind == "rdp" else noise_multiplier)
 
 
-class LocalAccountant(Stateful):
+class LocalAccountant(Accountant):
     """Local DP's ledger: how many rounds each client has sent a noised update in. Each client's epsilon is that
-    many self-composed ``local_event``; the worst client's is reported.
+    many self-composed ``local_event``; the worst client's is reported (``Accountant.epsilon`` of the most rounds
+    any client ran).
 
     Args:
         noise_multiplier: z.
@@ -243,30 +251,14 @@ class LocalAccountant(Stateful):
         """Record a round in which ``clients`` (indices) sent noised updates."""
         np.add.at(self.counts, np.asarray(clients, dtype=np.int64), 1)
 
-    def epsilon(self, rounds: int | None = None) -> float:
-        """The worst client's epsilon (or that of a client in ``rounds`` rounds); inf for z = 0 once a client sent."""
-        rounds = self.rounds if rounds is None else rounds
-        if rounds == 0:
-            return 0.0
-        if self.event["noise_multiplier"] == 0:
-            return math.inf
-        if rounds not in self._cache:
-            accountant = make_accountant(self.kind, REPLACE_ONE)
-            with quiet_absl():
-                accountant.compose(
-                    dp_accounting.SelfComposedDpEvent(local_event(self.event["noise_multiplier"], self.kind), rounds)
-                )
-                self._cache[rounds] = float(accountant.get_epsilon(self.delta))
-        return self._cache[rounds]
+    def events(self) -> list:
+        return [local_event(self.event["noise_multiplier"], self.kind)]
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "delta": self.delta, "event": dict(self.event), "counts": self.counts.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = {"kind": self.kind, "delta": self.delta, "event": self.event}
-        theirs = {k: state.get(k) for k in mine}
-        if theirs != mine:
-            raise ConfigError("privacy", theirs, f"the ledger of this run's config ({mine})")
+        self.check_same_config(state)
         self.counts = np.asarray(state["counts"], dtype=np.int64)
 
 
@@ -527,6 +519,7 @@ class Privacy(Stateful):
                 f"a delta below 1 / N = {1 / num_clients:.3g} (a delta of 1 / N allows releasing one client's data "
                 "outright)",
             )
+        self.denominator = rate * num_clients if poisson else float(cohort)  # central's D: the expected cohort
         try:
             if self.mechanism == "local":
                 self._bind_local(schedule.rounds, num_clients)
@@ -534,7 +527,6 @@ class Privacy(Stateful):
                 self._bind_central(schedule, num_clients, cohort, rate)
         except ConfigError as exc:
             raise exc.within("privacy") from None
-        self.denominator = rate * num_clients if poisson else float(cohort)  # central's D
         self.seed = seed
         if self.max_epsilon is not None and self.ledger.epsilon(1) > self.max_epsilon:
             raise ConfigError(
@@ -566,11 +558,10 @@ class Privacy(Stateful):
         self.ledger = Accountant(
             self.noise_multiplier, self.delta, schedule.sampling, num_clients, cohort, rate, self.kind
         )
-        expected = rate * num_clients if rate is not None else cohort
         self.update_noise = self.noise_multiplier
         if self.adaptive:
             if self.count_noise is None:
-                self.count_noise = expected / 20
+                self.count_noise = self.denominator / 20
             if self.noise_multiplier > 0 and not 2 * self.count_noise > self.noise_multiplier:
                 raise ConfigError(
                     "clip_count_noise",
@@ -582,7 +573,7 @@ class Privacy(Stateful):
         if self.deployment_clients is not None:
             # The same noise on the averaged update: z_dep C / m_dep = z C / D.
             self.deployment = Accountant(
-                self.noise_multiplier * self.deployment_cohort / expected,
+                self.noise_multiplier * self.deployment_cohort / self.denominator,
                 float(self.deployment_delta),
                 "poisson",
                 self.deployment_clients,
@@ -662,7 +653,7 @@ class Privacy(Stateful):
         centred = float((~over).double().sum()) - len(over) / 2
         noised = centred + self.count_noise * float(self.noise(1, round_, stream="privacy_count")[0])
         unclipped = noised / self.denominator + 0.5
-        self.clip_norm *= math.exp(-self.clip_lr * (unclipped - self.target_quantile))
+        self.clip_norm = geometric_clip_step(self.clip_norm, unclipped, self.target_quantile, self.clip_lr)
         return unclipped
 
     def run_tags(self) -> dict[str, str]:
