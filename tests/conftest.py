@@ -3,10 +3,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 
+from fedrun.datasets import FederatedData
+
 FEDRUN = str(Path(sys.executable).parent / "fedrun")  # the installed console script, as a user runs it
+
+# A tiny federation for engine-level tests: 6 clients of 10 samples, 4 features, 3 classes, float64, seed 0.
+_G = torch.Generator().manual_seed(0)
+TINY_DATA = FederatedData(
+    torch.randn(60, 4, generator=_G, dtype=torch.float64),
+    torch.randint(0, 3, (60,), generator=_G),
+    torch.randn(12, 4, generator=_G, dtype=torch.float64),
+    torch.randint(0, 3, (12,), generator=_G),
+    num_classes=3,
+)
+TINY_CLIENTS = [np.arange(10 * i, 10 * i + 10) for i in range(6)]
 
 
 @pytest.fixture

@@ -8,11 +8,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import TINY_CLIENTS as CLIENTS
+from conftest import TINY_DATA as DATA
 
 from fedrun.aggregators import FedAvg
 from fedrun.backends import Device
 from fedrun.compression import QSGD, Sign, TopK, message_bits
-from fedrun.datasets import FederatedData
 from fedrun.engine import run
 from fedrun.errors import ConfigError
 from fedrun.models import Logistic
@@ -91,17 +92,6 @@ def test_bad_settings_are_refused(make, key):
         make()
 
 
-G = torch.Generator().manual_seed(0)
-DATA = FederatedData(
-    torch.randn(60, 4, generator=G, dtype=torch.float64),
-    torch.randint(0, 3, (60,), generator=G),
-    torch.randn(12, 4, generator=G, dtype=torch.float64),
-    torch.randint(0, 3, (12,), generator=G),
-    num_classes=3,
-)
-CLIENTS = [np.arange(10 * i, 10 * i + 10) for i in range(6)]
-
-
 def train(stages=(), backend="loop", rows=None, rounds=4):
     torch.manual_seed(0)
     return run(
@@ -136,9 +126,8 @@ def test_upload_mb_counts_the_compressed_message():
 
 
 def test_compressed_runs_are_equal_on_every_backend():
-    for stages in ([TopK(k=0.3)], [QSGD(levels=3)], [Sign()]):
-        loop = train([type(s)(**{k: v for k, v in vars(s).items() if k in ("k", "levels")}) for s in stages])
-        other = train(stages, "processes")
+    for make in (lambda: TopK(k=0.3), lambda: QSGD(levels=3), Sign):  # fresh stages: error feedback keeps state
+        loop, other = train([make()]), train([make()], "processes")
         torch.testing.assert_close(other.params, loop.params, rtol=1e-10, atol=1e-10)
 
 

@@ -7,12 +7,13 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_CLIENTS as CLIENTS
+from conftest import TINY_DATA as DATA
 from dp_accounting import pld, rdp
 from numpy.testing import assert_allclose
 
 from fedrun.aggregators import FedAvg
 from fedrun.backends import Device
-from fedrun.datasets import FederatedData
 from fedrun.engine import run
 from fedrun.errors import ConfigError
 from fedrun.models import Logistic
@@ -136,16 +137,6 @@ def test_bad_settings_are_refused_naming_the_key(kwargs, key):
 
 
 # --- the mechanism: DP-FedAvg with central noise (fedrun.privacy.Privacy) ---
-
-G = torch.Generator().manual_seed(0)
-DATA = FederatedData(
-    torch.randn(60, 4, generator=G, dtype=torch.float64),
-    torch.randint(0, 3, (60,), generator=G),
-    torch.randn(12, 4, generator=G, dtype=torch.float64),
-    torch.randint(0, 3, (12,), generator=G),
-    num_classes=3,
-)
-CLIENTS = [np.arange(10 * i, 10 * i + 10) for i in range(6)]
 
 
 def private(**kwargs) -> Privacy:
