@@ -131,8 +131,12 @@ class AsyncEngine:
         )
         self.max_time, self.concurrency = max_time, concurrency
 
-    def check(self, aggregator, heterogeneity, pipeline=None, schedule=None) -> None:
+    def check(self, aggregator, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
         """Refuse, before training, what this engine cannot run."""
+        if sampler is not None and sampler.name != "uniform":
+            raise ConfigError(
+                "sampler", sampler.name, "uniform with engine=async (a client trains again when it comes back)"
+            )
         if schedule is not None and schedule.sampling != "fixed":
             raise ConfigError(
                 "schedule.sampling", schedule.sampling, "fixed with engine=async (its clients come back as they finish)"
@@ -173,6 +177,7 @@ class AsyncEngine:
         checkpoint: Checkpoint | None = None,
         pipeline: Pipeline | None = None,
         privacy=None,  # refused by ``fedrun.privacy.Privacy.check`` (not accounted here)
+        sampler=None,  # uniform only (``check``): who trains next is who finished
     ):
         """Simulate until ``schedule.rounds`` aggregations (server versions) or ``max_time``.
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedrun.aggregators import MVR, Aggregator
+from fedrun.aggregators import MVR, Aggregator, FedAvg
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint
 from fedrun.clients import FStarEstimate, client_accuracy, evaluate
@@ -22,6 +22,7 @@ from fedrun.optimizers import base_lr
 from fedrun.pipeline import Pipeline, upload_message_mb
 from fedrun.privacy import Privacy
 from fedrun.rounds import RunResult, Schedule, record
+from fedrun.sampling import LOSS_BYTES, Sampler, Uniform
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
 
@@ -42,6 +43,7 @@ def run(
     checkpoint: Checkpoint | None = None,
     pipeline: Pipeline | None = None,
     privacy: Privacy | None = None,
+    sampler: Sampler | None = None,
 ) -> RunResult:
     """Run synchronous federated training.
 
@@ -64,6 +66,7 @@ def run(
         pipeline: The stages each round's updates pass between training and aggregation (default: none).
         privacy: DP-FedAvg's clipping, noise and accounting in place of the aggregator (default: none; bound to the
             run's sampling by ``Privacy.bind``).
+        sampler: Who trains each round (default: ``Uniform``, the schedule's sampling); bound here.
 
     Returns:
         The final model and the metrics rows.
@@ -88,7 +91,9 @@ def run(
     first_lr = base_lr(optimizer)
     params = flat_parameters(model)
     initial = params  # w_0, where the F* estimate starts
-    sampler = numpy_rng(seed, "sampling")
+    rng = numpy_rng(seed, "sampling")  # the sampler's draws (checkpointed as "sampler")
+    sampler = sampler or Uniform()
+    sampler.bind(schedule, sizes, getattr(aggregator, "weighting", "samples"))
     m = schedule.cohort_size(len(clients))
     accuracy_source = "val_accuracy" if has_val else "test_accuracy"
     previous = None  # the previous global model, for aggregators that need it (MVR)
@@ -100,7 +105,7 @@ def run(
     saved = checkpoint.restored() if checkpoint else None
     if saved is not None:  # everything the loop carries between rounds, as it was after round saved["round"]
         first = saved["round"] + 1
-        params, previous, latest_accuracy, sampler = (
+        params, previous, latest_accuracy, rng = (
             saved["params"],
             saved["previous"],
             saved["latest_accuracy"],
@@ -109,6 +114,7 @@ def run(
         aggregator.load_state_dict(saved["aggregator"])
         server.load_state_dict(saved["server"])
         pipeline.load_state_dict(saved["pipeline"])
+        sampler.load_state_dict(saved.get("selection", {}))  # a checkpoint from before samplers has none
         privacy.load_state_dict(saved.get("privacy", {}))  # refused if private and the checkpoint has no ledger
         result = RunResult(params, rows=saved["rows"])
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
@@ -134,10 +140,17 @@ def run(
             if privacy.exceeds():  # the run ends here, FINISHED, its epsilon within max_epsilon (tag stopped_by)
                 break
             start = time.perf_counter()
-            cohort = schedule.draw(sampler, len(clients))
-            plan = heterogeneity.plan(t, cohort, sizes[cohort], schedule.work, seed)
+            clock = time.perf_counter()
+            selection = sampler.draw(
+                rng, lambda ids, w=params: trainer.losses(w, [clients[i] for i in ids], schedule.batch_size)
+            )
+            selection_s = time.perf_counter() - clock
+            selected = np.zeros(len(clients), dtype=np.int64)  # who was picked (before stragglers drop out)
+            selected[selection.cohort] = selection.counts
+            plan = heterogeneity.plan(t, selection.cohort, sizes[selection.cohort], schedule.work, seed)
             works = [work for work in plan if work is not None]
-            cohort = cohort[[work is not None for work in plan]]  # stragglers that dropped out of the round
+            selection = selection.keep(np.array([work is not None for work in plan], dtype=bool))  # stragglers drop out
+            cohort = selection.cohort
             parts = [clients[i] for i in cohort]
             lr = schedule.lr(first_lr, t)
             clock = time.perf_counter()
@@ -159,8 +172,11 @@ def run(
                 local_losses=trained.local_losses,
                 steps=trained.steps,
                 coefficient_norms=trained.coefficient_norms,
-                # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t.
-                losses=Lazy(lambda w=params, parts=parts: trainer.losses(w, parts, schedule.batch_size)),
+                # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t (or
+                # what Power-of-Choice already measured to choose the cohort).
+                losses=selection.losses
+                if selection.losses is not None
+                else Lazy(lambda w=params, parts=parts: trainer.losses(w, parts, schedule.batch_size)),
                 # From the previous global model on the same mini-batches (same round and client keys); MVR.
                 measure=lambda signal, w=params, parts=parts: trainer.per_client(signal, w, parts),
                 previous_deltas=Lazy(
@@ -179,11 +195,16 @@ def run(
             clock = time.perf_counter()
             if privacy:  # DP-FedAvg: clipped, noised, a fixed denominator (an empty round is noise alone)
                 update, alpha, diagnostics = privacy.aggregate(sent, params, t, cohort)
+            elif len(cohort) and selection.weights is not None:  # importance sampling's unbiased FedAvg
+                alpha = selection.weights
+                update = torch.as_tensor(alpha, dtype=sent.dtype, device=sent.device) @ sent
+                diagnostics = {"alpha_distance": float(np.abs(alpha - aggregator.base_weights(report)).sum())}
             elif len(cohort):
                 update, alpha, diagnostics = aggregator.aggregate(params, sent, report)
             else:  # nobody sampled (poisson): a zero update, and the server steps on it as Opacus steps on an
                 # empty Poisson batch (a server optimizer with momentum still moves; plain SGD does not)
                 update, alpha, diagnostics = torch.zeros_like(params), np.zeros(0), {}
+            sampler.observe(cohort, sent)
             params = server.step(params, update)
             diverged = not torch.isfinite(params).all()
             signals_s = sum(report.wall_s.values())  # lazy signals read while aggregating have their own columns
@@ -199,12 +220,15 @@ def run(
                 train_loss = float(np.average(report.losses.mean, weights=sizes[cohort]))
             timings["loss_wall_s"] = report.wall_s.get("losses", 0.0)
             timings["train_wall_s"] = train_s + report.wall_s.get("previous_deltas", 0.0)
+            timings["selection_wall_s"] = selection_s  # Power-of-Choice's loss pass over its candidates
+            unkept = max(selection.probed - int(np.count_nonzero(selected)), 0)  # candidates probed, not kept
             row = {
                 "round": t,
                 "train_loss": train_loss,
                 "lr": lr,
-                "upload_mb": len(cohort) * (upload_mb + (models - 1) * message_mb),
-                "download_mb": models * len(cohort) * message_mb,
+                "upload_mb": len(cohort) * (upload_mb + (models - 1) * message_mb)
+                + selection.probed * LOSS_BYTES / 1e6,
+                "download_mb": (models * len(cohort) + unkept) * message_mb,
                 "local_steps_mean": float(trained.steps.mean()) if len(cohort) else 0.0,
                 "cohort_size": len(cohort),
             }
@@ -216,6 +240,7 @@ def run(
             if local_accuracy is not None:
                 row["client_accuracy"] = float(local_accuracy.mean()) if len(cohort) else math.nan
             row.update(diagnostics)
+            row.update(selection.spread or {})
             row.update(stage_diagnostics)
             row.update(timings)
             alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)
@@ -229,7 +254,7 @@ def run(
                 measure,
                 result,
                 on_round,
-                {"alpha": alpha_all, "local_steps": steps_all},
+                {"alpha": alpha_all, "local_steps": steps_all, "selected": selected},
                 bar,
                 start,
             )
@@ -247,7 +272,8 @@ def run(
                         "params": params,
                         "previous": previous,
                         "latest_accuracy": latest_accuracy,
-                        "sampler": sampler,
+                        "sampler": rng,
+                        "selection": sampler.state_dict(),
                         "aggregator": aggregator.state_dict(),
                         "server": server.state_dict(),
                         "pipeline": pipeline.state_dict(),
@@ -259,6 +285,7 @@ def run(
             if last:
                 break
         bar.close()
+        result.summary.update(sampler.summary())
     finally:
         trainer.close()
     return result
@@ -267,10 +294,17 @@ def run(
 class SyncEngine:
     """The ``engine=sync`` option: runs ``run`` (a class, so unknown config keys fail when it is built)."""
 
-    def check(self, aggregator, heterogeneity, pipeline=None, schedule=None) -> None:
+    def check(self, aggregator, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
         """Refuse, before training, an aggregator this engine cannot run."""
         if not isinstance(aggregator, Aggregator):
             raise ConfigError("engine", "sync", f"async for {type(aggregator).__name__}, an asynchronous aggregator")
+        if sampler is not None and sampler.name == "importance" and type(aggregator) is not FedAvg:
+            raise ConfigError(
+                "aggregator",
+                type(aggregator).__name__,
+                "fedavg with sampler=importance (its 1 / (N p_k) correction makes FedAvg's update unbiased; other "
+                "aggregators choose their own alpha)",
+            )
         if pipeline and isinstance(aggregator, MVR):  # MVR reads a second update per client, which no stage would see
             raise ConfigError(
                 "pipeline",
@@ -280,5 +314,7 @@ class SyncEngine:
             )
 
     def __call__(self, **kwargs) -> RunResult:
-        self.check(kwargs["aggregator"], kwargs.get("heterogeneity"), kwargs.get("pipeline"))
+        self.check(
+            kwargs["aggregator"], kwargs.get("heterogeneity"), kwargs.get("pipeline"), None, kwargs.get("sampler")
+        )
         return run(**kwargs)

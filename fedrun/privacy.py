@@ -456,7 +456,7 @@ class Privacy(Stateful):
     def __bool__(self) -> bool:
         return self.mechanism != "none"
 
-    def check(self, aggregator, engine, heterogeneity, pipeline=None, schedule=None) -> None:
+    def check(self, aggregator, engine, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
         """Refuse, before training, what this mechanism's accounting does not cover."""
         from fedrun.aggregators import FedAvg
         from fedrun.engine import SyncEngine
@@ -465,6 +465,13 @@ class Privacy(Stateful):
         if not self:
             return
         mine = f"privacy={self.mechanism}"
+        if sampler is not None and sampler.name != "uniform":
+            raise ConfigError(
+                "sampler",
+                sampler.name,
+                f"uniform with {mine} (the accountant's amplification assumes each client is drawn alike, "
+                "whatever the data)",
+            )
         if not isinstance(engine, SyncEngine):
             raise ConfigError("engine", "async", f"sync with {mine} (asynchronous privacy is not accounted)")
         if type(aggregator) is not FedAvg:

@@ -109,6 +109,11 @@ def test_working_combinations_build(compose_config, overrides):
         (["pipeline=clip", "pipeline.stages.0.max_norm=-1"], "pipeline.stages.0.max_norm=-1", "a number > 0"),
         (["pipeline=clip", "pipeline.stages.0.target_quantile=2"], "pipeline.stages.0.target_quantile=2", "[0, 1]"),
         (["aggregator=mvr", "pipeline=clip"], "pipeline=['Clip']", "none with aggregator=mvr"),
+        (["sampler=importance", "aggregator=fedsoftmax"], "aggregator='FedSoftMax'", "fedavg with sampler=importance"),
+        (["sampler=power_of_choice", "aggregator=fedbuff"], "sampler='power_of_choice'", "uniform with engine=async"),
+        (["sampler=power_of_choice", "privacy=central"], "sampler='power_of_choice'", "uniform with privacy=central"),
+        (["sampler=power_of_choice", "sampler.candidates=50"], "sampler.candidates=50", "to N = 20"),
+        (["sampler=importance", "sampler.signal=loss"], "sampler.signal='loss'", "update_norm or size"),
     ],
 )
 def test_bad_values_fail_before_training_with_one_line(compose_config, overrides, key, allowed):

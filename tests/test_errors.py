@@ -60,6 +60,8 @@ BAD = [
     (["privacy=central", "privacy.mechanism=shuffle"], "privacy.mechanism"),
     (["compression=topk", "compression.k=0"], "compression.k"),
     (["compression=qsgd", "compression.levels=0"], "compression.levels"),
+    (["sampler=power_of_choice", "sampler.candidates=1"], "sampler.candidates"),
+    (["sampler=importance", "sampler.uniform_mix=-0.5"], "sampler.uniform_mix"),
     (["schedule.sampling=shuffle"], "schedule.sampling"),
 ]
 

@@ -164,6 +164,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
         "heterogeneity",
         "pipeline",
         "privacy",
+        "sampler",
     )
     signals = StopSignals(checkpoint).__enter__()  # until the run is closed: a signal while it closes waits for that
     try:

@@ -15,6 +15,7 @@ from fedrun.errors import ConfigError
 from fedrun.partitions import hold_out
 from fedrun.privacy import Privacy
 from fedrun.rounds import STOP_ON
+from fedrun.sampling import Uniform
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.state import encode
 
@@ -83,13 +84,23 @@ def setup(cfg: DictConfig) -> dict:
     if cfg.get("compression") and "_target_" in cfg.compression:  # the last stage; older run dirs have none
         stages.append(build("compression", cfg.compression))
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
-    objects["engine"].check(objects["aggregator"], objects["heterogeneity"], objects["pipeline"], objects["schedule"])
+    # A run dir saved before the sampler group has none: uniform, the schedule's sampling.
+    objects["sampler"] = build("sampler", cfg.sampler) if "sampler" in cfg else Uniform()
+    objects["engine"].check(
+        objects["aggregator"], objects["heterogeneity"], objects["pipeline"], objects["schedule"], objects["sampler"]
+    )
     # A run dir saved before the privacy group has none.
     objects["privacy"] = build("privacy", cfg.privacy) if "privacy" in cfg else Privacy()
     objects["privacy"].check(
-        objects["aggregator"], objects["engine"], objects["heterogeneity"], objects["pipeline"], objects["schedule"]
+        objects["aggregator"],
+        objects["engine"],
+        objects["heterogeneity"],
+        objects["pipeline"],
+        objects["schedule"],
+        objects["sampler"],
     )
-    for group in ("aggregator", "server", "pipeline"):  # a state a checkpoint cannot hold fails now, not at round 10
+    # A state a checkpoint cannot hold fails now, not at round 10.
+    for group in ("aggregator", "server", "pipeline", "sampler"):
         try:
             encode(objects[group].state_dict(), group)
         except TypeError as exc:
@@ -129,6 +140,10 @@ def setup(cfg: DictConfig) -> dict:
             )
         except ConfigError as exc:
             raise exc.within("dataset") from None
+    # Settings that depend on the population (candidates <= N) fail now; its errors name their full keys.
+    objects["sampler"].bind(
+        objects["schedule"], [len(c) for c in clients], getattr(objects["aggregator"], "weighting", "samples")
+    )
     try:
         objects["privacy"].bind(objects["schedule"], len(clients), seed)
     except ConfigError as exc:
