@@ -137,6 +137,12 @@ class AsyncEngine:
             raise ConfigError(
                 "sampler", sampler.name, "uniform with engine=async (a client trains again when it comes back)"
             )
+        if schedule is not None and schedule.cohort is not None:
+            raise ConfigError(
+                "schedule.cohort",
+                schedule.cohort,
+                "null with engine=async (engine.concurrency sets who trains at once)",
+            )
         if schedule is not None and schedule.sampling != "fixed":
             raise ConfigError(
                 "schedule.sampling", schedule.sampling, "fixed with engine=async (its clients come back as they finish)"

@@ -143,3 +143,65 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
     """A detached copy of the model's parameters as one flat vector."""
     # reshape, not view: parameters in channels_last layout are not contiguous. Logical (NCHW) order always.
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+class LeafCNN(nn.Sequential):
+    """LEAF's FEMNIST CNN (``models/femnist/cnn.py``): conv 5x5 32 ('same'), ReLU, max-pool 2; conv 5x5 64 ('same'),
+    ReLU, max-pool 2; dense 2048 with ReLU; dense to the classes. 6,603,710 parameters for 28x28 inputs and 62
+    classes (pinned in a test).
+
+    Args:
+        input_shape: (channels, height, width), from the dataset.
+        num_classes: From the dataset.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int):
+        if len(input_shape) != 3:
+            raise ConfigError(
+                "model", "leaf_cnn", f"char_lstm, mlp or logistic for inputs of shape {tuple(input_shape)}"
+            )
+        channels, height, width = input_shape
+        super().__init__(
+            nn.Conv2d(channels, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64 * (height // 4) * (width // 4), 2048),
+            nn.ReLU(),
+            nn.Linear(2048, num_classes),
+        )
+
+
+class CharLSTM(nn.Module):
+    """LEAF's Shakespeare model (``models/shakespeare/stacked_lstm.py``): an embedding of 8 per symbol, two LSTM
+    layers of 256, and a dense layer from the last step's output to the vocabulary. 819,920 parameters for LEAF's
+    80 symbols with PyTorch's two biases per gate (pinned in a test; TensorFlow's one bias gives 817,872).
+
+    Args:
+        input_shape: (sequence length,), from the dataset; inputs are symbol indices (int64).
+        num_classes: The vocabulary, from the dataset (the next symbol is the label).
+        embedding: Embedding size.
+        hidden: LSTM units per layer.
+        layers: LSTM layers.
+    """
+
+    def __init__(
+        self, input_shape: tuple[int, ...], num_classes: int, embedding: int = 8, hidden: int = 256, layers: int = 2
+    ):
+        super().__init__()
+        if len(input_shape) != 1:
+            raise ConfigError(
+                "model", "char_lstm", f"leaf_cnn, cnn, mlp or logistic for inputs of shape {tuple(input_shape)}"
+            )
+        for key, value in (("embedding", embedding), ("hidden", hidden), ("layers", layers)):
+            check(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
+        self.embed = nn.Embedding(num_classes, embedding)
+        self.lstm = nn.LSTM(embedding, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(x))
+        return self.head(out[:, -1])

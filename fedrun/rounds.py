@@ -31,6 +31,8 @@ class Schedule:
         local_steps: Fixed number of local mini-batch steps per round, or null.
         batch_size: Local mini-batch size.
         clients_per_round: Fraction C in (0, 1] of the clients sampled each round (at least one with ``fixed``).
+        cohort: Clients a round as a count (``fixed`` sampling), in place of ``clients_per_round``; null: use C.
+            Cross-device papers give the count (10 a round in Reddi et al. 2021), whatever the population.
         sampling: How a round's cohort is drawn: ``fixed`` (round(C * N) clients without replacement, McMahan et
             al.'s FedAvg) or ``poisson`` (each client joins with probability C on its own, so the cohort's size
             varies and may be empty: the sampling that privacy amplification by subsampling assumes).
@@ -47,6 +49,7 @@ class Schedule:
     batch_size: int = 10
     clients_per_round: float = 1.0
     sampling: str = "fixed"
+    cohort: int | None = None
     lr_decay: float = 1.0
     eval_every: int = 1
     stop_at_accuracy: float | None = None
@@ -76,6 +79,19 @@ class Schedule:
             self.sampling,
             "fixed (clients_per_round of the clients, drawn without replacement) or poisson (each client with "
             "probability clients_per_round)",
+        )
+        check(
+            self.cohort is None
+            or (isinstance(self.cohort, int) and not isinstance(self.cohort, bool) and self.cohort >= 1),
+            "cohort",
+            self.cohort,
+            "null (clients_per_round decides) or an integer >= 1",
+        )
+        check(
+            self.cohort is None or self.sampling == "fixed",
+            "sampling",
+            self.sampling,
+            "fixed with schedule.cohort (poisson draws each client with probability clients_per_round)",
         )
         check(0 < self.lr_decay <= 1, "lr_decay", self.lr_decay, "a factor in (0, 1]")
         check(
@@ -115,6 +131,8 @@ class Schedule:
 
     def cohort_size(self, num_clients: int) -> int:
         """Clients a round with ``fixed`` sampling (the expected size, rounded, with ``poisson``)."""
+        if self.cohort is not None:
+            return self.cohort  # at most the population: checked when the sampler is bound
         return max(1, int(round(self.clients_per_round * num_clients)))
 
     def draw(self, sampler: np.random.Generator, num_clients: int) -> np.ndarray:

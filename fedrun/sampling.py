@@ -119,6 +119,8 @@ class Sampler(Stateful):
         ``uniform``: what q_k is); checks the settings that depend on them (ConfigError)."""
         self.schedule, self.sizes, self.weighting = schedule, np.asarray(sizes), weighting
         self.selected = np.zeros(len(sizes), dtype=np.int64)
+        if schedule.cohort is not None and schedule.cohort > len(sizes):
+            raise ConfigError("schedule.cohort", schedule.cohort, f"at most the {len(sizes)} clients")
 
     @property
     def cohort_size(self) -> int:

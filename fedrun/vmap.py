@@ -98,6 +98,8 @@ def vmap_supported(make_optimizer, model: nn.Module) -> str | None:
         return (
             "loop or processes for models with buffers or dropout (batch norm statistics and random masks are per call)"
         )
+    if any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        return "loop or processes for recurrent models (torch.func.vmap does not batch nn.LSTM's fused kernels)"
     if any(isinstance(m, BatchSoftmax) for m in model.modules()):
         return "loop or processes for model.head=batch_softmax (a padded sample would enter the softmax over the batch)"
     return None

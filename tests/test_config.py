@@ -19,7 +19,8 @@ OPTIONS = sorted(
 OBJECT_GROUPS = tuple(g for g in CONFIG_GROUPS if g not in ("model", "method", "experiment"))
 GLOBAL_GROUPS = ("experiment", "sweep", "method")  # presets that set keys across groups
 # Small shapes that each model option accepts: images for the CNN, anything for the others.
-MODEL_INPUT = {"cnn": (1, 8, 8)}
+MODEL_INPUT = {"cnn": (1, 8, 8), "char_lstm": (12,)}
+MODEL_DTYPE = {"char_lstm": torch.int64}  # symbol indices
 
 
 def test_groups_are_found():
@@ -37,7 +38,8 @@ def test_every_option_composes_and_instantiates(compose_config, group, option):
     node = cfg[group]
     if group == "model":
         model = instantiate(node, input_shape=MODEL_INPUT.get(option, (1, 8, 8)), num_classes=10)
-        assert model(torch.zeros(2, *MODEL_INPUT.get(option, (1, 8, 8)))).shape == (2, 10)
+        inputs = torch.zeros(2, *MODEL_INPUT.get(option, (1, 8, 8)), dtype=MODEL_DTYPE.get(option, torch.float32))
+        assert model(inputs).shape == (2, 10)
     elif group == "optimizer":
         optimizer = instantiate(node)([torch.zeros(1, requires_grad=True)])
         assert isinstance(optimizer, torch.optim.Optimizer)

@@ -63,6 +63,8 @@ BAD = [
     (["sampler=power_of_choice", "sampler.candidates=1"], "sampler.candidates"),
     (["sampler=importance", "sampler.uniform_mix=-0.5"], "sampler.uniform_mix"),
     (["schedule.sampling=shuffle"], "schedule.sampling"),
+    (["schedule.cohort=0"], "schedule.cohort"),
+    (["dataset=femnist", "dataset.root=/nonexistent/leaf"], "dataset.root"),
 ]
 
 

@@ -1,0 +1,224 @@
+"""LEAF's naturally federated datasets (Caldas et al. 2018, github.com/TalwalkarLab/leaf), read from the files a
+user already has: ``dataset=femnist`` and ``dataset=shakespeare``.
+
+Layout, as LEAF's ``data/utils/split_data.py`` writes it: ``<root>/train/*.json`` and ``<root>/test/*.json``, each
+``{"users": [...], "num_samples": [...], "user_data": {user: {"x": [...], "y": [...]}}}`` (a top-level
+``hierarchies`` list, which only LEAF's unsplit Shakespeare file has, is ignored).
+
+- FEMNIST: x is 784 floats in [0, 1], a 28x28 image as LEAF's ``data_to_json.py`` writes it (grey / 255, not
+  inverted: the background is near 1); y is 0-61 (digits, upper case, lower case).
+- Shakespeare: x is an 80-character string, y the next character; both map through LEAF's 80-symbol vocabulary
+  (``ALL_LETTERS``, ``models/utils/language_utils.py`` line 11). LEAF maps a character outside it to -1, which its
+  embedding lookup rejects; fedrun refuses such a file in one line naming the file, the user and the character.
+
+One client per LEAF user (``partition=natural``), in file order. The test split is every user's test samples
+together; ``natural_test_split`` keeps which are whose. Loading shows a progress bar over the files, and holds at
+most one file's parsed JSON besides the tensors: each file's arrays are copied into the final tensors and freed
+file by file, so the data is never held twice.
+"""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from fedrun.datasets import Dataset, default_root
+from fedrun.errors import ConfigError, check
+
+# LEAF models/utils/language_utils.py, line 11 (80 symbols; index 0 is the newline, 79 the closing brace).
+ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+SEQUENCE = 80  # Shakespeare's input length (LEAF baseline_constants.py: seq_len 80)
+_LOOKUP = np.full(256, -1, dtype=np.int64)
+_LOOKUP[np.frombuffer(ALL_LETTERS.encode("ascii"), dtype=np.uint8)] = np.arange(len(ALL_LETTERS))
+
+
+class Leaf(Dataset):
+    """Base of the LEAF datasets: reads the JSON files; subclasses convert one user's x and y.
+
+    Args:
+        root: The folder holding ``train/`` and ``test/`` (LEAF's ``data/<name>/data``); null: ``$FEDRUN_DATA/<name>``
+            or ``data/<name>`` under the working directory.
+        val_fraction, client_test_fraction: See ``Dataset``.
+    """
+
+    folder: str  # under the default root
+    sample_shape: tuple[int, ...]
+
+    def __init__(self, root: str | None = None, val_fraction: float = 0.0, client_test_fraction: float = 0.0):
+        super().__init__(val_fraction, client_test_fraction)
+        self.root = Path(root).expanduser() if root else default_root() / self.folder
+
+    def convert(self, x: list, y: list, where: str) -> tuple[np.ndarray, np.ndarray]:
+        """One user's samples as arrays (x in ``sample_shape``, y int64); ``where`` names them in errors."""
+        raise NotImplementedError
+
+    def files(self, split: str) -> list[Path]:
+        folder = self.root / split
+        found = sorted(folder.glob("*.json")) if folder.is_dir() else []
+        if not found:
+            raise ConfigError(
+                "dataset.root",
+                str(self.root),
+                f"a folder with LEAF's {self.folder} files in train/*.json and test/*.json (its data/{self.folder}/"
+                f"data after preprocess.sh); {folder} has no .json file",
+            )
+        return found
+
+    def read(self, split: str) -> tuple[torch.Tensor, torch.Tensor, list[str], list[np.ndarray]]:
+        """The split's tensors, its users in file order and each user's sample indices."""
+        xs, ys, users, sizes = [], [], [], []
+        started, files = time.perf_counter(), self.files(split)
+        bar = tqdm(files, desc=f"{self.folder} {split}", unit="file", dynamic_ncols=True)
+        for path in bar:
+            file_x, file_y = [], []
+            for user, x, y in self._users(path):
+                ux, uy = self.convert(x, y, f"{path} user {user!r}")
+                file_x.append(ux), file_y.append(uy), users.append(user), sizes.append(len(uy))
+            if file_x:
+                xs.append(np.concatenate(file_x)), ys.append(np.concatenate(file_y))
+            bar.set_postfix(users=len(users), samples=sum(sizes))
+        bar.close()
+        seen, duplicates = set(), set()
+        for user in users:
+            (duplicates if user in seen else seen).add(user)
+        if duplicates:
+            raise ConfigError(
+                "dataset.root", str(self.root / split), f"each user in one file ({sorted(duplicates)[:3]} recur)"
+            )
+        x = _stacked(xs, self.sample_shape)
+        y = torch.from_numpy(np.concatenate(ys or [np.zeros(0, dtype=np.int64)]))
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        parts = [np.arange(a, b) for a, b in zip(offsets[:-1], offsets[1:])]
+        seconds = time.perf_counter() - started
+        tqdm.write(f"fedrun: {self.folder} {split}: {len(users)} users, {len(y)} samples, read in {seconds:.1f} s")
+        return x, y, users, parts
+
+    @staticmethod
+    def _users(path: Path):
+        """(user, x, y) of each user of one LEAF file, checked against its layout; the parsed file is freed after."""
+        try:
+            with path.open() as handle:
+                data = json.load(handle)
+        except (OSError, ValueError) as exc:
+            raise ConfigError("dataset.root", str(path), f"a LEAF JSON file ({type(exc).__name__}: {exc})") from None
+        missing = [
+            key for key in ("users", "num_samples", "user_data") if not isinstance(data, dict) or key not in data
+        ]
+        if missing:
+            raise ConfigError(
+                "dataset.root", str(path), f"a LEAF JSON file with users, num_samples and user_data (no {missing[0]})"
+            )
+        users, counts, user_data = data.pop("users"), data.pop("num_samples"), data.pop("user_data")
+        if len(users) != len(counts):
+            raise ConfigError(
+                "dataset.root", str(path), f"as many num_samples as users ({len(counts)} for {len(users)} users)"
+            )
+        for user, count in zip(users, counts):
+            samples = user_data.pop(user, None)
+            if not isinstance(samples, dict) or "x" not in samples or "y" not in samples:
+                raise ConfigError(
+                    "dataset.root", str(path), f"user_data with x and y for every user ({user!r} has none)"
+                )
+            if not len(samples["x"]) == len(samples["y"]) == count:
+                raise ConfigError(
+                    "dataset.root",
+                    str(path),
+                    f"num_samples equal to the user's x and y ({user!r}: num_samples {count}, "
+                    f"{len(samples['x'])} x, {len(samples['y'])} y)",
+                )
+            yield str(user), samples["x"], samples["y"]
+
+    def _splits(self):
+        x_train, y_train, train_users, train_parts = self.read("train")
+        x_test, y_test, test_users, test_parts = self.read("test")
+        self.users = train_users
+        by_user = dict(zip(test_users, test_parts))
+        empty = np.zeros(0, dtype=np.int64)
+        self.natural_test_split = [by_user.get(user, empty) for user in train_users]
+        return x_train, y_train, x_test, y_test, train_parts
+
+
+def _stacked(chunks: list[np.ndarray], shape: tuple[int, ...]) -> torch.Tensor:
+    """The chunks concatenated into one tensor, each freed once copied (never two copies of the data)."""
+    total = sum(len(c) for c in chunks)
+    out = torch.empty((total, *shape), dtype=torch.from_numpy(chunks[0]).dtype if chunks else torch.float32)
+    offset = 0
+    while chunks:
+        chunk = chunks.pop(0)
+        out[offset : offset + len(chunk)] = torch.from_numpy(chunk).reshape(len(chunk), *shape)
+        offset += len(chunk)
+        del chunk
+    return out
+
+
+class FEMNIST(Leaf):
+    """LEAF's FEMNIST: 62 classes, one client per writer, 28x28 images in [0, 1] as stored (background near 1).
+
+    Args:
+        invert: Use 1 - x (dark background), as TensorFlow Federated's and FedJAX's EMNIST readers do.
+        root, val_fraction, client_test_fraction: See ``Leaf``.
+    """
+
+    folder, sample_shape, num_classes = "femnist", (1, 28, 28), 62
+
+    def __init__(
+        self,
+        root: str | None = None,
+        invert: bool = False,
+        val_fraction: float = 0.0,
+        client_test_fraction: float = 0.0,
+    ):
+        super().__init__(root, val_fraction, client_test_fraction)
+        check(isinstance(invert, bool), "invert", invert, "true or false")
+        self.invert = invert
+
+    def convert(self, x, y, where):
+        try:
+            images = np.asarray(x, dtype=np.float32)
+            labels = np.asarray(y, dtype=np.int64)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("dataset.root", where, f"x of 784 numbers and integer y ({exc})") from None
+        if images.ndim != 2 or images.shape[1] != 784:
+            raise ConfigError("dataset.root", where, f"x of 784 pixels a sample (got shape {images.shape})")
+        if labels.ndim != 1 or (len(labels) and not (0 <= labels.min() and labels.max() < 62)):
+            raise ConfigError("dataset.root", where, "labels y in 0-61")
+        return (1 - images if self.invert else images), labels
+
+
+class Shakespeare(Leaf):
+    """LEAF's Shakespeare: next-character prediction, one client per speaking role, 80-character inputs over
+    LEAF's 80-symbol vocabulary (``ALL_LETTERS``); x is int64 indices, y the next character's index.
+
+    Args:
+        root, val_fraction, client_test_fraction: See ``Leaf``.
+    """
+
+    folder, sample_shape, num_classes = "shakespeare", (SEQUENCE,), len(ALL_LETTERS)
+
+    def convert(self, x, y, where):
+        if not all(isinstance(s, str) and len(s) == SEQUENCE for s in x):
+            bad = next(s for s in x if not (isinstance(s, str) and len(s) == SEQUENCE))
+            raise ConfigError("dataset.root", where, f"x of {SEQUENCE}-character strings (one is {str(bad)[:20]!r}...)")
+        if not all(isinstance(c, str) and len(c) == 1 for c in y):
+            bad = next(c for c in y if not (isinstance(c, str) and len(c) == 1))
+            raise ConfigError("dataset.root", where, f"y of single characters (one is {bad!r})")
+        return indices("".join(x), where).reshape(-1, SEQUENCE), indices("".join(y), where)
+
+
+def indices(text: str, where: str) -> np.ndarray:
+    """Each character's index in ``ALL_LETTERS``; one outside it is refused in one line."""
+    try:
+        codes = np.frombuffer(text.encode("latin-1"), dtype=np.uint8)
+    except UnicodeEncodeError as exc:
+        codes = None
+        unknown = text[exc.start]
+    else:
+        found = _LOOKUP[codes]
+        if (found >= 0).all():
+            return found
+        unknown = chr(codes[np.argmax(found < 0)])
+    del codes
+    raise ConfigError("dataset.root", where, f"characters of LEAF's 80-symbol vocabulary ({unknown!r} is not one)")
