@@ -64,7 +64,6 @@ BAD = [
     (["sampler=importance", "sampler.uniform_mix=-0.5"], "sampler.uniform_mix"),
     (["schedule.sampling=shuffle"], "schedule.sampling"),
     (["schedule.cohort=0"], "schedule.cohort"),
-    (["dataset=femnist", "dataset.root=/nonexistent/leaf"], "dataset.root"),
 ]
 
 
