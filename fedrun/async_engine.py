@@ -336,8 +336,9 @@ class AsyncEngine:
             bar.close()
         finally:
             trainer.close()
+        held_x, held_y = data.held_out(x, y, x_test, y_test) if client_tests else (x, y)
         result.summary, result.tables = self._fairness(
-            model, result.params, x, y, clients, client_tests, group_of, applied
+            model, result.params, held_x, held_y, clients, client_tests, group_of, applied
         )
         return result
 
@@ -429,9 +430,10 @@ class AsyncEngine:
             f"weight_share/{g.name}": float(applied[group_of == i].sum() / total) for i, g in enumerate(self.groups)
         }
         summary.update(
-            client_accuracy_std=float(accuracy.std()),
-            client_accuracy_min=float(accuracy.min()),
-            client_accuracy_max=float(accuracy.max()),
+            # Clients without held-out samples (NaN) count in none of these.
+            client_accuracy_std=float(np.nanstd(accuracy)),
+            client_accuracy_min=float(np.nanmin(accuracy)),
+            client_accuracy_max=float(np.nanmax(accuracy)),
         )
         return summary, {"fairness.csv": table}
 

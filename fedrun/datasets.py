@@ -24,6 +24,8 @@ class FederatedData:
         x_val, y_val: Validation split held out of train, or None.
         num_classes: Number of classes.
         natural_split: For datasets that come split per client, one index array into train per client.
+        client_tests_in: Which split the run's ``client_tests`` index: ``train`` (held out of each client's training
+            samples, ``client_test_fraction``) or ``test`` (each LEAF user's own test samples, ``client_tests``).
     """
 
     x_train: torch.Tensor
@@ -34,6 +36,11 @@ class FederatedData:
     x_val: torch.Tensor | None = None
     y_val: torch.Tensor | None = None
     natural_split: list[np.ndarray] | None = field(default=None, repr=False)
+    client_tests_in: str = "train"
+
+    def held_out(self, x_train, y_train, x_test, y_test):
+        """Of the (prepared) tensors, the pair that ``client_tests`` index."""
+        return (x_test, y_test) if self.client_tests_in == "test" else (x_train, y_train)
 
     @property
     def input_shape(self) -> tuple[int, ...]:

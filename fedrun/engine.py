@@ -82,6 +82,7 @@ def run(
         *((data.x_val, data.y_val) if has_val else (None, None)),
     )
     model.eval()
+    held_out = data.held_out(x, y, x_test, y_test)  # what client_tests index
     server = server or ServerOptimizer()
     heterogeneity = heterogeneity or EqualWork()
     pipeline = pipeline or Pipeline()
@@ -188,7 +189,7 @@ def run(
             previous = params
             # The papers' client accuracy: each local model on its own held-out split, before aggregation.
             local_accuracy = (
-                client_accuracy(model, params, deltas, x, y, [client_tests[i] for i in cohort])
+                client_accuracy(model, params, deltas, *held_out, [client_tests[i] for i in cohort])
                 if client_tests
                 else None
             )
@@ -238,7 +239,9 @@ def run(
                 )
             )
             if local_accuracy is not None:
-                row["client_accuracy"] = float(local_accuracy.mean()) if len(cohort) else math.nan
+                # A client without held-out samples (a LEAF user with no test sample) counts in no mean.
+                has = [len(client_tests[i]) > 0 for i in cohort]
+                row["client_accuracy"] = float(local_accuracy[has].mean()) if any(has) else math.nan
             row.update(diagnostics)
             row.update(selection.spread or {})
             row.update(stage_diagnostics)

@@ -41,15 +41,32 @@ class Leaf(Dataset):
     Args:
         root: The folder holding ``train/`` and ``test/`` (LEAF's ``data/<name>/data``); null: ``$FEDRUN_DATA/<name>``
             or ``data/<name>`` under the working directory.
+        client_tests: Each client's held-out data (``client_accuracy``) is its own LEAF test samples; needs
+            ``partition=natural`` and ``client_test_fraction`` 0. A user with no test sample counts in no mean.
         val_fraction, client_test_fraction: See ``Dataset``.
     """
 
     folder: str  # under the default root
     sample_shape: tuple[int, ...]
 
-    def __init__(self, root: str | None = None, val_fraction: float = 0.0, client_test_fraction: float = 0.0):
+    def __init__(
+        self,
+        root: str | None = None,
+        client_tests: bool = False,
+        val_fraction: float = 0.0,
+        client_test_fraction: float = 0.0,
+    ):
         super().__init__(val_fraction, client_test_fraction)
+        check(isinstance(client_tests, bool), "client_tests", client_tests, "true or false")
+        check(
+            not (client_tests and client_test_fraction > 0),
+            "client_test_fraction",
+            client_test_fraction,
+            "0 with client_tests=true (each client's held-out data is then its LEAF test samples)",
+        )
         self.root = Path(root).expanduser() if root else default_root() / self.folder
+        self.client_tests = client_tests
+        self.natural_test_split: list[np.ndarray] = []
 
     def convert(self, x: list, y: list, where: str) -> tuple[np.ndarray, np.ndarray]:
         """One user's samples as arrays (x in ``sample_shape``, y int64); ``where`` names them in errors."""
@@ -159,7 +176,7 @@ class FEMNIST(Leaf):
 
     Args:
         invert: Use 1 - x (dark background), as TensorFlow Federated's and FedJAX's EMNIST readers do.
-        root, val_fraction, client_test_fraction: See ``Leaf``.
+        root, client_tests, val_fraction, client_test_fraction: See ``Leaf``.
     """
 
     folder, sample_shape, num_classes = "femnist", (1, 28, 28), 62
@@ -168,10 +185,11 @@ class FEMNIST(Leaf):
         self,
         root: str | None = None,
         invert: bool = False,
+        client_tests: bool = False,
         val_fraction: float = 0.0,
         client_test_fraction: float = 0.0,
     ):
-        super().__init__(root, val_fraction, client_test_fraction)
+        super().__init__(root, client_tests, val_fraction, client_test_fraction)
         check(isinstance(invert, bool), "invert", invert, "true or false")
         self.invert = invert
 
@@ -193,7 +211,7 @@ class Shakespeare(Leaf):
     LEAF's 80-symbol vocabulary (``ALL_LETTERS``); x is int64 indices, y the next character's index.
 
     Args:
-        root, val_fraction, client_test_fraction: See ``Leaf``.
+        root, client_tests, val_fraction, client_test_fraction: See ``Leaf``.
     """
 
     folder, sample_shape, num_classes = "shakespeare", (SEQUENCE,), len(ALL_LETTERS)

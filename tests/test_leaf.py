@@ -200,6 +200,7 @@ def test_both_presets_run_two_rounds_through_fedrun_from_the_default_root(fedrun
         "schedule.rounds=2",
         "schedule.cohort=2",
         "schedule.eval_every=1",
+        "++dataset.client_tests=true",  # ++: Hydra composes the sweep's base config (digits) with it too
         "device.threads=1",
         "hydra.sweep.dir=sweep",
         experiment="leaf",
@@ -208,5 +209,49 @@ def test_both_presets_run_two_rounds_through_fedrun_from_the_default_root(fedrun
     for job, sizes in ((0, [5, 3, 4]), (1, [6, 4])):
         metrics = pd.read_csv(fedrun.cwd / "sweep" / str(job) / "metrics.csv")
         assert metrics["round"].tolist() == [1, 2] and (metrics["cohort_size"] == 2).all()
-        assert metrics["test_accuracy"].between(0, 1).all()
+        assert metrics["test_accuracy"].between(0, 1).all() and metrics["client_accuracy"].between(0, 1).all()
         assert pd.read_csv(fedrun.cwd / "sweep" / str(job) / "partition.csv")["samples"].tolist() == sizes
+
+
+def test_each_users_leaf_test_samples_are_its_held_out_data(tmp_path, compose_config):
+    from fedrun.aggregators import FedAvg
+    from fedrun.cli import setup
+    from fedrun.clients import evaluate
+    from fedrun.engine import run
+    from fedrun.models import Logistic, flat_parameters
+    from fedrun.rounds import Schedule
+
+    femnist_files(tmp_path)
+    parts = setup(
+        compose_config(
+            "experiment=femnist",
+            f"dataset.root={tmp_path}",
+            "dataset.client_tests=true",
+            "model=logistic",
+            "schedule.cohort=2",
+        )
+    )
+    data, tests = parts["data"], parts["client_tests"]
+    assert data.client_tests_in == "test" and [len(t) for t in tests] == [2, 1, 2]
+    # With a zero learning rate each local model is the global one: client_accuracy is then the mean over the
+    # cohort of the global model's accuracy on each client's own test samples, which must be read from the test split.
+    torch.manual_seed(0)
+    model = Logistic((1, 28, 28), 62)
+    w = flat_parameters(model)
+    rows = []
+    run(
+        model,
+        data,
+        parts["clients"],
+        FedAvg(),
+        functools.partial(torch.optim.SGD, lr=0.0),
+        Schedule(rounds=1, local_epochs=1, batch_size=5),
+        Device("cpu", backend="loop"),
+        seed=0,
+        client_tests=tests,
+        on_round=lambda row, per_client: rows.append(row),
+    )
+    expected = np.mean([evaluate(model, w, data.x_test[t], data.y_test[t])[0] for t in tests])
+    assert rows[0]["client_accuracy"] == pytest.approx(expected)
+    with pytest.raises(ConfigError, match="dataset.client_test_fraction=0.2.*0 with client_tests=true"):
+        setup(compose_config("experiment=femnist", "dataset.client_tests=true", "dataset.client_test_fraction=0.2"))

@@ -112,6 +112,7 @@ def setup(cfg: DictConfig) -> dict:
         schedule.stop_at_accuracy is not None
         and "client_accuracy" in STOP_ON[schedule.stop_on]
         and not objects["dataset"].client_test_fraction
+        and not getattr(objects["dataset"], "client_tests", False)
     ):
         raise ConfigError(
             "schedule.stop_on",
@@ -133,7 +134,9 @@ def setup(cfg: DictConfig) -> dict:
     except ConfigError as exc:
         raise exc.within("partition") from None
     client_tests = None
-    if objects["dataset"].client_test_fraction > 0:
+    if getattr(objects["dataset"], "client_tests", False):  # LEAF: each user's own test samples (partition=natural)
+        client_tests, data.client_tests_in = objects["dataset"].natural_test_split, "test"
+    elif objects["dataset"].client_test_fraction > 0:
         try:
             clients, client_tests = hold_out(
                 clients, objects["dataset"].client_test_fraction, numpy_rng(seed, "client_test")
