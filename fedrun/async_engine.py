@@ -30,6 +30,7 @@ from fedrun.errors import ConfigError, check
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
+from fedrun.partitions import LazyClients, client_sizes
 from fedrun.pipeline import Pipeline, upload_message_mb
 from fedrun.rounds import RunResult, record
 from fedrun.seeding import numpy_rng
@@ -200,8 +201,14 @@ class AsyncEngine:
         device = as_device(device)
         x, y, x_test, y_test = device.prepare(model, data.x_train, data.y_train, data.x_test, data.y_test)
         model.eval()
-        label_sets = self._label_sets(data, clients, group_of)
-        sizes = np.array([len(c) for c in clients])
+        population = isinstance(clients, LazyClients)
+        if population and self.concurrency is None:
+            raise ConfigError(
+                "engine.concurrency", None, "the clients training at once with partition=population (not all of them)"
+            )
+        # A population's clients are drawn when they train: the groups' label sets are alike, and none is computed.
+        label_sets = {} if population else self._label_sets(data, clients, group_of)
+        sizes = client_sizes(clients)
         # The clients that arrive at one instant train together (each from the model it pulled), on the device's
         # backend. Drawn speeds make them arrive one at a time, so ``auto`` keeps the loop; with equal speeds a
         # whole wave arrives together, and ``device.backend=processes`` (CPU) or ``vmap`` (GPU) trains it at once.
@@ -373,10 +380,13 @@ class AsyncEngine:
             del pulled[c]
         if self.concurrency is None or self.concurrency >= num_clients:
             return arrived
-        training = np.zeros(num_clients, dtype=bool)
-        training[list(pulled)] = True
-        idle = np.flatnonzero(~training)  # sorted, as the draw needs
-        return sorted(int(c) for c in sampler.choice(idle, size=len(arrived), replace=False))
+        # The draw over the idle clients in id order, without listing them (a population has a million): numpy's
+        # choice(idle, k) is idle[choice(len(idle), k)], and the p-th idle client is p plus the training clients
+        # at or below it, found among the sorted training ids shifted by their rank.
+        training = np.sort(np.fromiter(pulled, dtype=np.int64, count=len(pulled)))
+        positions = sampler.choice(num_clients - len(training), size=len(arrived), replace=False)
+        shifted = training - np.arange(len(training))
+        return sorted(int(p + np.searchsorted(shifted, p, side="right")) for p in positions)
 
     def _start(self, events: list, c: int, now: float, speed_rng, group_of) -> None:
         group = self.groups[group_of[c]]
@@ -403,9 +413,11 @@ class AsyncEngine:
         return row
 
     def _fairness(self, model, w, x, y, clients, client_tests, group_of, applied):
-        """Weight shares per client and group, and the spread of per-client accuracy of the final model."""
+        """Weight shares per client and group, and the spread of per-client accuracy of the final model (over the
+        clients whose updates were applied, for a population: the others were never drawn)."""
         total = applied.sum() or 1.0
-        held_out = client_tests or clients
+        members = np.flatnonzero(applied > 0) if isinstance(clients, LazyClients) else np.arange(len(clients))
+        held_out = [client_tests[c] for c in members] if client_tests else [clients[c] for c in members]
         # One pass over the distinct samples (clients may share some), then each client's mean.
         samples, position = np.unique(np.concatenate(held_out), return_inverse=True)
         correct = np.concatenate(
@@ -420,9 +432,9 @@ class AsyncEngine:
             accuracy = hits / counts  # NaN for a client without samples
         table = pd.DataFrame(
             {
-                "client": np.arange(len(clients)),
-                "group": [self.groups[g].name for g in group_of],
-                "weight_share": applied / total,
+                "client": members,
+                "group": [self.groups[g].name for g in group_of[members]],
+                "weight_share": applied[members] / total,
                 "accuracy": accuracy,
             }
         )

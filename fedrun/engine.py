@@ -19,6 +19,7 @@ from fedrun.errors import ConfigError, DivergenceError
 from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
+from fedrun.partitions import client_sizes
 from fedrun.pipeline import Pipeline, upload_message_mb
 from fedrun.privacy import Privacy
 from fedrun.rounds import RunResult, Schedule, record
@@ -88,7 +89,7 @@ def run(
     pipeline = pipeline or Pipeline()
     pipeline.bind(seed)
     privacy = privacy or Privacy()
-    sizes = np.array([len(part) for part in clients])
+    sizes = client_sizes(clients)  # a population's shared array: nothing per client
     first_lr = base_lr(optimizer)
     params = flat_parameters(model)
     initial = params  # w_0, where the F* estimate starts

@@ -443,3 +443,87 @@ def hold_out(
         test.append(np.sort(shuffled[:n_test]))
         train.append(np.sort(shuffled[n_test:]))
     return train, test
+
+
+class LazyClients:
+    """Clients made when asked for (``clients[i]``, each time), for populations too large to list: nothing exists
+    per client beforehand. ``sizes`` holds each client's sample count. Engines and tracking never iterate over all
+    of them (no partition.csv; the asynchronous engine's fairness covers the clients whose updates were applied)."""
+
+    sizes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i) -> np.ndarray:
+        raise NotImplementedError
+
+
+class PopulationClients(LazyClients):
+    """A cross-device population's clients: ``clients[i]`` draws client i's samples from its own stream (seed,
+    ``population``, i) each time; nothing exists per client before (no array, no generator)."""
+
+    def __init__(self, num_clients: int, samples: int, by_label: list[np.ndarray], labels_per_client, seed: int):
+        self.num_clients, self.samples, self.by_label = num_clients, samples, by_label
+        self.labels_per_client, self.seed = labels_per_client, seed
+        self.everything = np.sort(np.concatenate(by_label))
+        self.sizes = np.broadcast_to(np.int64(samples), (num_clients,))  # read-only, one element of memory
+
+    def __getitem__(self, i) -> np.ndarray:
+        i = int(i)
+        if not 0 <= i < self.num_clients:
+            raise IndexError(f"client {i} of {self.num_clients}")
+        from fedrun.seeding import numpy_rng
+
+        rng = numpy_rng(self.seed, "population", i)
+        if self.labels_per_client is None:
+            source = self.everything
+        else:
+            chosen = rng.choice(len(self.by_label), size=self.labels_per_client, replace=False)
+            source = np.concatenate([self.by_label[c] for c in np.sort(chosen)])
+        return np.sort(rng.choice(source, size=self.samples, replace=len(source) < self.samples))
+
+
+class Population(Partition):
+    """A synthetic cross-device population sharing one pool: ``num_clients`` clients (a million, say), each holding
+    ``samples_per_client`` samples of the training set drawn by its own stream when it first trains, so clients
+    overlap and a round costs what its cohort costs, whatever the population (``PopulationClients``).
+
+    Args:
+        num_clients: The population.
+        samples_per_client: Samples each client holds (drawn without replacement from its source).
+        labels_per_client: Null (from every label) or k: the client's samples come from k labels its stream picks.
+    """
+
+    def __init__(
+        self, num_clients: int = 1_000_000, samples_per_client: int = 20, labels_per_client: int | None = None
+    ):
+        super().__init__(num_clients, samples_per_client)
+        check(samples_per_client is not None, "samples_per_client", samples_per_client, "an integer >= 1 (population)")
+        check(
+            labels_per_client is None or (isinstance(labels_per_client, int) and labels_per_client >= 1),
+            "labels_per_client",
+            labels_per_client,
+            "null or an integer >= 1",
+        )
+        self.labels_per_client = labels_per_client
+
+    def __call__(self, labels, rng, natural=None):
+        self._refuse_natural(natural)
+        classes = np.unique(labels)
+        check(
+            self.labels_per_client is None or self.labels_per_client <= len(classes),
+            "labels_per_client",
+            self.labels_per_client,
+            f"at most the {len(classes)} labels",
+        )
+        seed = int(rng.integers(2**63))  # the clients' streams hang off the run's partition stream
+        by_label = [np.flatnonzero(labels == c) for c in classes]
+        return PopulationClients(self.num_clients, self.samples_per_client, by_label, self.labels_per_client, seed)
+
+
+def client_sizes(clients) -> np.ndarray:
+    """Each client's sample count: a population's shared array, else counted."""
+    if isinstance(clients, LazyClients):
+        return np.asarray(clients.sizes)
+    return np.array([len(part) for part in clients], dtype=np.int64)

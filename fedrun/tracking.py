@@ -242,7 +242,12 @@ class Tracker:
     def log_partition(
         self, clients: list[np.ndarray], labels: np.ndarray, num_classes: int, held_out: list[np.ndarray] | None = None
     ) -> None:
-        """Write ``partition.csv``: per client its training samples, held-out samples (when any) and count per label."""
+        """Write ``partition.csv``: per client its training samples, held-out samples (when any) and count per label.
+        A population's clients are drawn when they train: listing them all would draw them all, so it has none."""
+        from fedrun.partitions import LazyClients
+
+        if isinstance(clients, LazyClients):
+            return
         counts = (
             np.stack([np.bincount(labels[part], minlength=num_classes) for part in clients])
             if clients

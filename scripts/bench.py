@@ -8,8 +8,10 @@ Workloads, on synthetic tensors (no files needed), the papers' CNN (``CNN`` of f
 - ``1000-clients`` and ``10000-clients``: 1,000 or 10,000 clients x 50 samples, cohort 100, E = 1, batch 10,
   evaluation every 10 rounds. Clients index a pool of 50,000 samples (client c has samples 50c .. 50c+49
   modulo the pool), so the two differ only in the population: what grows with it is fedrun's own.
-- ``async-1000`` and ``async-10000``: FedBuff (buffer 10) on the asynchronous engine with ``concurrency=100``,
-  the same clients, compute times uniform in [1, 10]; a "round" is an aggregation.
+  ``1000000-clients``: the same with a million clients. Clients are made when a round asks for them
+  (``fedrun.partitions.LazyClients``), for every population alike, so what grows with it is fedrun's own.
+- ``async-1000``, ``async-10000`` and ``async-1000000``: FedBuff (buffer 10) on the asynchronous engine with
+  ``concurrency=100``, the same clients, compute times uniform in [1, 10]; a "round" is an aggregation.
 - ``cifar10-pfl``: pfl-research's CIFAR-10 benchmark setting (1,000 clients x 50 samples of 3x32x32, 10
   classes, 50 per round, batch 10, E = 1), the same CNN on CIFAR-shaped inputs. For GPUs (``--device cuda``).
 
@@ -59,6 +61,7 @@ from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
 from fedrun.metrics import run_summary
 from fedrun.models import CNN
+from fedrun.partitions import LazyClients
 from fedrun.tracking import Tracker
 
 MNIST, CIFAR = (1, 28, 28), (3, 32, 32)
@@ -69,6 +72,9 @@ WORKLOADS = {
         clients=1_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10, references=False
     ),
     "10000-clients": dict(clients=10_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10),
+    "1000000-clients": dict(
+        clients=1_000_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10, references=False
+    ),
     "async-1000": dict(
         clients=1_000,
         samples=50,
@@ -82,6 +88,17 @@ WORKLOADS = {
     ),
     "async-10000": dict(
         clients=10_000,
+        samples=50,
+        concurrency=100,
+        buffer=10,
+        epochs=1,
+        batch=10,
+        test=10_000,
+        eval_every=10,
+        references=False,
+    ),
+    "async-1000000": dict(
+        clients=1_000_000,
         samples=50,
         concurrency=100,
         buffer=10,
@@ -107,7 +124,18 @@ MLFLOW = (
 )  # without it (a bare GPU machine), logging is the CSV files alone
 
 
-def synthetic(spec: dict, device: torch.device, seed: int = 0) -> tuple[FederatedData, list[np.ndarray]]:
+class PoolClients(LazyClients):
+    """Client c holds samples 50c .. 50c+49 of the pool (modulo its size), made when asked for."""
+
+    def __init__(self, num_clients: int, samples: int, pool: int):
+        self.samples, self.pool = samples, pool
+        self.sizes = np.broadcast_to(np.int64(samples), (num_clients,))
+
+    def __getitem__(self, c) -> np.ndarray:
+        return np.arange(int(c) * self.samples, (int(c) + 1) * self.samples) % self.pool
+
+
+def synthetic(spec: dict, device: torch.device, seed: int = 0) -> tuple[FederatedData, PoolClients]:
     """Inputs whose label shifts a class pattern, so training has something to learn; on ``device``."""
     g = torch.Generator().manual_seed(seed)
     shape = spec.get("shape", MNIST)
@@ -118,7 +146,7 @@ def synthetic(spec: dict, device: torch.device, seed: int = 0) -> tuple[Federate
     for c in range(10):  # class by class: no temporary the size of the data
         x[y == c] += patterns[c]
         x_test[y_test == c] += patterns[c]
-    clients = [np.arange(c * spec["samples"], (c + 1) * spec["samples"]) % n for c in range(spec["clients"])]
+    clients = PoolClients(spec["clients"], spec["samples"], n)
     data = FederatedData(x.to(device), y.to(device), x_test.to(device), y_test.to(device), num_classes=10)
     return data, clients
 
@@ -131,7 +159,7 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
         local_epochs=spec["epochs"],
         batch_size=spec["batch"],
         eval_every=spec["eval_every"],
-        clients_per_round=spec.get("cohort", 1) / spec["clients"],
+        cohort=spec.get("cohort"),  # the asynchronous workloads: concurrency instead
     )
     rows, logging = [], []
     with tempfile.TemporaryDirectory() as scratch:
@@ -396,7 +424,9 @@ def main() -> None:
         result = workload(name, args.device, args.backends or BACKENDS[args.device], args)
         print(describe(result), flush=True)
         results.append(result)
-    for small, large in (("1000-clients", "10000-clients"), ("async-1000", "async-10000")):
+    pairs = [("1000-clients", "10000-clients"), ("1000-clients", "1000000-clients")]
+    pairs += [("async-1000", "async-10000"), ("async-1000", "async-1000000")]
+    for small, large in pairs:
         found = {r["workload"]: r for r in results}
         if small in found and large in found:
             print(

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.errors import ConfigError
-from fedrun.partitions import hold_out
+from fedrun.partitions import LazyClients, client_sizes, hold_out
 from fedrun.privacy import Privacy
 from fedrun.rounds import STOP_ON
 from fedrun.sampling import Uniform
@@ -137,6 +137,12 @@ def setup(cfg: DictConfig) -> dict:
     if getattr(objects["dataset"], "client_tests", False):  # LEAF: each user's own test samples (partition=natural)
         client_tests, data.client_tests_in = objects["dataset"].natural_test_split, "test"
     elif objects["dataset"].client_test_fraction > 0:
+        if isinstance(clients, LazyClients):
+            raise ConfigError(
+                "dataset.client_test_fraction",
+                objects["dataset"].client_test_fraction,
+                "0 with partition=population (its clients are drawn when they train; nothing is held out)",
+            )
         try:
             clients, client_tests = hold_out(
                 clients, objects["dataset"].client_test_fraction, numpy_rng(seed, "client_test")
@@ -145,7 +151,7 @@ def setup(cfg: DictConfig) -> dict:
             raise exc.within("dataset") from None
     # Settings that depend on the population (candidates <= N) fail now; its errors name their full keys.
     objects["sampler"].bind(
-        objects["schedule"], [len(c) for c in clients], getattr(objects["aggregator"], "weighting", "samples")
+        objects["schedule"], client_sizes(clients), getattr(objects["aggregator"], "weighting", "samples")
     )
     try:
         objects["privacy"].bind(objects["schedule"], len(clients), seed)
