@@ -12,6 +12,10 @@ Workloads, on synthetic tensors (no files needed), the papers' CNN (``CNN`` of f
   (``fedrun.partitions.LazyClients``), for every population alike, so what grows with it is fedrun's own.
 - ``async-1000``, ``async-10000`` and ``async-1000000``: FedBuff (buffer 10) on the asynchronous engine with
   ``concurrency=100``, the same clients, compute times uniform in [1, 10]; a "round" is an aggregation.
+- ``femnist`` and ``shakespeare``: LEAF-shaped (``experiment=femnist`` and ``experiment=shakespeare``'s protocol):
+  3,400 writers of 200 28x28 images over 62 classes with LEAF's CNN, 10 a round, E = 1, batch 20; 715 roles of
+  100 sequences of 80 symbols with LEAF's LSTM, 10 a round, E = 1, batch 4; an evaluation every 5 rounds on
+  2,000 test samples. Clients index the pool as above (at most 50,000 distinct samples).
 - ``cifar10-pfl``: pfl-research's CIFAR-10 benchmark setting (1,000 clients x 50 samples of 3x32x32, 10
   classes, 50 per round, batch 10, E = 1), the same CNN on CIFAR-shaped inputs. For GPUs (``--device cuda``).
 
@@ -24,8 +28,9 @@ scratch SQLite store, or the CSV files alone where mlflow is not installed), and
 ``--backends`` to choose); ``naive``, the loop a researcher writes first (a state_dict loaded into the
 model per client, a DataLoader, evaluation in batches of 1000, the per-client loss pass); and the compute
 ``floor``: the same forward/backward sample-passes as one centrally trained model at the same batch size in its
-fastest layout (contiguous or channels_last), plus the same forward-only passes (test set and train_loss
-pass on evaluated rounds). The asynchronous and scale workloads have no references (null).
+fastest layout: one process on the run's threads (contiguous or channels_last) or, on a CPU, the sample-passes
+split over one-thread worker processes, one a core (two one-thread processes beat two threads at batch 10), plus
+the same forward-only passes (test set and train_loss pass on evaluated rounds). The asynchronous and scale workloads have no references (null).
 
 Every figure is measured in its own process, so the peak RSS (and on CUDA the peak GPU memory) of fedrun's
 is fedrun's alone; ``--repeats`` times, the measurements interleaved, and the fastest counts (noise on a
@@ -56,11 +61,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedrun.aggregators import FedAvg, FedBuff
 from fedrun.async_engine import AsyncEngine
-from fedrun.backends import Device
+from fedrun.backends import Device, usable_cores
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
+from fedrun.leaf import SEQUENCE
 from fedrun.metrics import run_summary
-from fedrun.models import CNN
+from fedrun.models import CNN, CharLSTM, LeafCNN
 from fedrun.partitions import LazyClients
 from fedrun.tracking import Tracker
 
@@ -108,6 +114,20 @@ WORKLOADS = {
         eval_every=10,
         references=False,
     ),
+    "femnist": dict(
+        clients=3_400,
+        samples=200,
+        cohort=10,
+        epochs=1,
+        batch=20,
+        test=2_000,
+        eval_every=5,
+        model="leaf_cnn",
+        classes=62,
+    ),
+    "shakespeare": dict(
+        clients=715, samples=100, cohort=10, epochs=1, batch=4, test=2_000, eval_every=5, model="char_lstm", classes=80
+    ),
     "cifar10-pfl": dict(
         clients=1_000, samples=50, cohort=50, epochs=1, batch=10, test=10_000, eval_every=10, shape=CIFAR
     ),
@@ -135,25 +155,47 @@ class PoolClients(LazyClients):
         return np.arange(int(c) * self.samples, (int(c) + 1) * self.samples) % self.pool
 
 
+def make_model(spec: dict) -> nn.Module:
+    """The workload's model: the papers' CNN, or LEAF's CNN or LSTM."""
+    classes = spec.get("classes", 10)
+    if spec.get("model") == "leaf_cnn":
+        return LeafCNN(MNIST, classes)
+    if spec.get("model") == "char_lstm":
+        return CharLSTM((SEQUENCE,), classes)
+    return CNN(spec.get("shape", MNIST), classes)
+
+
 def synthetic(spec: dict, device: torch.device, seed: int = 0) -> tuple[FederatedData, PoolClients]:
-    """Inputs whose label shifts a class pattern, so training has something to learn; on ``device``."""
+    """Inputs whose label shifts a class pattern, so training has something to learn; on ``device``. For the
+    LSTM, symbol sequences whose next symbol is their last one plus one."""
     g = torch.Generator().manual_seed(seed)
-    shape = spec.get("shape", MNIST)
     n = min(POOL, spec["clients"] * spec["samples"])
-    patterns = torch.randn(10, *shape, generator=g)
-    y, y_test = torch.randint(0, 10, (n,), generator=g), torch.randint(0, 10, (spec["test"],), generator=g)
+    clients = PoolClients(spec["clients"], spec["samples"], n)
+    if spec.get("model") == "char_lstm":
+        classes = spec["classes"]
+        x, x_test = (torch.randint(0, classes, (size, SEQUENCE), generator=g) for size in (n, spec["test"]))
+        data = FederatedData(
+            x.to(device),
+            ((x[:, -1] + 1) % classes).to(device),
+            x_test.to(device),
+            ((x_test[:, -1] + 1) % classes).to(device),
+            num_classes=classes,
+        )
+        return data, clients
+    shape, classes = spec.get("shape", MNIST), spec.get("classes", 10)
+    patterns = torch.randn(classes, *shape, generator=g)
+    y, y_test = torch.randint(0, classes, (n,), generator=g), torch.randint(0, classes, (spec["test"],), generator=g)
     x, x_test = torch.randn(n, *shape, generator=g), torch.randn(spec["test"], *shape, generator=g)
-    for c in range(10):  # class by class: no temporary the size of the data
+    for c in range(classes):  # class by class: no temporary the size of the data
         x[y == c] += patterns[c]
         x_test[y_test == c] += patterns[c]
-    clients = PoolClients(spec["clients"], spec["samples"], n)
-    data = FederatedData(x.to(device), y.to(device), x_test.to(device), y_test.to(device), num_classes=10)
+    data = FederatedData(x.to(device), y.to(device), x_test.to(device), y_test.to(device), num_classes=classes)
     return data, clients
 
 
 def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rounds: int, device: Device) -> dict:
     torch.manual_seed(0)
-    model = CNN(spec.get("shape", MNIST), 10)
+    model = make_model(spec)
     schedule = Schedule(
         rounds=rounds,
         local_epochs=spec["epochs"],
@@ -266,29 +308,74 @@ def bench_floor(spec: dict, data: FederatedData) -> float:
     """One central model, the same sample-passes per round at the same batch size, in its fastest layout;
     plus the same forward-only passes (on an evaluated round, once every ``eval_every``: the test set, and
     the cohort's training samples, whose loss under the round's model fedrun logs as train_loss)."""
-    return min(_floor(spec, data, memory_format) for memory_format in (torch.contiguous_format, torch.channels_last))
+    layouts = [torch.contiguous_format] + ([torch.channels_last] if data.x_train.dim() == 4 else [])
+    floors = [_floor(spec, data, memory_format) for memory_format in layouts]
+    if data.x_train.device.type == "cpu" and usable_cores() > 1:
+        floors.append(_floor(spec, data, layouts[-1], workers=usable_cores()))
+    return min(floors)
 
 
-def _floor(spec: dict, data: FederatedData, memory_format: torch.memory_format) -> float:
+def _train_passes(model, x, y, passes: int, batch: int) -> None:
+    """``passes`` forward/backward sample-passes of one model at ``batch``, wrapping around the data."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for done in range(0, passes, batch):
+        lo = done % (len(x) - batch + 1)  # wraps around: E epochs over the data
+        optimizer.zero_grad(set_to_none=True)
+        cross_entropy(model(x[lo : lo + batch]), y[lo : lo + batch]).backward()
+        optimizer.step()
+
+
+def _worker_passes(model, x, y, passes, batch, start, results) -> None:
+    """One worker of the process layout: one thread, a warm-up, then its share of the passes after ``start``."""
+    torch.set_num_threads(1)
+    _train_passes(model, x, y, min(passes, 4 * batch), batch)  # warm-up
+    start.wait()
+    clock = time.perf_counter()
+    _train_passes(model, x, y, passes, batch)
+    results.put(time.perf_counter() - clock)
+
+
+def _process_train(model, x, y, passes: int, batch: int, workers: int) -> float:
+    """Wall seconds of ``passes`` split over ``workers`` forked one-thread processes, each with its own model copy,
+    from a common start to the last one done."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    start, results = context.Barrier(workers + 1), context.Queue()
+    share = -(-passes // workers // batch) * batch  # whole batches each
+    procs = [
+        context.Process(target=_worker_passes, args=(model, x, y, share, batch, start, results)) for _ in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    start.wait()
+    clock = time.perf_counter()
+    for _ in procs:
+        results.get()
+    wall = time.perf_counter() - clock
+    for p in procs:
+        p.join()
+    return wall
+
+
+def _floor(spec: dict, data: FederatedData, memory_format: torch.memory_format, workers: int = 1) -> float:
     passes = spec["cohort"] * spec["samples"] * spec["epochs"]
     torch.manual_seed(0)
     device = data.x_train.device
     model = (
-        CNN(spec.get("shape", MNIST), 10).to(device).to(memory_format=memory_format)
-    )  # ReLU after pooling: the cheaper exact order
+        make_model(spec).to(device).to(memory_format=memory_format)
+    )  # the CNN: ReLU after pooling, the cheaper order
     x, y = data.x_train.contiguous(memory_format=memory_format), data.y_train
     x_test = data.x_test.contiguous(memory_format=memory_format)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     timings = []
     for _ in range(2):  # the first is a warm-up
         start = time.perf_counter()
-        for done in range(0, passes, spec["batch"]):
-            lo = done % (len(x) - spec["batch"] + 1)  # wraps around: E epochs over the data
-            optimizer.zero_grad(set_to_none=True)
-            cross_entropy(model(x[lo : lo + spec["batch"]]), y[lo : lo + spec["batch"]]).backward()
-            optimizer.step()
-        _sync(device)
-        train = time.perf_counter() - start
+        if workers > 1:
+            train = _process_train(model, x, y, passes, spec["batch"], workers)
+        else:
+            _train_passes(model, x, y, passes, spec["batch"])
+            _sync(device)
+            train = time.perf_counter() - start
         forward = []
         for chunk in (64, 256, 1024):  # the fastest chunk size counts (64 on the CPUs measured so far)
             start = time.perf_counter()
@@ -333,7 +420,9 @@ def workload(name: str, kind: str, backends: list[str], args) -> dict:
     spec = WORKLOADS[name]
     if "concurrency" in spec:
         backends = ["loop"]  # the asynchronous engine trains one arriving client at a time
-    whats = backends + (["naive", "floor"] if spec.get("references", True) and "concurrency" not in spec else [])
+    references = spec.get("references", True) and "concurrency" not in spec
+    # The naive loop is written for the papers' CNN; the floor takes any model.
+    whats = backends + (["naive"] if references and "model" not in spec else []) + (["floor"] if references else [])
     runs = {what: [] for what in whats}
     for _ in range(args.repeats):  # interleaved, so a slow phase of a shared machine hits every figure alike
         for what in whats:
