@@ -151,7 +151,8 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
 
     Runs with the same seed share their data split and initial model, so the per-seed difference is free of
     the seed-to-seed spread that widens the intervals of ``summarise``: a paired t interval (Student t on the
-    differences, n - 1 degrees of freedom)."""
+    differences, n - 1 degrees of freedom). A seed is one pair: runs of one config and seed that were made more than
+    once (the same job in two sweeps) are averaged first, so a repeat cannot pass for a second seed."""
     runs, r_columns, others = metric_columns(runs.fillna({k: "-" for k in keys}), extra)
     base = runs[runs[key].astype(str) == baseline]
     if base.empty:
@@ -160,9 +161,15 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
             f"--paired {label(key)}={baseline}: no finished run has {label(key)} = {baseline!r} (there: {values})"
         )
     match = ["params.seed"] + [k for k in keys if k != key and (base[k] != "-").any()]
+    metrics = r_columns + others
+
+    def one_per_seed(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+        return frame.groupby(by, as_index=False, dropna=False)[metrics].mean()
+
+    base = one_per_seed(base, match)
     rows = []
     for values, group in groups(runs[runs[key].astype(str) != baseline], keys):
-        pairs = group.merge(base, on=match, suffixes=("", "_base"))
+        pairs = one_per_seed(group, match).merge(base, on=match, suffixes=("", "_base"))
         row = {label(k): v for k, v in zip(keys, values)}
         row["pairs"] = len(pairs)
         for column in r_columns + others:

@@ -151,6 +151,12 @@ def test_paired_differences_match_runs_on_the_seed_against_the_baseline():
     )
     with pytest.raises(ValueError, match="no finished run has aggregator = 'fedprox' \\(there: fedavg, fedsoftmax\\)"):
         paired(runs, keys, "tags.aggregator", "fedprox")
+    # The FedAvg baseline run twice for each seed (the same job in two sweeps): still one pair a seed, the same figures.
+    twice = paired(pd.concat([runs, runs[runs["tags.aggregator"] == "fedavg"]]), keys, "tags.aggregator", "fedavg")
+    twice = twice.set_index("aggregator.temperature")
+    assert twice.loc["1", "pairs"] == 2 and twice.loc["1", "final_test_accuracy_ci95"] == pytest.approx(
+        0.2541, abs=1e-4
+    )
 
 
 def test_groups_sort_numbers_as_numbers():
