@@ -281,11 +281,26 @@ def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accu
     return out
 
 
+def per_megabyte(accuracy: dict[str, pd.DataFrame], uploads: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """Each group's accuracy frame indexed by the megabytes uploaded until each round (the runs' mean cumulative
+    ``upload_mb``) instead of the round."""
+    out = {}
+    for name, frame in accuracy.items():
+        spent = uploads[name].reindex(index=frame.index).cumsum().mean(axis=1)
+        out[name] = frame.set_axis(spent.to_numpy(), axis=0)
+    return out
+
+
 def plot_bands(
-    groups: dict[str, pd.DataFrame], path: Path, title: str, metric: str = "test accuracy", step: str = "round"
+    groups: dict[str, pd.DataFrame],
+    path: Path,
+    title: str,
+    metric: str = "test accuracy",
+    step: str = "round",
+    log_x: bool = False,
 ) -> Path:
-    """Mean ``metric`` per ``step`` (a round; an aggregation of the async engine) with its 95% Student-t band, one
-    line per group."""
+    """Mean ``metric`` per ``step`` (a round; an aggregation of the async engine; megabytes uploaded with
+    ``log_x``, on a logarithmic axis) with its 95% Student-t band, one line per group."""
     from fedrun.plots import MaxNLocator, plt
 
     # Many or long group names go below the axes, one a line, and the figure grows to hold them.
@@ -308,7 +323,10 @@ def plot_bands(
         ax.plot(frame.index, stats[:, 0], label=f"{name} (n={frame.shape[1]})")
         ax.fill_between(frame.index, low, high, alpha=0.2)
     ax.set(xlabel=step, ylabel=metric, title=title)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if log_x:
+        ax.set_xscale("log")
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     if below:
         fig.legend(loc="outside lower center", fontsize="small")
@@ -416,6 +434,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also plot final test accuracy against this numeric config key, one line per value of the other keys "
         "(e.g. privacy.target_epsilon: a privacy-utility curve; final_test_accuracy_vs_<KEY>.png)",
     )
+    parser.add_argument(
+        "--per-mb",
+        action="store_true",
+        help="also plot test accuracy against the megabytes uploaded (accuracy_vs_upload_mb.png): compressed runs "
+        "against dense ones on communication",
+    )
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
     args = parser.parse_args(argv)
 
@@ -501,6 +525,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.experiment}: mean {metric}, 95% CI band",
                 metric,
                 step,
+            )
+        )
+    if args.per_mb:
+        plots.append(
+            plot_bands(
+                per_megabyte(curves(client, finished, keys), curves(client, finished, keys, "upload_mb")),
+                out / "accuracy_vs_upload_mb.png",
+                f"{args.experiment}: mean test accuracy against megabytes uploaded, 95% CI band",
+                step="megabytes uploaded (mean over the runs)",
+                log_x=True,
             )
         )
     if args.versus:

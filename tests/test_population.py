@@ -44,7 +44,9 @@ def test_a_million_clients_cost_nothing_until_they_train():
     clients = population()
     size, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert len(clients) == 1_000_000 and peak < 1_000_000  # under a byte a client: the label index arrays of the 60 samples, and no per-client part
+    assert (
+        len(clients) == 1_000_000 and peak < 1_000_000
+    )  # under a byte a client: the label index arrays of the 60 samples, and no per-client part
     with pytest.raises(ConfigError, match="labels_per_client=4.*at most the 3 labels"):
         population(labels_per_client=4)
 

@@ -387,3 +387,13 @@ def test_a_band_plot_leaves_out_a_group_that_never_logged_the_metric(tmp_path):
     logged = pd.DataFrame({"a": [0.5, 0.4], "b": [0.6, 0.5]}, index=[1, 2])
     path = plot_bands({"adaptive": logged, "privacy=none": pd.DataFrame()}, tmp_path / "c.png", "clip", "clip_norm")
     assert path.stat().st_size > 10_000
+
+
+def test_accuracy_per_megabyte_is_indexed_by_the_cumulative_upload():
+    from fedrun.report import per_megabyte
+
+    accuracy = {"topk": pd.DataFrame({"a": [0.5, 0.7, 0.8], "b": [0.6, 0.8, 0.9]}, index=[1, 2, 3])}
+    # Run a sends 2 MB a round, run b 4 MB: cumulative 2, 4, 6 and 4, 8, 12; their mean 3, 6, 9.
+    uploads = {"topk": pd.DataFrame({"a": [2.0, 2.0, 2.0], "b": [4.0, 4.0, 4.0]}, index=[1, 2, 3])}
+    frame = per_megabyte(accuracy, uploads)["topk"]
+    assert frame.index.tolist() == [3.0, 6.0, 9.0] and frame["b"].tolist() == [0.6, 0.8, 0.9]
