@@ -306,8 +306,14 @@ class SyncEngine:
             raise ConfigError(
                 "aggregator",
                 type(aggregator).__name__,
-                "fedavg with sampler=importance (its 1 / (N p_k) correction makes FedAvg's update unbiased; other "
+                "fedavg with sampler=importance (its weights q_k / (m p_k) make FedAvg's update unbiased; other "
                 "aggregators choose their own alpha)",
+            )
+        if sampler is not None and sampler.name == "importance" and getattr(heterogeneity, "mode", None) == "drop":
+            raise ConfigError(
+                "heterogeneity.mode",
+                "drop",
+                "partial with sampler=importance (clients dropping out after the draw would bias its estimate)",
             )
         if pipeline and isinstance(aggregator, MVR):  # MVR reads a second update per client, which no stage would see
             raise ConfigError(

@@ -1,7 +1,9 @@
 """Client selection: who trains each round of the synchronous engine (the ``sampler`` config group).
 
 A sampler draws a round's cohort from the run's ``sampling`` stream (one numpy generator, checkpointed with the
-run), so the same seed gives the same cohorts on every backend and across a kill and resume. Its own state (each
+run), so the same seed gives the same cohorts across a kill and resume, and on every backend for ``uniform`` and
+``importance`` by ``size``. Power-of-Choice and ``update_norm`` choose from measured losses and norms, which
+backends give equal up to floating-point noise: a near-tie may then go the other way. Its own state (each
 client's total selections; the importance sampler's last-known update norms) is explicit and checkpointed.
 
 - ``uniform`` (the default): the schedule's sampling, unchanged: ``fixed`` draws round(C N) clients without
@@ -15,7 +17,10 @@ client's total selections; the importance sampler's last-known update norms) is 
   The paper averages the m updates with equal weights (p_k already drew them); ``aggregator.weighting=uniform``
   does that, while FedAvg's default ``samples`` weighs them by size again (as Flower's PowerOfChoice does). The two
   coincide when clients hold equal amounts of data. With d = m the candidates are the cohort and no loss is
-  measured: the draw is the uniform sampler's (the same generator call when sizes are equal).
+  measured: the cohort is drawn in proportion to the clients' data, which is the uniform sampler's draw (the same
+  generator call) when sizes are equal or ``candidates_by=uniform``.
+  The cohort is the candidates with the largest losses, so cohort averages (``train_loss``, ``client_accuracy``)
+  are higher-loss averages than under uniform selection: compare runs on the test set.
 - ``importance``: m clients drawn with replacement from probabilities p_k that follow a signal, with the
   inverse-probability correction that makes FedAvg's update unbiased (Horvitz and Thompson 1952; for client
   sampling, Chen, Horvath and Richtarik 2022, "Optimal client sampling for federated learning", TMLR, whose optimal
@@ -23,7 +28,10 @@ client's total selections; the importance sampler's last-known update norms) is 
   q_k is FedAvg's weight of k over the whole population (n_k / n, or 1 / N with ``aggregator.weighting=uniform``:
   the issue's 1 / (N p_k)); a client drawn twice trains once and counts twice. Then
   E[sum of alpha_k Delta_k] = sum_k q_k Delta_k, full participation's update, for any p > 0. The alpha do not sum to
-  1 in a round, only in expectation. ``signal``:
+  1 in a round, only in expectation. Clients that drop out after the draw would bias it: ``heterogeneity`` with
+  ``mode: drop`` is refused. With top-k's error feedback the residual a client keeps is re-sent under the next
+  round's weight, so the estimate is unbiased for each round's compressed updates, not for the residuals. Server
+  optimizers step on an unbiased update; an adaptive one (Adam) is not linear in it. ``signal``:
   - ``update_norm``: p_k proportional to q_k ||Delta_k|| with each client's last-known update norm (what the
     server received from it the last time it trained; clients not yet seen get the mean of those seen, and all
     clients 1 before any was). Chen et al. use this round's norms, which needs every client to train each round
@@ -240,6 +248,13 @@ class Importance(Sampler):
             "uniform_mix",
             uniform_mix,
             "a fraction in [0, 1]",
+        )
+        check(
+            signal != "update_norm" or uniform_mix > 0,
+            "uniform_mix",
+            uniform_mix,
+            "> 0 with signal=update_norm (a client whose last update was zero would never be drawn again, and the "
+            "estimate would lose its unbiasedness)",
         )
         self.signal, self.uniform_mix = signal, float(uniform_mix)
         self.norms = np.zeros(0)

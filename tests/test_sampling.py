@@ -47,6 +47,14 @@ def test_power_of_choice_keeps_the_two_largest_losses_of_four_candidates():
     assert tied.draw(np.random.default_rng(0), by_table([1.0] * 6)).cohort.tolist() == [1, 2]
 
 
+def test_power_of_choice_with_d_equal_m_and_uniform_candidates_is_uniform_whatever_the_sizes():
+    uniform, poc = Uniform(), PowerOfChoice(candidates=2, candidates_by="uniform")
+    for sampler in (uniform, poc):
+        sampler.bind(schedule(2, 5), np.array([1, 2, 3, 4, 50]))
+    one, two = np.random.default_rng(1), np.random.default_rng(1)
+    assert all(uniform.draw(one, None).cohort.tolist() == poc.draw(two, None).cohort.tolist() for _ in range(20))
+
+
 def test_power_of_choice_draws_candidates_in_proportion_to_data():
     poc = PowerOfChoice(candidates=1)  # d = m = 1: the cohort is the candidate
     poc.bind(schedule(1, 3), np.array([10, 30, 60]))
@@ -131,6 +139,9 @@ def test_bad_settings_are_refused_in_one_line():
         Importance().bind(Schedule(clients_per_round=0.5, sampling="poisson"), np.full(4, 3))
     with pytest.raises(ConfigError, match="uniform_mix=1.5"):
         Importance(uniform_mix=1.5)
+    with pytest.raises(ConfigError, match="uniform_mix=0.0.*> 0 with signal=update_norm"):
+        Importance(uniform_mix=0.0)
+    assert Importance(signal="size", uniform_mix=0.0).uniform_mix == 0.0
 
 
 def tiny_run(sampler=None, aggregator=None, rounds=4, checkpoint=None, rows=None):
@@ -202,3 +213,10 @@ def test_the_selected_series_is_written_beside_alpha(tmp_path):
         tracker.log_round(row, per_client)
     table = pd.read_csv(tmp_path / "selected.csv")
     assert table.shape == (2, 1 + len(CLIENTS)) and (table.drop(columns="round").sum(axis=1) == 3).all()
+
+
+def test_importance_sampling_refuses_stragglers_that_drop_out(compose_config):
+    from fedrun.cli import setup
+
+    with pytest.raises(ConfigError, match="heterogeneity.mode='drop'.*partial with sampler=importance"):
+        setup(compose_config("sampler=importance", "heterogeneity=stragglers", "heterogeneity.mode=drop"))
