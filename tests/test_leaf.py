@@ -190,6 +190,7 @@ def test_vmap_refuses_the_lstm_in_one_line_and_the_other_backends_agree():
     assert torch.allclose(results[0], results[1], atol=1e-10)
 
 
+@pytest.mark.slow
 def test_both_presets_run_two_rounds_through_fedrun_from_the_default_root(fedrun, tmp_path, monkeypatch):
     femnist_files(tmp_path / "femnist")
     shakespeare_files(tmp_path / "shakespeare")
