@@ -256,3 +256,29 @@ def test_each_users_leaf_test_samples_are_its_held_out_data(tmp_path, compose_co
     assert rows[0]["client_accuracy"] == pytest.approx(expected)
     with pytest.raises(ConfigError, match="dataset.client_test_fraction=0.2.*0 with client_tests=true"):
         setup(compose_config("experiment=femnist", "dataset.client_tests=true", "dataset.client_test_fraction=0.2"))
+
+
+def test_the_vmap_backend_trains_leafs_cnn_as_the_loop_does():
+    from fedrun.aggregators import FedAvg
+    from fedrun.datasets import FederatedData
+    from fedrun.engine import run
+    from fedrun.rounds import Schedule
+
+    g = torch.Generator().manual_seed(0)
+    data = FederatedData(
+        torch.rand(30, 1, 8, 8, generator=g, dtype=torch.float64),
+        torch.randint(0, 5, (30,), generator=g),
+        torch.rand(6, 1, 8, 8, generator=g, dtype=torch.float64),
+        torch.randint(0, 5, (6,), generator=g),
+        num_classes=5,
+    )
+    clients = [np.arange(0, 12), np.arange(12, 19), np.arange(19, 30)]  # unequal: padded and masked by vmap
+    results = []
+    for backend in ("loop", "vmap"):
+        torch.manual_seed(0)
+        model = LeafCNN((1, 8, 8), 5).double()
+        schedule = Schedule(rounds=2, local_epochs=1, batch_size=4)
+        device = Device("cpu", backend=backend, memory_format="contiguous")
+        make = functools.partial(torch.optim.SGD, lr=0.1)
+        results.append(run(model, data, clients, FedAvg(), make, schedule, device, seed=0).params)
+    assert torch.allclose(results[0], results[1], atol=1e-10)
