@@ -71,6 +71,8 @@ from fedrun.partitions import LazyClients
 from fedrun.tracking import Tracker
 
 MNIST, CIFAR = (1, 28, 28), (3, 32, 32)
+# FedBuff on the asynchronous engine: the async-<clients> workloads differ in the population alone.
+ASYNC = dict(samples=50, concurrency=100, buffer=10, epochs=1, batch=10, test=10_000, eval_every=10, references=False)
 WORKLOADS = {
     "papers": dict(clients=50, samples=200, cohort=50, epochs=2, batch=64, test=10_000, eval_every=1),
     "cross-device": dict(clients=1_000, samples=50, cohort=50, epochs=1, batch=10, test=10_000, eval_every=10),
@@ -81,39 +83,7 @@ WORKLOADS = {
     "1000000-clients": dict(
         clients=1_000_000, samples=50, cohort=100, epochs=1, batch=10, test=10_000, eval_every=10, references=False
     ),
-    "async-1000": dict(
-        clients=1_000,
-        samples=50,
-        concurrency=100,
-        buffer=10,
-        epochs=1,
-        batch=10,
-        test=10_000,
-        eval_every=10,
-        references=False,
-    ),
-    "async-10000": dict(
-        clients=10_000,
-        samples=50,
-        concurrency=100,
-        buffer=10,
-        epochs=1,
-        batch=10,
-        test=10_000,
-        eval_every=10,
-        references=False,
-    ),
-    "async-1000000": dict(
-        clients=1_000_000,
-        samples=50,
-        concurrency=100,
-        buffer=10,
-        epochs=1,
-        batch=10,
-        test=10_000,
-        eval_every=10,
-        references=False,
-    ),
+    **{f"async-{n}": dict(ASYNC, clients=n) for n in (1_000, 10_000, 1_000_000)},
     "femnist": dict(
         clients=3_400,
         samples=200,
