@@ -198,9 +198,7 @@ def run(
             if privacy:  # DP-FedAvg: clipped, noised, a fixed denominator (an empty round is noise alone)
                 update, alpha, diagnostics = privacy.aggregate(sent, params, t, cohort)
             elif len(cohort) and selection.weights is not None:  # importance sampling's unbiased FedAvg
-                alpha = selection.weights
-                update = torch.as_tensor(alpha, dtype=sent.dtype, device=sent.device) @ sent
-                diagnostics = {"alpha_distance": float(np.abs(alpha - aggregator.base_weights(report)).sum())}
+                update, alpha, diagnostics = aggregator.combine(selection.weights, sent, report)
             elif len(cohort):
                 update, alpha, diagnostics = aggregator.aggregate(params, sent, report)
             else:  # nobody sampled (poisson): a zero update, and the server steps on it as Opacus steps on an

@@ -151,7 +151,6 @@ class Leaf(Dataset):
     def _splits(self):
         x_train, y_train, train_users, train_parts = self.read("train")
         x_test, y_test, test_users, test_parts = self.read("test")
-        self.users = train_users
         by_user = dict(zip(test_users, test_parts))
         empty = np.zeros(0, dtype=np.int64)
         self.natural_test_split = [by_user.get(user, empty) for user in train_users]

@@ -75,7 +75,11 @@ class Aggregator(Stateful):
             The update Delta = sum_i alpha_i Delta_i for the server optimizer, alpha over the cohort and the
             round's diagnostics.
         """
-        alpha = self.weights(report)
+        return self.combine(self.weights(report), deltas, report)
+
+    def combine(self, alpha: np.ndarray, deltas: torch.Tensor, report: RoundView) -> Aggregation:
+        """The update sum_i alpha_i Delta_i for these ``alpha`` (this aggregator's, or a sampler's unbiased
+        weights), with the round's diagnostics."""
         diagnostics = {"alpha_distance": float(np.abs(alpha - self.base_weights(report)).sum())}
         diagnostics.update(self.diagnose(report, alpha))
         return Aggregation(
