@@ -16,7 +16,9 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
 from hydra.types import RunMode
+from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import FedrunOptunaSweeper
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
@@ -24,16 +26,20 @@ from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals
 from fedrun.cli.build import build, check_run_keys, setup
 from fedrun.cli.resume import Job, open_job
 from fedrun.cli.runinfo import description, git_commit, run_name
-from fedrun.cli.sweeps import SweepRun, job_cores, sweep_parent
+from fedrun.cli.sweeps import SweepRun, job_cores, seed_report, sweep_parent
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.metrics import run_summary
 from fedrun.models import load_flat
+from fedrun.study import PRUNED
 from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
 
 __all__ = ["main", "build", "setup", "check_run_keys", "SweepRun", "job_cores"]
 
 # ``${fedrun.either:a,b}``: a unless it is null or empty, else b (the run dir of ``resume=<dir>`` is that dir).
 OmegaConf.register_new_resolver("fedrun.either", lambda value, default: value if value else default, replace=True)
+# Hydra finds plugins by listing the hydra_plugins namespace, which an editable install (pip install -e .) hides
+# from it (setuptools' editable finder lists no modules): the sweeper is registered here, however fedrun was installed.
+Plugins.instance().register(FedrunOptunaSweeper)
 
 
 @hydra.main(config_path="pkg://fedrun.conf", config_name="config", version_base="1.3")
@@ -55,14 +61,20 @@ def main(cfg: DictConfig) -> float | None:
                 file=sys.stderr,
             )
             return job.finished
+        report = seed_report(job.cfg, hydra_cfg)
+        if report is not None and (why := report.pruned()):  # another seed of its trial pruned it meanwhile
+            print(
+                f"fedrun: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}): skipped, {why}", file=sys.stderr
+            )
+            return None
         check_run_keys(job.cfg)
         if job.cfg.tracking.enabled:  # an unreachable store fails now, in one line, not after loading and training
             preflight(resolve_uri(job.cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)))
         parts = setup(job.cfg)
     except (ConfigError, FileNotFoundError) as exc:
         fail(hydra_cfg, f"fedrun: error: {exc}", 2)
-    tracker, title = open_tracking(job, hydra_cfg, parts)
-    return train(job, hydra_cfg, parts, tracker, title)
+    tracker, title = open_tracking(job, hydra_cfg, parts, report)
+    return train(job, hydra_cfg, parts, tracker, title, report)
 
 
 class JobFailed(Exception):
@@ -82,10 +94,10 @@ def fail(hydra_cfg, line: str, code: int) -> typing.NoReturn:
     sys.exit(code)
 
 
-def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
+def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracker, str]:
     """The run's Tracker, with its MLflow run open: reopened when the job continues (from a checkpoint, or from
-    round 1 after a stop before the first one), else new, with the config as params and the tags. Returns it
-    and the run's title."""
+    round 1 after a stop before the first one), else new, with the config as params and the tags (a study's
+    seed job: its trial and study too). Returns it and the run's title."""
     cfg, output_dir, checkpoint = job.cfg, job.output_dir, job.checkpoint
     choices = {g: hydra_cfg.runtime.choices[g] for g in CONFIG_GROUPS if hydra_cfg.runtime.choices.get(g)}
     cores = job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores()
@@ -98,6 +110,8 @@ def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
         "num_clients": str(len(parts["clients"])),
         "torch_threads": str(parts["device"].use_cores(cores)),
     }
+    if report is not None:
+        tags.update({"fedrun.trial": str(report.trial_number), "fedrun.study": report.study.study_name})
     if "scale" in cfg.dataset:  # the input scale changes what a learning rate and a temperature mean: say it on the run
         tags["input_scale"] = str(cfg.dataset.scale)
     tracker = Tracker(
@@ -131,7 +145,10 @@ def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
             OmegaConf.save(cfg, tracker.dir / "config.yaml", resolve=True)
         tags["overrides"] = hydra_cfg.job.override_dirname or "(defaults)"
         tags["mlflow.note.content"] = description(cfg, choices, tags["overrides"], output_dir)
-        parent = sweep_parent(output_dir.parent) if hydra_cfg.mode == RunMode.MULTIRUN else None  # <sweep dir>/<num>
+        # <sweep dir>/<num>: a study's trial run is its seed jobs' parent (in the job dir), a sweep's run its jobs'
+        parent = (
+            sweep_parent(output_dir) or sweep_parent(output_dir.parent) if hydra_cfg.mode == RunMode.MULTIRUN else None
+        )
         if parent and cfg.tracking.enabled:
             tags["mlflow.parentRunId"] = parent
         name = run_name(choices, hydra_cfg.overrides.task, cfg.seed)
@@ -145,9 +162,10 @@ def open_tracking(job: Job, hydra_cfg, parts: dict) -> tuple[Tracker, str]:
     return tracker, title
 
 
-def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> float:
+def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report=None) -> float | None:
     """Run the engine and close the MLflow run as FINISHED, FAILED (diverged: exit 1, the rounds before kept) or
-    KILLED (a signal: exit 128 + its number, after a checkpoint; under submitit, SIGUSR2 requeues the job)."""
+    KILLED (a signal: exit 128 + its number, after a checkpoint; under submitit, SIGUSR2 requeues the job; a
+    study's pruner: after a checkpoint, returning None, the sweep goes on)."""
     output_dir, checkpoint, model = job.output_dir, job.checkpoint, parts["model"]
     status, reason, final, stopped, divergence, measured = "FAILED", None, None, None, None, {}
     on_submitit = os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2")
@@ -166,12 +184,22 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
         "privacy",
         "sampler",
     )
+    pruned = None
+
+    def on_round(row: dict, per_client: dict) -> None:
+        nonlocal pruned
+        tracker.log_round(row, per_client)
+        if report is not None and not checkpoint.stop_requested:
+            # between rounds: the engine checkpoints and stops as for a signal
+            if why := report.report(int(row["round"]), float(row["test_accuracy"])):
+                pruned, checkpoint.stop_requested = why, PRUNED
+
     signals = StopSignals(checkpoint).__enter__()  # until the run is closed: a signal while it closes waits for that
     try:
         result = parts["engine"](
             model=model,
             seed=job.cfg.seed,
-            on_round=tracker.log_round,
+            on_round=on_round,
             checkpoint=checkpoint,
             **{n: parts[n] for n in names},
         )
@@ -181,7 +209,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
         measured = result.summary
         accuracy = result.rows[-1]["test_accuracy"]
     except Stopped as exc:
-        status, reason, stopped = "KILLED", str(exc), exc
+        status, reason, stopped = "KILLED", pruned or str(exc), exc
     except DivergenceError as exc:
         reason, divergence = f"DivergenceError: {exc}", exc
     except BaseException as exc:
@@ -191,6 +219,8 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
         values, tags = run_summary(tracker.rows, job.cfg.metrics.r_targets, measured)
         tags.update(parts["aggregator"].run_tags(), **parts["privacy"].run_tags())
+        if status == "KILLED" and pruned:
+            tags["fedrun.pruned"] = "true"
         tracker.finish(status, values, tags, model=final, reason=reason, title=title)
         signals.__exit__()
         if tracker.lost:
@@ -201,7 +231,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
             )
     # A stop asked for in a sweep job's last round (it finished) or while it diverged: the sweep must not go on to
     # the next job, whose own run would not know of the signal. Under submitit each job is its own process.
-    asked = checkpoint.stop_requested
+    asked = checkpoint.stop_requested if checkpoint.stop_requested != PRUNED else None
     stop_sweep = asked and status != "KILLED" and hydra_cfg.mode == RunMode.MULTIRUN and not on_submitit
     if divergence is not None:
         (output_dir / DIVERGED).write_text(f"{divergence}\n")
@@ -219,6 +249,13 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str) -> flo
         sys.exit(128 + signal.Signals[asked].value)
     if status == "FINISHED":
         return accuracy
+    if stopped is not None and stopped.signal_name == PRUNED:
+        print(
+            f"fedrun: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}) stopped after round {stopped.round}, "
+            f"{pruned}; its run is KILLED and keeps its checkpoint",
+            file=sys.stderr,
+        )
+        return None
     if divergence is not None:
         fail(
             hydra_cfg,

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
@@ -38,6 +39,28 @@ def sweep_parent(sweep_dir: Path) -> str | None:
     """The id of the MLflow run grouping the sweep in ``sweep_dir``, if it has one."""
     path = sweep_dir / PARENT_FILE
     return path.read_text().strip() if path.is_file() else None
+
+
+def seed_report(cfg: DictConfig, hydra_cfg):
+    """This job's line to its trial when it is a seed job of an Optuna study (``hydra/sweeper=optuna``): a
+    ``fedrun.study.SeedReport``; else None. Trial n's seed i (of S) is job n * S + i, in ``<sweep dir>/<job>``."""
+    from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import make_pruner, sweeper_config
+
+    sweeper = sweeper_config(hydra_cfg)
+    if sweeper is None or hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    from fedrun.study import SeedReport, open_storage
+
+    trial, _ = divmod(int(hydra_cfg.job.num), len(sweeper.seeds))
+    sweep_dir = Path(hydra_cfg.runtime.output_dir).resolve().parent
+    return SeedReport(
+        open_storage(sweeper.storage, sweep_dir),
+        sweeper.study_name or str(sweep_dir),
+        trial,
+        int(cfg.seed),
+        make_pruner(sweeper.pruner),
+        last_round=int(cfg.schedule.rounds),
+    )
 
 
 def close_sweep_run(uri: str, run_id: str) -> str:

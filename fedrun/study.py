@@ -1,0 +1,386 @@
+"""Optuna studies whose trials each run several seeds (``hydra/sweeper=optuna``).
+
+The sweeper (``hydra_plugins/fedrun_optuna_sweeper``) parses the search space and launches the jobs; this module
+holds the rest, with no Hydra in it:
+
+- where a study is stored (``open_storage``: by default a journal file in the sweep dir) and how a resumed one is
+  checked against the command (``settings_of``);
+- a seed job's objective value from its summary (``objective_value``; an R-index never reached counts as the
+  rounds run + 1);
+- a seed job's per-round reports and the pruning decision (``SeedReport``): each job writes its test accuracy
+  each round, the trial's intermediate value at round t is the mean over the trial's seeds that reached t, and
+  the study's pruner judges that mean against the finished trials' mean curves;
+- what a trial leaves when its jobs return (``TrialRecord.close``): its Optuna state and attributes (the mean over
+  seeds, its standard error and 95% interval, each seed's value), its MLflow run (a child of the sweep's run, the
+  parent of its seeds' runs) and ``optimization_results.yaml``.
+
+A job finds its trial by its number: trial ``n``'s seed ``i`` (of S) is job ``n * S + i`` of the sweep.
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from fedrun.errors import ConfigError, check
+from fedrun.metrics import mean_ci, r_name
+
+STUDY_FILE = "optuna_study.journal"  # the default storage, in the sweep dir
+RESULTS_FILE = "optimization_results.yaml"
+PRUNED = "pruned"  # ``checkpoint.stop_requested`` of a pruned job: it checkpoints and stops like a signalled one
+VALUE_ATTR = "fedrun:value:{seed}:{round}"  # a trial's system attribute: one seed's reported value at one round
+PRUNED_ATTR = "fedrun:pruned"  # a trial's system attribute: which seed pruned it, at which round, at what mean
+RUN_ATTR = "fedrun:mlflow_run_id"  # a trial's system attribute: its MLflow run
+SETTINGS_ATTR = "fedrun:settings"  # a study's user attribute: what a resume must repeat (``settings_of``)
+
+# Summary metrics a study may optimise, and their direction (``direction: null`` takes it from here).
+MAXIMIZED = ("final_test_accuracy", "best_test_accuracy", "final_client_accuracy")
+MINIMIZED = ("upload_mb_total", "total_wall_s", "smoothness")
+
+
+def objective_direction(objective: str, direction: str | None, r_targets) -> str:
+    """``direction`` checked, or the objective's own when null: accuracy is maximised; an R-index (``R90``, rounds
+    to 90% test accuracy, one of ``metrics.r_targets``; ``client_R90`` of the clients' local models), megabytes,
+    seconds and ``smoothness`` are minimised. Anything else is refused in one line."""
+    r_names = [r_name(t) for t in r_targets]
+    known = list(MAXIMIZED) + list(MINIMIZED) + ["lag1_autocorr"] + r_names + ["client_" + r for r in r_names]
+    check(objective in known, "hydra.sweeper.objective", objective, f"a run's summary metric: {', '.join(known)}")
+    check(
+        direction in (None, "maximize", "minimize"),
+        "hydra.sweeper.direction",
+        direction,
+        "maximize, minimize or null (from the objective)",
+    )
+    if direction is not None:
+        return direction
+    check(
+        objective != "lag1_autocorr",
+        "hydra.sweeper.direction",
+        direction,
+        "maximize or minimize: lag1_autocorr has no better side",
+    )
+    return "maximize" if objective in MAXIMIZED else "minimize"
+
+
+def objective_value(summary: pd.Series, objective: str) -> float:
+    """A finished seed job's objective from its ``summary.csv`` (values and tags). An R-index its run never reached
+    (tag ``R90=not_reached``) is censored at the rounds it ran + 1: later than any run that reached it, by the
+    least that says so. ValueError when the summary lacks it."""
+    value = summary.get(objective)
+    if value == "not_reached":
+        return float(summary["rounds_run"]) + 1
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(f"{objective} is not in the run's summary")
+    return float(value)
+
+
+def read_summary(job_dir: Path) -> pd.Series:
+    return pd.read_csv(Path(job_dir) / "summary.csv", index_col=0)["value"]
+
+
+def open_storage(url: str | None, sweep_dir: Path):
+    """The study's Optuna storage: ``url`` (an RDB URL, e.g. ``sqlite:///study.db``, ``postgresql://...``) or, when
+    null, a journal file in the sweep dir: the storage Optuna recommends for processes sharing a file system
+    (its lock is a file, so jobs on cluster nodes that share the sweep dir can write to it)."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend
+
+    if url:
+        return optuna.storages.get_storage(url)
+    Path(sweep_dir).mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(JournalFileBackend(str(Path(sweep_dir) / STUDY_FILE)))
+
+
+def settings_of(space: dict, fixed: dict, seeds: list[int], objective: str, direction: str) -> dict:
+    """What a study was started with, which its resume must repeat: the search space (Optuna's JSON of each
+    distribution), the fixed overrides (``resume`` left out), the seeds, the objective and its direction."""
+    from optuna.distributions import distribution_to_json
+
+    return {
+        "space": {name: json.loads(distribution_to_json(d)) for name, d in sorted(space.items())},
+        "fixed": {k: str(v) for k, v in sorted(fixed.items()) if k != "resume"},
+        "seeds": list(seeds),
+        "objective": objective,
+        "direction": direction,
+    }
+
+
+def check_resumed(saved: dict, now: dict) -> None:
+    """A ConfigError naming the first setting a resumed study's command changed."""
+    for key in ("space", "fixed", "seeds", "objective", "direction"):
+        if saved.get(key) != now[key]:
+            name = {"space": "hydra.sweeper.params", "fixed": "overrides"}.get(key, f"hydra.sweeper.{key}")
+            raise ConfigError(
+                "resume", "(this sweep dir)", f"the same {name} as the study was started with: {saved.get(key)}"
+            )
+
+
+def mean_curve(system_attrs: dict, up_to: int | None = None) -> dict[int, float]:
+    """Round -> the mean of the values the trial's seeds reported at that round (over those that reached it)."""
+    sums: dict[int, list[float]] = {}
+    for key, value in system_attrs.items():
+        if key.startswith("fedrun:value:"):
+            round_ = int(key.rsplit(":", 1)[1])
+            if up_to is None or round_ <= up_to:
+                sums.setdefault(round_, []).append(float(value))
+    return {r: sum(v) / len(v) for r, v in sorted(sums.items())}
+
+
+class SeedReport:
+    """One seed job's line to its trial: ``report`` each round's test accuracy, and whether to stop.
+
+    The value reported is the test accuracy when the study maximises and the test error (1 - accuracy) when it
+    minimises (an R-index, say): Optuna's pruners compare intermediate values in the study's direction, so
+    reporting accuracy to a minimising study would prune its best trials.
+
+    Args:
+        storage: The study's storage (``open_storage``).
+        study_name: The study.
+        trial_number: This job's trial.
+        seed: This job's seed.
+        pruner: The study's pruner (an ``optuna.pruners`` object; ``NopPruner`` never prunes).
+        last_round: The run's last round: no pruning there (stopping saves nothing).
+    """
+
+    def __init__(self, storage, study_name: str, trial_number: int, seed: int, pruner, last_round: int):
+        import optuna
+
+        self.study = optuna.load_study(study_name=study_name, storage=storage, pruner=pruner)
+        self.storage, self.seed, self.last_round, self.trial_number = storage, seed, last_round, trial_number
+        self.trial_id = storage.get_trial_id_from_study_id_trial_number(self.study._study_id, trial_number)
+        self.maximize = self.study.direction == optuna.study.StudyDirection.MAXIMIZE
+
+    def pruned(self) -> str | None:
+        """Why the trial was pruned (by this or another of its seeds), or None."""
+        mark = self.storage.get_trial_system_attrs(self.trial_id).get(PRUNED_ATTR)
+        return None if mark is None else describe_pruned(mark)
+
+    def report(self, round_: int, accuracy: float) -> str | None:
+        """Write this round's value; the reason to stop now when the trial is (or was just) pruned, else None."""
+        import optuna
+
+        if math.isnan(accuracy):  # a round that was not evaluated
+            return None
+        value = accuracy if self.maximize else 1.0 - accuracy
+        self.storage.set_trial_system_attr(self.trial_id, VALUE_ATTR.format(seed=self.seed, round=round_), value)
+        if round_ >= self.last_round:
+            return None
+        trial = self.storage.get_trial(self.trial_id)
+        if PRUNED_ATTR in trial.system_attrs:
+            return describe_pruned(trial.system_attrs[PRUNED_ATTR])
+        curve = mean_curve(trial.system_attrs, up_to=round_)
+        view = optuna.trial.FrozenTrial(
+            number=trial.number,
+            state=optuna.trial.TrialState.RUNNING,
+            value=None,
+            datetime_start=trial.datetime_start,
+            datetime_complete=None,
+            params=trial.params,
+            distributions=trial.distributions,
+            user_attrs={},
+            system_attrs={},
+            intermediate_values=curve,
+            trial_id=self.trial_id,
+        )
+        if not self.study.pruner.prune(self.study, view):
+            return None
+        mark = {"seed": self.seed, "round": round_, "mean": curve[round_], "pruner": type(self.study.pruner).__name__}
+        self.storage.set_trial_system_attr(self.trial_id, PRUNED_ATTR, mark)
+        return describe_pruned(mark)
+
+
+def describe_pruned(mark: dict) -> str:
+    return (
+        f"{PRUNED} by {mark['pruner']} at round {mark['round']} (the trial's mean value there, over its seeds that "
+        f"reached it: {mark['mean']:.4g}; seed {mark['seed']} asked)"
+    )
+
+
+class TrialRecord:
+    """What a study leaves outside Optuna: a trial's MLflow run (child of the sweep's run, parent of its seeds'),
+    the best trial on the sweep's run, and ``optimization_results.yaml`` in the sweep dir.
+
+    Args:
+        sweep_dir: The sweep's dir (job ``k``'s dir is ``<sweep_dir>/<k>``).
+        uri: The MLflow tracking URI, or None when tracking is off.
+        parent: The sweep's MLflow run id (``fedrun.cli.sweeps.sweep_parent``), or None.
+        seeds: Each trial's seeds.
+        objective: The summary metric optimised.
+    """
+
+    def __init__(self, sweep_dir: Path, uri: str | None, parent: str | None, seeds: list[int], objective: str):
+        self.sweep_dir, self.uri, self.parent = Path(sweep_dir), uri, parent
+        self.seeds, self.objective = list(seeds), objective
+        self.client = None
+        if uri is not None:
+            import mlflow
+
+            self.client = mlflow.MlflowClient(tracking_uri=uri)
+
+    def job_dirs(self, number: int) -> list[Path]:
+        return [self.sweep_dir / str(number * len(self.seeds) + i) for i in range(len(self.seeds))]
+
+    def open(self, study, trial) -> None:
+        """Create (or, for a resumed trial, reopen) the trial's MLflow run, and point its seed jobs at it: each job
+        dir gets the run's id in ``mlflow_parent_run.txt``, which the job reads as its MLflow parent."""
+        from fedrun.cli.sweeps import PARENT_FILE
+        from fedrun.tracking import retried
+
+        if self.client is None:
+            return
+        run_id = study._storage.get_trial_system_attrs(trial._trial_id).get(RUN_ATTR)
+        if run_id is not None:
+            retried(lambda: self.client.update_run(run_id, status="RUNNING"))
+        else:
+            experiment = retried(lambda: self.client.get_run(self.parent)).info.experiment_id if self.parent else None
+            tags = {
+                "fedrun.role": "trial",
+                "fedrun.trial": str(trial.number),
+                "fedrun.study": study.study_name,
+                "mlflow.note.content": f"Trial {trial.number} of study `{study.study_name}`: seeds {self.seeds}, "
+                "each a child run of this one.",
+            }
+            if self.parent:
+                tags["mlflow.parentRunId"] = self.parent
+            name = f"trial {trial.number} " + " ".join(f"{k}={v}" for k, v in trial.params.items())
+            run = retried(lambda: self.client.create_run(experiment, run_name=name[:250], tags=tags))
+            run_id = run.info.run_id
+            for key, value in trial.params.items():
+                retried(lambda: self.client.log_param(run_id, key, value))
+            study._storage.set_trial_system_attr(trial._trial_id, RUN_ATTR, run_id)
+        for job_dir in self.job_dirs(trial.number):
+            job_dir.mkdir(parents=True, exist_ok=True)
+            (job_dir / PARENT_FILE).write_text(run_id)
+
+    def close(self, study, trial, returned: list[bool]) -> None:
+        """Tell Optuna how the trial ended, from its seed jobs (``returned``: whether each job returned a result),
+        and record it: COMPLETE with the mean of the seeds' objectives (their standard error, 95% interval and
+        values as attributes); PRUNED when a seed pruned it; FAIL when a seed failed (a diverged run, a missing
+        summary), with the reason as the attribute ``failure``. The mean curve of its seeds' reports becomes its
+        intermediate values, which later trials' pruning compares against."""
+        import optuna
+
+        attrs = study._storage.get_trial_system_attrs(trial._trial_id)
+        for round_, value in mean_curve(attrs).items():
+            trial.report(value, round_)
+        state, values, failure = optuna.trial.TrialState.COMPLETE, [], None
+        if PRUNED_ATTR in attrs:
+            state = optuna.trial.TrialState.PRUNED
+        else:
+            for seed, job_dir, ok in zip(self.seeds, self.job_dirs(trial.number), returned):
+                try:
+                    if not ok:
+                        raise ValueError("its job failed")
+                    values.append(objective_value(read_summary(job_dir), self.objective))
+                except (OSError, ValueError, KeyError) as exc:
+                    state, failure = optuna.trial.TrialState.FAIL, f"seed {seed} ({job_dir}): {exc}"
+                    break
+        if state == optuna.trial.TrialState.COMPLETE:
+            mean, half = mean_ci(values)
+            se = float(pd.Series(values).std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
+            trial.set_user_attr("seed_values", dict(zip(map(str, self.seeds), values)))
+            trial.set_user_attr("objective_se", se)
+            trial.set_user_attr("objective_ci95", half)
+            study.tell(trial, mean)
+        else:
+            if failure:
+                trial.set_user_attr("failure", failure)
+            study.tell(trial, state=state)
+        self._close_run(study, trial.number, attrs)
+
+    def _close_run(self, study, number: int, attrs: dict) -> None:
+        import mlflow
+
+        from fedrun.tracking import retried
+
+        run_id = attrs.get(RUN_ATTR)
+        if self.client is None or run_id is None:
+            return
+        frozen = study.get_trials(deepcopy=False)[number]
+        now = int(time.time() * 1000)
+        metrics = {}
+        if frozen.state.name == "COMPLETE":
+            extra = frozen.user_attrs
+            metrics = {
+                "objective": frozen.value,
+                "objective_se": extra["objective_se"],
+                "objective_ci95": extra["objective_ci95"],
+            }
+            metrics.update({f"objective_seed_{s}": v for s, v in frozen.user_attrs["seed_values"].items()})
+        tags = {"optuna.state": frozen.state.name}
+        if frozen.state.name == "PRUNED":
+            tags["failure_reason"] = describe_pruned(attrs[PRUNED_ATTR])
+        elif "failure" in frozen.user_attrs:
+            tags["failure_reason"] = frozen.user_attrs["failure"]
+        finite = [mlflow.entities.Metric(k, float(v), now, 0) for k, v in metrics.items() if not math.isnan(v)]
+        retried(
+            lambda: self.client.log_batch(
+                run_id, metrics=finite, tags=[mlflow.entities.RunTag(k, v) for k, v in tags.items()]
+            )
+        )
+        status = {"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(frozen.state.name, "FAILED")
+        retried(lambda: self.client.set_terminated(run_id, status))
+
+    def results(self, study, settings: dict, n_trials: int) -> dict:
+        """The study's outcome, written to ``optimization_results.yaml`` and put on the sweep's MLflow run: the best
+        trial (number, parameters, mean over seeds with its 95% interval, each seed's value) and the count of
+        trials in each state."""
+        import mlflow
+        import yaml
+
+        from fedrun.tracking import retried
+
+        trials = study.get_trials(deepcopy=False)
+        counts = {}
+        for t in trials:
+            counts[t.state.name.lower()] = counts.get(t.state.name.lower(), 0) + 1
+        out = {
+            "name": "optuna",
+            "study_name": study.study_name,
+            "objective": settings["objective"],
+            "direction": settings["direction"],
+            "seeds": settings["seeds"],
+            "n_trials": n_trials,
+            "trials": counts,
+        }
+        complete = [t for t in trials if t.state.name == "COMPLETE"]
+        if complete:
+            best = study.best_trial
+            half = best.user_attrs.get("objective_ci95", math.nan)
+            out["best_trial"] = {
+                "number": best.number,
+                "params": dict(best.params),
+                "mean": best.value,
+                "se": best.user_attrs.get("objective_se"),
+                "ci95": [best.value - half, best.value + half],
+                "seed_values": best.user_attrs.get("seed_values"),
+            }
+            # the "best" keys kept for users of hydra-optuna-sweeper's file
+            out["best_params"], out["best_value"] = dict(best.params), best.value
+        (self.sweep_dir / RESULTS_FILE).write_text(
+            yaml.safe_dump(json.loads(json.dumps(out, default=float)), sort_keys=False)
+        )
+        if self.client is not None and self.parent:
+            now = int(time.time() * 1000)
+            metrics = [mlflow.entities.Metric(f"trials_{k}", float(v), now, 0) for k, v in counts.items()]
+            tags = {
+                "fedrun.study": study.study_name,
+                "fedrun.objective": f"{settings['direction']} {settings['objective']}",
+            }
+            if complete:
+                best = out["best_trial"]
+                metrics += [
+                    mlflow.entities.Metric("best_objective", float(best["mean"]), now, 0),
+                    mlflow.entities.Metric("best_trial", float(best["number"]), now, 0),
+                ]
+                if not math.isnan(half):
+                    metrics.append(mlflow.entities.Metric("best_objective_ci95", float(half), now, 0))
+                tags.update({f"best.{k}": str(v) for k, v in best["params"].items()})
+            retried(
+                lambda: self.client.log_batch(
+                    self.parent, metrics=metrics, tags=[mlflow.entities.RunTag(k, v) for k, v in tags.items()]
+                )
+            )
+        return out
