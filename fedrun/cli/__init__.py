@@ -18,7 +18,6 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.plugins import Plugins
 from hydra.types import RunMode
-from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import FedrunOptunaSweeper
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
@@ -32,6 +31,7 @@ from fedrun.metrics import run_summary
 from fedrun.models import load_flat
 from fedrun.study import PRUNED
 from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
+from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import FedrunOptunaSweeper
 
 __all__ = ["main", "build", "setup", "check_run_keys", "SweepRun", "job_cores"]
 
