@@ -2,9 +2,10 @@
 tracking server went away mid-run. Everything comes from the files a run writes as it goes.
 
 Each directory becomes one new MLflow run (named after it, tagged ``imported_from``): the flattened
-``config.yaml`` as params, every ``metrics.csv`` column as a metric series by round, ``alpha/client_<id>``
-series up to ``tracking.max_alpha_series`` clients (from a wide ``alpha.csv``), ``summary.csv``'s numbers as
-metrics and its words as tags, and the directory's files as artifacts. The status is FINISHED when the run
+``config.yaml`` as params, every ``metrics.csv`` column as a metric series by round (under the names a run logs to
+MLflow, ``fedrun.tracking.mlflow_name``), ``alpha/client_<id>`` series up to ``tracking.max_alpha_series`` clients
+(from a wide ``alpha.csv``) when the run would have logged them (its summary's ``alpha_series`` tag), ``summary.csv``'s
+numbers as metrics and its words as tags, and the directory's files as artifacts. The status is FINISHED when the run
 reached its last round (its checkpoint says so, or its rows reach ``schedule.rounds``), FAILED when it diverged
 (``diverged.txt`` says why), else KILLED.
 
@@ -23,7 +24,7 @@ import yaml
 
 from fedrun.checkpoint import FILE, diverged, read
 from fedrun.errors import ConfigError
-from fedrun.tracking import flatten, preflight, resolve_uri
+from fedrun.tracking import flatten, mlflow_name, preflight, resolve_uri
 
 BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics per call
 
@@ -66,15 +67,19 @@ def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
             run_id, params=[mlflow.entities.Param(k, str(v)[:6000]) for k, v in items[start : start + 100]]
         )
     now = int(time.time() * 1000)
+    summary = (
+        pd.read_csv(directory / "summary.csv", index_col=0)["value"] if (directory / "summary.csv").exists() else None
+    )
     series = [
-        Metric(column, float(value), now, int(step))
+        Metric(mlflow_name(column), float(value), now, int(step))
         for column in metrics.columns
         if column != "round"
         for step, value in zip(metrics["round"], metrics[column])
         if not pd.isna(value)
     ]
     alpha_path = directory / "alpha.csv"
-    if alpha_path.exists():
+    # a run from before the tag logged every alpha series
+    if alpha_path.exists() and (summary is None or summary.get("alpha_series", "per_client") == "per_client"):
         alpha = pd.read_csv(alpha_path)
         clients = [c for c in alpha.columns if c.startswith("client_")]
         if clients and len(clients) <= tracking.get("max_alpha_series", 100):
@@ -84,11 +89,10 @@ def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
                 for step, v in zip(alpha["round"], alpha[c])
             ]
     summary_tags = []
-    if (directory / "summary.csv").exists():
-        summary = pd.read_csv(directory / "summary.csv", index_col=0)["value"]
+    if summary is not None:
         for key, value in summary.items():
             try:
-                series.append(Metric(str(key), float(value), now, 0))
+                series.append(Metric(mlflow_name(str(key)), float(value), now, 0))
             except ValueError:
                 summary_tags.append(RunTag(str(key), str(value)[:5000]))
     for start in range(0, len(series), BATCH):

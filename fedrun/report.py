@@ -20,12 +20,25 @@ import numpy as np
 import pandas as pd
 
 from fedrun.metrics import mean_ci
-from fedrun.tracking import CONFIG_GROUPS
+from fedrun.tracking import CONFIG_GROUPS, MAIN_SECTION, mlflow_name, plain_name
 
 IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
 META_GROUPS = ("experiment", "method")  # config groups whose options choose options of other groups
-SWEEP_TAG = "tags.fedrun.role"  # "sweep" on a sweep's parent run
+SWEEP_TAG = "tags.fedrun.role"  # "sweep" on a sweep's parent run, "trial" on a study's trial: not runs of their own
+TRIAL_TAG = "tags.fedrun.trial"  # a study's seed run: its trial (``--group-by trial``)
 SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_autocorr")
+
+
+def with_plain_names(runs: pd.DataFrame) -> pd.DataFrame:
+    """One column per metric under its plain name (``metrics.test_accuracy``), whether the run logged it under its
+    MLflow section (``0_main/test_accuracy``, since November 2026) or, stored before, without it."""
+    prefix = "metrics." + MAIN_SECTION
+    moved = [c for c in runs.columns if c.startswith(prefix)]
+    runs = runs.copy()
+    for column in moved:
+        plain = "metrics." + column[len(prefix) :]
+        runs[plain] = runs[column].combine_first(runs[plain]) if plain in runs else runs[column]
+    return runs.drop(columns=moved)
 
 
 def with_group_defaults(runs: pd.DataFrame) -> pd.DataFrame:
@@ -273,12 +286,17 @@ def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accu
     for values, group in groups(runs, keys):
         name = legend_name(keys, values)
         series = {
-            run_id: pd.Series({m.step: m.value for m in client.get_metric_history(run_id, metric)})
-            for run_id in group["run_id"]
+            run_id: pd.Series({m.step: m.value for m in history(client, run_id, metric)}) for run_id in group["run_id"]
         }
         frame = pd.DataFrame(series).sort_index()
         out[name] = frame.ffill()
     return out
+
+
+def history(client, run_id: str, metric: str) -> list:
+    """A metric's series by its plain name, under its MLflow name (``0_main/test_accuracy``) or, for a run stored
+    before the main metrics had a section, the plain one."""
+    return client.get_metric_history(run_id, mlflow_name(metric)) or client.get_metric_history(run_id, metric)
 
 
 def per_megabyte(accuracy: dict[str, pd.DataFrame], uploads: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
@@ -403,7 +421,8 @@ def main(argv: list[str] | None = None) -> None:
         "--group-by",
         nargs="+",
         metavar="KEY",
-        help="config keys or group names (default: every key that varies, except seed)",
+        help="config keys or group names, or trial (a study's trials, each over its seeds) (default: every key that "
+        "varies, except seed)",
     )
     parser.add_argument(
         "--filter", metavar="EXPR", help="MLflow search filter, e.g. \"params.`aggregator.temperature` = '1.0'\""
@@ -455,9 +474,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"fedrun-report: error: no experiment {args.experiment!r} in {uri} (there: {names})")
     mlflow.set_tracking_uri(uri)
     runs = mlflow.search_runs([experiment.experiment_id], filter_string=args.filter or "", output_format="pandas")
-    if SWEEP_TAG in runs:  # a sweep's parent run groups its jobs in the UI; it is not a run of its own
-        runs = runs[runs[SWEEP_TAG] != "sweep"]
-    runs = without_switched_off_keys(with_group_defaults(runs))
+    if SWEEP_TAG in runs:  # a sweep's parent run and a study's trials group jobs in the UI; they are not runs
+        runs = runs[runs[SWEEP_TAG].isna()]
+    runs = without_switched_off_keys(with_group_defaults(with_plain_names(runs)))
+    args.metrics, args.plot = [plain_name(m) for m in args.metrics], [plain_name(m) for m in args.plot]
     finished = runs[runs["status"] == "FINISHED"] if len(runs) else runs
     if finished.empty:
         raise SystemExit(
@@ -467,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.group_by:
         keys = []
         for key in args.group_by:
-            column = f"tags.{key}" if key in CONFIG_GROUPS else f"params.{key}"
+            column = TRIAL_TAG if key == "trial" else f"tags.{key}" if key in CONFIG_GROUPS else f"params.{key}"
             if column not in finished:
                 raise SystemExit(
                     f"fedrun-report: error: --group-by {key!r} is neither a group ({', '.join(CONFIG_GROUPS)}) nor a logged config key"

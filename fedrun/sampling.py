@@ -115,6 +115,7 @@ class Sampler(Stateful):
     """
 
     name = "uniform"
+    alpha_informative = False  # whether the weights it gives (``Selection``) follow what the clients sent
 
     def __init__(self):
         self.selected = np.zeros(0, dtype=np.int64)
@@ -257,6 +258,7 @@ class Importance(Sampler):
             "estimate would lose its unbiasedness)",
         )
         self.signal, self.uniform_mix = signal, float(uniform_mix)
+        self.alpha_informative = signal == "update_norm"  # q_k / (m p_k) with p following the update norms
         self.norms = np.zeros(0)
 
     def bind(self, schedule: Schedule, sizes: np.ndarray, weighting: str = "samples") -> None:

@@ -12,6 +12,7 @@ the population.
 import csv
 import math
 import os
+import re
 import sys
 import time
 import urllib.request
@@ -117,6 +118,26 @@ def retried(call, attempts: int = 8):
             time.sleep(0.05 * 2**attempt)
 
 
+# MLflow's run page draws one section of charts per prefix before the last "/" (``alpha/client_3`` is in ``alpha``),
+# the sections in alphabetical order and the metrics without a prefix last ("Model metrics"; MLflow 3's
+# RunsChartsCardConfig). The metrics a user opens a run for get a prefix that sorts before any other, a digit
+# (before letters in either case), so that the page opens on them: test accuracy and loss, training loss, the
+# clients' own accuracy and the R-index. These are MLflow's names only: the CSV files keep the plain ones.
+MAIN_SECTION = "0_main/"
+MAIN_METRICS = ("test_accuracy", "test_loss", "train_loss", "client_accuracy")
+MAIN_R_INDEX = re.compile(r"^(client_)?R\d+(\.\d+)?$")  # R90, client_R90 (not R90_mb or R90_time)
+
+
+def mlflow_name(name: str) -> str:
+    """The name a metric has in MLflow: ``0_main/test_accuracy`` for the main ones, else its own."""
+    return MAIN_SECTION + name if name in MAIN_METRICS or MAIN_R_INDEX.match(name) else name
+
+
+def plain_name(name: str) -> str:
+    """The inverse of ``mlflow_name`` (a name without the prefix is returned as it is: runs stored before it)."""
+    return name.removeprefix(MAIN_SECTION)
+
+
 HEATMAP_CLIENTS = 100  # clients in the alpha heatmap of a long alpha.csv: those with the largest total alpha
 
 
@@ -140,6 +161,8 @@ class Tracker:
         uri: MLflow tracking URI (absolute; see ``resolve_uri``).
         experiment: MLflow experiment name.
         max_alpha_series: Log ``alpha/client_<id>`` metric series only up to this many clients.
+        alpha_informative: Whether alpha carries information beyond p_i (``Aggregator.alpha_informative``): only then
+            are its per-client series logged to MLflow, where FedAvg's flat lines would come before the curves.
 
     It only logs: the run's summary is computed by ``fedrun.metrics.run_summary`` (from ``rows``, every row logged
     so far) and handed to ``finish``.
@@ -153,11 +176,12 @@ class Tracker:
         uri: str,
         experiment: str,
         max_alpha_series: int = 100,
+        alpha_informative: bool = True,
     ):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.enabled, self.uri, self.experiment = enabled, uri, experiment
-        self.alpha_series = num_clients <= max_alpha_series
+        self.alpha_series = alpha_informative and num_clients <= max_alpha_series
         self.wide = num_clients <= WIDE_CLIENTS
         self.metrics_path, self.alpha_path = self.dir / "metrics.csv", self.dir / "alpha.csv"
         self._columns: dict[Path, list[str]] = {}  # each CSV file's header so far
@@ -277,7 +301,7 @@ class Tracker:
         if self.enabled and self.lost is None:
             import mlflow
 
-            values = {k: float(v) for k, v in row.items() if k != "round" and not math.isnan(float(v))}
+            values = {mlflow_name(k): float(v) for k, v in row.items() if k != "round" and not math.isnan(float(v))}
             if self.alpha_series:
                 values.update({f"alpha/client_{i}": float(a) for i, a in enumerate(alpha)})
             try:
@@ -344,6 +368,8 @@ class Tracker:
         """
         metrics = pd.DataFrame(self.rows) if self.rows else None
         values, tags = dict(values or {}), dict(tags or {})
+        # what MLflow has of alpha: its per-client series, or alpha.csv and the heatmap alone (fedrun-import reads it)
+        tags["alpha_series"] = "per_client" if self.alpha_series else "artifacts"
         if reason:
             tags["failure_reason"] = reason[:5000]
         if model is not None:
@@ -365,7 +391,7 @@ class Tracker:
         try:
             if self.lost is None:
                 if values:
-                    mlflow.log_metrics({k: float(v) for k, v in values.items()})
+                    mlflow.log_metrics({mlflow_name(k): float(v) for k, v in values.items()})
                 if tags:
                     mlflow.set_tags(tags)
                 mlflow.log_artifacts(str(self.dir))

@@ -24,15 +24,17 @@ def test_main_job_logs_metrics_alpha_and_artifacts(fedrun, store):
     assert run.data.tags["aggregator"] == "fedsoftmax" and run.data.tags["partition"] == "shards"
     assert run.data.tags["dataset"] == "digits" and run.data.tags["torch_version"]
     assert run.data.params["aggregator.temperature"] == "1.0" and run.data.params["schedule.rounds"] == "3"
-    history = client.get_metric_history(run.info.run_id, "test_accuracy")
+    history = client.get_metric_history(run.info.run_id, "0_main/test_accuracy")
     assert [m.step for m in history] == [1, 2, 3] and all(0 <= m.value <= 1 for m in history)
+    # FedSoftMax's alpha follows the clients' losses: its per-client series are logged
     alphas = [client.get_metric_history(run.info.run_id, f"alpha/client_{i}") for i in range(5)]
     for step in range(3):
         assert sum(a[step].value for a in alphas) == pytest.approx(1.0)
-    for name in ("train_loss", "test_loss", "round_wall_s", "final_test_accuracy"):
+    assert run.data.tags["alpha_series"] == "per_client"
+    for name in ("0_main/train_loss", "0_main/test_loss", "round_wall_s", "final_test_accuracy"):
         assert name in run.data.metrics
-    assert "R60" in run.data.metrics or run.data.tags.get("R60") == "not_reached"
-    assert run.data.tags.get("R90") == "not_reached" or run.data.metrics["R90"] >= 1
+    assert "0_main/R60" in run.data.metrics or run.data.tags.get("R60") == "not_reached"
+    assert run.data.tags.get("R90") == "not_reached" or run.data.metrics["0_main/R90"] >= 1
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {
         "metrics.csv",
@@ -48,6 +50,28 @@ def test_main_job_logs_metrics_alpha_and_artifacts(fedrun, store):
     assert list(metrics["round"]) == [1, 2, 3] and alpha.shape == (3, 6)
     assert metrics["test_accuracy"].iloc[-1] == pytest.approx(history[-1].value)
     assert not (fedrun.cwd / "mlruns").exists()
+
+
+def section(name: str) -> str:
+    """The MLflow UI's section of a metric (RunsChartsCardConfig: the name before the last "/", or "Model metrics")."""
+    return name.rsplit("/", 1)[0] if "/" in name else "~Model metrics"  # sorted after every prefix, as the UI does
+
+
+def test_the_first_section_of_a_runs_metrics_is_the_main_one_and_fedavg_logs_no_alpha_series(fedrun, store):
+    fedrun("aggregator=fedavg", "partition=shards", "metrics.r_targets=[0.1]", *TINY, experiment="names")
+    client, [run] = mlflow_runs(store, "names")
+    names = set(run.data.metrics)
+    # FedAvg's alpha is p_i, a flat line per client: only alpha.csv and the heatmap have it
+    assert not any(n.startswith("alpha/") for n in names) and run.data.tags["alpha_series"] == "artifacts"
+    assert {"alpha.csv", "alpha_heatmap.png"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    first = min(section(n) for n in names)
+    assert first == "0_main"
+    assert {n for n in names if section(n) == first} == {
+        "0_main/R10",
+        "0_main/test_accuracy",
+        "0_main/test_loss",
+        "0_main/train_loss",
+    }
 
 
 @pytest.mark.slow

@@ -87,7 +87,7 @@ def test_a_sweep_logs_to_a_real_mlflow_server_and_fedrun_report_reads_it_back(se
         parent.info.run_id
     } and parent.info.status == "FINISHED"
     for run in runs:  # metrics by round and the artifacts went through the server (proxied to its artifact root)
-        history = client.get_metric_history(run.info.run_id, "test_accuracy")
+        history = client.get_metric_history(run.info.run_id, "0_main/test_accuracy")
         assert [m.step for m in history] == [1, 2]
         assert {"metrics.csv", "curves.png", "config.yaml"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     assert any((root / "artifacts").rglob("metrics.csv"))

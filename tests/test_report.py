@@ -397,3 +397,40 @@ def test_accuracy_per_megabyte_is_indexed_by_the_cumulative_upload():
     uploads = {"topk": pd.DataFrame({"a": [2.0, 2.0, 2.0], "b": [4.0, 4.0, 4.0]}, index=[1, 2, 3])}
     frame = per_megabyte(accuracy, uploads)["topk"]
     assert frame.index.tolist() == [3.0, 6.0, 9.0] and frame["b"].tolist() == [0.6, 0.8, 0.9]
+
+
+def test_a_store_with_the_old_metric_names_reports_with_the_new_and_a_study_groups_by_trial(store, tmp_path):
+    """Runs stored before the main metrics moved to MLflow's first section (``test_accuracy``, ``R60``) and runs
+    after (``0_main/test_accuracy``, ``0_main/R60``) make one table; a study's trial runs are left out."""
+    import mlflow
+    from mlflow.entities import Metric, RunTag
+
+    from fedrun.report import history, main
+
+    uri = f"sqlite:///{store}"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("renamed")
+    r60 = [3.0, 5.0, 4.0, 6.0]  # seeds 0, 1 with the old names, 2, 3 with the new: mean 4.5
+    for seed, value in enumerate(r60):
+        prefix = "" if seed < 2 else "0_main/"
+        tags = {"aggregator": "fedavg", "seed": str(seed), "fedrun.trial": str(seed % 2)}
+        run = client.create_run(experiment, tags=tags)
+        curve = [Metric(prefix + "test_accuracy", 0.5 + 0.1 * step, 0, step) for step in (1, 2, 3)]
+        summary = [Metric(prefix + "R60", value, 0, 0), Metric("final_test_accuracy", 0.8 + 0.01 * seed, 0, 0)]
+        client.log_batch(run.info.run_id, metrics=curve + summary)
+        client.set_terminated(run.info.run_id, "FINISHED")
+    trial = client.create_run(experiment, tags={"fedrun.role": "trial", "aggregator": "fedavg"})
+    client.log_batch(trial.info.run_id, metrics=[Metric("objective", 4.5, 0, 0)], tags=[RunTag("seed", "9")])
+    client.set_terminated(trial.info.run_id, "FINISHED")
+    main(["--experiment", "renamed", "--tracking-uri", uri, "--out", str(tmp_path / "all")])
+    [row] = pd.read_csv(tmp_path / "all" / "report.csv").to_dict("records")
+    assert row["runs"] == 4  # the trial run is not one
+    assert row["R60_mean"] == pytest.approx(4.5) and row["R60_reached"] == 4
+    assert row["final_test_accuracy_mean"] == pytest.approx(0.815)
+    seeds = [r.info.run_id for r in client.search_runs([experiment]) if "fedrun.role" not in r.data.tags]
+    for run_id in seeds:  # the curves, under either name (accuracy.png)
+        assert [m.value for m in history(client, run_id, "test_accuracy")] == pytest.approx([0.6, 0.7, 0.8])
+    main(["--experiment", "renamed", "--tracking-uri", uri, "--group-by", "trial", "--out", str(tmp_path / "trials")])
+    table = pd.read_csv(tmp_path / "trials" / "report.csv")
+    assert table["runs"].tolist() == [2, 2]
+    assert table["R60_mean"].tolist() == pytest.approx([3.5, 5.5])  # trial 0: seeds 0 and 2; trial 1: seeds 1 and 3

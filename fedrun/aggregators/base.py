@@ -37,6 +37,10 @@ class Aggregator(Stateful):
             count) or ``uniform``; renormalised over the cohort.
     """
 
+    # Whether alpha depends on what the clients measured (their losses), so that its per-client series say more than
+    # p_i: only then does a run log them to MLflow (alpha.csv and the heatmap always have alpha).
+    alpha_informative = False
+
     def __init__(self, weighting: str = "samples"):
         check(weighting in ("samples", "uniform"), "weighting", weighting, "samples or uniform")
         self.weighting = weighting

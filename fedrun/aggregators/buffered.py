@@ -42,6 +42,8 @@ class AsyncAggregator(Stateful):
         buffer_size: b, updates per aggregation.
     """
 
+    alpha_informative = False  # as ``Aggregator.alpha_informative``: whether alpha follows the clients' staleness
+
     def __init__(self, buffer_size: int = 5):
         check(isinstance(buffer_size, int) and buffer_size >= 1, "buffer_size", buffer_size, "an integer >= 1")
         self.buffer_size = buffer_size
@@ -80,6 +82,7 @@ class FedBuff(AsyncAggregator):
     def __init__(self, buffer_size: int = 5, staleness_scaling: bool = False):
         super().__init__(buffer_size)
         self.staleness_scaling = staleness_scaling
+        self.alpha_informative = bool(staleness_scaling)
 
     def weights(self, buffer):
         s = 1.0 / np.sqrt(1.0 + buffer.staleness) if self.staleness_scaling else np.ones(len(buffer.staleness))
@@ -108,6 +111,7 @@ class FedStaleWeight(AsyncAggregator):
 
     def __init__(self, buffer_size: int = 5, form: str = "eq8", window: int = 5, include_current: bool = True):
         super().__init__(buffer_size)
+        self.alpha_informative = True
         check(form in ("eq8", "algorithm"), "form", form, "eq8 or algorithm")
         check(isinstance(window, int) and window >= 1, "window", window, "an integer >= 1")
         self.form, self.window, self.include_current = form, window, include_current

@@ -35,6 +35,7 @@ class LossWeighted(Aggregator):
     """
 
     sign = 1.0  # +1 favours the worst-fitted clients, -1 the best-fitted
+    alpha_informative = True
 
     def __init__(
         self,
@@ -194,6 +195,8 @@ class Hybrid(Aggregator):
             the last phase needs no end.
         weighting: p_i, for the ``alpha_distance`` diagnostic (each phase's alpha is used as is).
     """
+
+    alpha_informative = True  # a loss-weighted phase, or the switch itself
 
     def __init__(self, phases: list, weighting: str = "samples"):
         super().__init__(weighting)

@@ -121,6 +121,7 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
         uri=resolve_uri(cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)),
         experiment=cfg.tracking.experiment,
         max_alpha_series=cfg.tracking.max_alpha_series,
+        alpha_informative=parts["aggregator"].alpha_informative or parts["sampler"].alpha_informative,
     )
     title = " ".join(f"{g}={c}" for g, c in choices.items() if g in ("aggregator", "partition", "dataset", "method"))
     title += f" seed={cfg.seed}"
