@@ -59,9 +59,10 @@ def fedrun(tmp_path, store):
 
 
 def mlflow_runs(store, experiment, uri=None):
-    """(client, the experiment's job runs): a sweep's parent run (``sweep_runs``) is left out."""
+    """(client, the experiment's job runs): a sweep's parent run (``sweep_runs``) and a study's trial runs are left
+    out."""
     client, runs = _all_runs(store, experiment, uri)
-    return client, [r for r in runs if r.data.tags.get("fedrun.role") != "sweep"]
+    return client, [r for r in runs if "fedrun.role" not in r.data.tags]
 
 
 def sweep_runs(store, experiment, uri=None):

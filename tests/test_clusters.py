@@ -91,7 +91,9 @@ def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_resumes_to_the_unin
     pd.testing.assert_frame_equal(deterministic(tmp_path / "sweep" / "0"), deterministic(tmp_path / "whole"))
     client, [job] = mlflow_runs(store, "time_limit")  # one run, reopened by the requeued job: no duplicate
     assert job.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(job.info.run_id, "0_main/test_accuracy")] == list(range(10, 221, 10))
+    assert [m.step for m in client.get_metric_history(job.info.run_id, "0_main/test_accuracy")] == list(
+        range(10, 221, 10)
+    )
 
 
 def test_the_slurm_presets_are_accepted_by_submitit():

@@ -48,7 +48,8 @@ ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=FedrunOp
 
 
 # ``pruner: median``: a trial is stopped when its mean over seeds at a round is worse than the median of the finished
-# trials' means at that round, once 5 trials have finished (Optuna's default) and after its first 5 rounds.
+# trials' means at that round, once 5 trials have finished (Optuna's default), from round 5 on (Optuna's steps are
+# fedrun's rounds, which count from 1: ``n_warmup_steps: 5`` leaves rounds 1 to 4 unjudged).
 MEDIAN = {"n_startup_trials": 5, "n_warmup_steps": 5}
 
 
