@@ -215,6 +215,8 @@ def test_a_study_through_fedrun_records_trials_over_seeds_in_mlflow(fedrun, stor
     seeds = [r for r in runs if "fedrun.trial" in r.data.tags and "fedrun.role" not in r.data.tags]
     assert len(parents) == 1 and len(trials) == 2 and len(seeds) == 4  # a study, its trials, their seeds
     [parent] = parents
+    assert parent.info.status == "FINISHED" and parent.data.metrics["jobs_finished"] == 2  # its trials
+    assert parent.info.run_name.startswith("study ") and "seeds [0, 1]" in parent.data.tags["mlflow.note.content"]
     assert {t.data.tags["mlflow.parentRunId"] for t in trials} == {parent.info.run_id}
     results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
     for number, trial in enumerate(trials):

@@ -64,8 +64,10 @@ def seed_report(cfg: DictConfig, hydra_cfg):
 
 
 def close_sweep_run(uri: str, run_id: str) -> str:
-    """End a sweep's parent run: FINISHED when every job finished, else FAILED (a job failed) or KILLED (a job
-    was stopped), with the count of jobs in each state as metrics (``jobs_finished`` ...). Returns the status."""
+    """End a sweep's parent run: FINISHED when every job (a study's: every trial) finished or was pruned, else FAILED
+    (one failed, or none ran: the sweep stopped before its jobs, at a config error) or KILLED (one was stopped),
+    with the count of children in each state as metrics (``jobs_finished`` ..., ``jobs_pruned``). Returns the
+    status."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=uri)
@@ -75,11 +77,19 @@ def close_sweep_run(uri: str, run_id: str) -> str:
             [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=50_000
         )
     )
+    pruned = [c.info.status == "KILLED" and c.data.tags.get("optuna.state") == "PRUNED" for c in children]
     counts = {
-        state: sum(child.info.status == state for child in children)
+        state: sum(child.info.status == state and not p for child, p in zip(children, pruned))
         for state in ("FINISHED", "FAILED", "KILLED", "RUNNING")
     }
-    status = "FAILED" if counts["FAILED"] else "KILLED" if counts["KILLED"] or counts["RUNNING"] else "FINISHED"
+    counts["PRUNED"] = sum(pruned)
+    status = (
+        "FAILED"
+        if counts["FAILED"] or not children
+        else "KILLED"
+        if counts["KILLED"] or counts["RUNNING"]
+        else "FINISHED"
+    )
     retried(
         lambda: client.log_batch(
             run_id,
@@ -118,16 +128,24 @@ class SweepRun(Callback):
             return
         uri = resolve_uri(config.tracking.uri, Path.cwd())
         preflight(uri)
+        from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import sweeper_config
+
         overrides = [o for o in config.hydra.overrides.task if not o.startswith(("tracking.", "hydra.", "resume="))]
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        study = sweeper_config(config.hydra)
+        what = (
+            f"Optuna study of {' '.join(overrides)}, {study.objective} over seeds {list(study.seeds)}: its trials are "
+            "this run's children, each trial's seeds the trial's children"
+            if study is not None
+            else f"Sweep of {' '.join(overrides) or 'the defaults'}; its jobs are this run's children"
+        )
         tags = {
             "fedrun.role": "sweep",
             "sweep_dir": str(sweep_dir),
             "overrides": " ".join(config.hydra.overrides.task) or "(defaults)",
             "git_commit": git_commit(),
-            "mlflow.note.content": f"Sweep of {' '.join(overrides) or 'the defaults'}; its jobs are this run's children. Output: `{sweep_dir}`",
+            "mlflow.note.content": f"{what}. Output: `{sweep_dir}`",
         }
-        run_id = open_sweep_run(
-            uri, config.tracking.experiment, sweep_dir, ("sweep " + " ".join(overrides))[:250], tags
-        )
+        name = ("study " if study is not None else "sweep ") + " ".join(overrides)
+        run_id = open_sweep_run(uri, config.tracking.experiment, sweep_dir, name[:250], tags)
         atexit.register(close_sweep_run, uri, run_id)
