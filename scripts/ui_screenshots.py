@@ -1,9 +1,12 @@
 """Look at the MLflow UI as a user does: start ``mlflow ui`` on a store, screenshot its pages with headless Chromium.
 
-Takes PNGs of the experiment page (the runs table, a sweep folded under its parent run), the same table
-sorted by run name (which lists every job flat), the chart view of those jobs, a run's overview
-(description, params, tags), a run's model-metrics page (which charts come first) and the compare page of a
-sweep's jobs. Needs Debian's ``chromium`` (``apt-get install chromium``).
+Takes PNGs of the experiment page (the runs table, a sweep and a study folded under their parent runs), the
+same table sorted by run name (which lists every job flat), the chart view of those jobs, a run's overview
+(description, params, tags), the model-metrics page (which charts come first: ``0_main/`` should) of a FedAvg
+run, a FedSoftMax run, an asynchronous run and an Optuna study's trial run (``run_metrics_fedavg.png``,
+``run_metrics_fedsoftmax.png``, ``run_metrics_async.png``, ``run_metrics_trial.png``; a kind the store lacks is
+skipped with a line saying so) and the compare page of a sweep's jobs. Needs Debian's ``chromium``
+(``apt-get install chromium``).
 
 MLflow 3.x opens an experiment on its GenAI pages (traces overview) unless the URL says
 ``workflowType=machine_learning`` or the browser's localStorage (``mlflow.workflowType_v1``) remembers the
@@ -15,7 +18,13 @@ own metrics. ``--run-all-compositor-stages-before-draw`` makes the experiment ch
 
 Usage:
     python scripts/ui_screenshots.py --store sqlite:///outputs/mlflow.db --experiment fedrun --out /tmp/ui
-    python scripts/ui_screenshots.py --demo --out /tmp/ui     # first runs a small 4-job sweep into a new store
+    python scripts/ui_screenshots.py --demo --out /tmp/ui     # first makes a new store (below)
+    python scripts/ui_screenshots.py --demo --set device.threads=1 --set schedule.rounds=4 --out /tmp/ui
+
+``--demo`` fills a new store with a 4-job sweep (FedAvg and FedSoftMax, two seeds), one asynchronous
+FedStaleWeight run and a 2-trial Optuna study of FedSoftMax's temperature (two seeds a trial), all 10 rounds on
+digits: 9 jobs, a few minutes on a laptop's CPU. ``--set KEY=VALUE`` (repeatable) is a fedrun override for every
+demo job, replacing the demo's own value of that key.
 """
 
 import argparse
@@ -41,26 +50,36 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def demo_store(folder: Path) -> str:
-    """A new SQLite store holding one 4-job sweep (FedAvg and FedSoftMax, two seeds, 10 rounds on digits)."""
+# The demo's jobs: small and on digits. ``--set`` replaces these values (or adds keys) in every job.
+DEMO = {
+    "schedule.rounds": "10",
+    "partition": "shards",
+    "partition.num_clients": "10",
+    "schedule.clients_per_round": "0.5",
+    "tracking.experiment": "fedrun",
+}
+
+
+def demo_store(folder: Path, settings: dict[str, str]) -> str:
+    """A new SQLite store holding a 4-job sweep (FedAvg and FedSoftMax, two seeds), one asynchronous run
+    (FedStaleWeight) and a 2-trial Optuna study of FedSoftMax's temperature with two seeds a trial."""
     uri = f"sqlite:///{folder / 'mlflow.db'}"
-    subprocess.run(
+    common = [f"{key}={value}" for key, value in {**DEMO, **settings, "tracking.uri": uri}.items()]
+    fedrun = [str(BIN / "fedrun")]
+    for arguments in (
+        ["-m", "aggregator=fedavg,fedsoftmax", "seed=0,1", f"hydra.sweep.dir={folder / 'sweep'}"],
+        ["aggregator=fedstaleweight", f"hydra.run.dir={folder / 'async'}"],  # switches to the asynchronous engine
         [
-            str(BIN / "fedrun"),
             "-m",
-            "aggregator=fedavg,fedsoftmax",
-            "seed=0,1",
-            "schedule.rounds=10",
-            "partition=shards",
-            "partition.num_clients=10",
-            "schedule.clients_per_round=0.5",
-            f"tracking.uri={uri}",
-            "tracking.experiment=fedrun",
-            f"hydra.sweep.dir={folder / 'sweep'}",
+            "hydra/sweeper=optuna",
+            "aggregator=fedsoftmax",
+            "aggregator.temperature=tag(log,interval(0.05,20))",
+            "hydra.sweeper.seeds=[0,1]",
+            "hydra.sweeper.n_trials=2",
+            f"hydra.sweep.dir={folder / 'study'}",
         ],
-        check=True,
-        cwd=folder,
-    )
+    ):
+        subprocess.run(fedrun + arguments + common, check=True, cwd=folder)
     return uri
 
 

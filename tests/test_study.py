@@ -300,3 +300,28 @@ def test_a_forced_pruner_stops_a_trial_between_rounds_and_its_run_is_killed_with
     _, runs = mlflow_runs(store, "fedrun")
     [seed_run] = [r for r in runs if r.data.tags.get("output_dir") == str(sweep_dir / "0")]
     assert seed_run.info.status == "KILLED" and seed_run.data.tags["failure_reason"].startswith("pruned by")
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_study_s_batches_run_side_by_side_under_the_joblib_launcher(tmp_path, store):
+    """Two trials launched together (n_jobs=2): four seed jobs in joblib's worker processes, each writing its
+    rounds to the study's journal at the same time as another."""
+    sweep_dir = tmp_path / "joblib"
+    extra = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+    run_study(tmp_path, store, sweep_dir, *extra, "tracking.experiment=joblib")
+    trials = trials_of(sweep_dir)
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    for trial in trials:
+        finals = [
+            float(
+                pd.read_csv(sweep_dir / str(2 * trial.number + i) / "summary.csv", index_col=0)["value"][
+                    "final_test_accuracy"
+                ]
+            )
+            for i in range(2)
+        ]
+        assert trial.value == pytest.approx(sum(finals) / 2)
+        assert sorted(trial.intermediate_values) == [1, 2, 3]  # both seeds' rounds reached the journal
+    _, runs = mlflow_runs(store, "joblib")
+    assert len(runs) == 4 and all(r.info.status == "FINISHED" for r in runs)
