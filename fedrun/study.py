@@ -19,6 +19,7 @@ A job finds its trial by its number: trial ``n``'s seed ``i`` (of S) is job ``n 
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -205,13 +206,16 @@ class TrialRecord:
     Args:
         sweep_dir: The sweep's dir (job ``k``'s dir is ``<sweep_dir>/<k>``).
         uri: The MLflow tracking URI, or None when tracking is off.
+        experiment: The MLflow experiment (its name).
         parent: The sweep's MLflow run id (``fedrun.cli.sweeps.sweep_parent``), or None.
         seeds: Each trial's seeds.
         objective: The summary metric optimised.
     """
 
-    def __init__(self, sweep_dir: Path, uri: str | None, parent: str | None, seeds: list[int], objective: str):
-        self.sweep_dir, self.uri, self.parent = Path(sweep_dir), uri, parent
+    def __init__(
+        self, sweep_dir: Path, uri: str | None, experiment: str, parent: str | None, seeds: list[int], objective: str
+    ):
+        self.sweep_dir, self.uri, self.experiment, self.parent = Path(sweep_dir), uri, experiment, parent
         self.seeds, self.objective = list(seeds), objective
         self.client = None
         if uri is not None:
@@ -234,7 +238,9 @@ class TrialRecord:
         if run_id is not None:
             retried(lambda: self.client.update_run(run_id, status="RUNNING"))
         else:
-            experiment = retried(lambda: self.client.get_run(self.parent)).info.experiment_id if self.parent else None
+            from fedrun.tracking import Tracker
+
+            experiment = Tracker.experiment_id(self.uri, self.experiment)
             tags = {
                 "fedrun.role": "trial",
                 "fedrun.trial": str(trial.number),
@@ -289,6 +295,19 @@ class TrialRecord:
                 trial.set_user_attr("failure", failure)
             study.tell(trial, state=state)
         self._close_run(study, trial.number, attrs)
+        print(f"fedrun: {self.describe(study.get_trials(deepcopy=False)[trial.number])}", file=sys.stderr, flush=True)
+
+    def describe(self, trial) -> str:
+        """One line: the trial, its parameters and how it ended."""
+        params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items())
+        if trial.state.name == "COMPLETE":
+            half = trial.user_attrs.get("objective_ci95", math.nan)
+            ended = f"{self.objective} {trial.value:.4g} ± {half:.2g} (95% CI) over seeds {self.seeds}"
+        elif trial.state.name == "PRUNED":
+            ended = describe_pruned(trial.system_attrs[PRUNED_ATTR])
+        else:
+            ended = f"failed: {trial.user_attrs.get('failure', 'see its jobs')}"
+        return f"trial {trial.number} ({params}): {ended}"
 
     def _close_run(self, study, number: int, attrs: dict) -> None:
         import mlflow

@@ -126,18 +126,38 @@ def screenshot(url: str, path: Path, size: str = "1600,1000") -> None:
     print(f"{path}: {url}")
 
 
+# The runs whose model-metrics page is shot, by the file's name: the newest run a test on its tags accepts, a
+# study's seed jobs (tag fedrun.study) after the others.
+METRICS_PAGES = {
+    "run_metrics_fedavg.png": lambda tags: tags.get("aggregator") == "fedavg",
+    "run_metrics_fedsoftmax.png": lambda tags: tags.get("aggregator") == "fedsoftmax",
+    "run_metrics_async.png": lambda tags: tags.get("engine") == "async",
+    "run_metrics_trial.png": lambda tags: tags.get("fedrun.role") == "trial",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--store", help="MLflow tracking URI of the store to look at")
     parser.add_argument("--experiment", default="fedrun")
-    parser.add_argument("--demo", action="store_true", help="make a new store with a small sweep first")
+    parser.add_argument(
+        "--demo", action="store_true", help="make a new store first: a small sweep, an async run and a small study"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --demo: a fedrun override for every demo job (repeatable), e.g. --set device.threads=1",
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/ui"))
     args = parser.parse_args()
     if not args.store and not args.demo:
         parser.error("give --store or --demo")
     args.out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="fedrun-ui-"))
-    uri = demo_store(scratch) if args.demo else args.store
+    settings = dict(item.split("=", 1) for item in args.set)
+    uri = demo_store(scratch, settings) if args.demo else args.store
 
     import mlflow
 
@@ -146,9 +166,18 @@ def main() -> None:
     if experiment is None:
         raise SystemExit(f"ui_screenshots: no experiment {args.experiment!r} in {uri}")
     runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"])
-    jobs = [r for r in runs if r.data.tags.get("fedrun.role") != "sweep"]
+    jobs = [r for r in runs if r.data.tags.get("fedrun.role") not in ("sweep", "trial")]  # the runs that train
     parents = [r for r in runs if r.data.tags.get("fedrun.role") == "sweep"]
+    parents = [r for r in parents if "fedrun.study" not in r.data.tags] or parents  # a sweep's before a study's
     children = [r for r in jobs if parents and r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id] or jobs
+    ordered = sorted(runs, key=lambda r: "fedrun.study" in r.data.tags and r.data.tags.get("fedrun.role") != "trial")
+    metrics_pages = {}
+    for name, accepts in METRICS_PAGES.items():
+        found = next((r for r in ordered if r.data.tags.get("fedrun.role") != "sweep" and accepts(r.data.tags)), None)
+        if found is None:
+            print(f"ui_screenshots: no run for {name} in {uri}; skipped")
+        else:
+            metrics_pages[name] = found.info.run_id
     port = free_port()
     server = start_ui(uri, port)
     try:
@@ -167,7 +196,8 @@ def main() -> None:
             "1600,1400",
         )
         screenshot(f"{base}/experiments/{eid}/runs/{run}?{ml}", args.out / "run_overview.png", "1600,1400")
-        screenshot(f"{base}/experiments/{eid}/runs/{run}/model-metrics?{ml}", args.out / "run_metrics.png", "1600,1400")
+        for name, run_id in metrics_pages.items():
+            screenshot(f"{base}/experiments/{eid}/runs/{run_id}/model-metrics?{ml}", args.out / name, "1600,1400")
         screenshot(
             f"{base}/compare-runs?runs={compare}&experiments={urllib.parse.quote(json.dumps([eid]))}&{ml}",
             args.out / "compare.png",

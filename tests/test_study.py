@@ -144,7 +144,7 @@ def test_a_trial_s_value_is_the_mean_of_its_seeds_with_its_standard_error_and_cu
     storage = open_storage(None, tmp_path)
     study = optuna.create_study(storage=storage, study_name="s", direction="minimize")
     trial = study.ask({"x": FloatDistribution(0, 1)})
-    record = TrialRecord(tmp_path, None, None, [0, 1, 2], "R90")
+    record = TrialRecord(tmp_path, None, "e", None, [0, 1, 2], "R90")
     for k, r90 in enumerate(["12.0", "not_reached", "15.0"]):  # trial 0's seeds are jobs 0, 1, 2
         write_summary(tmp_path / str(k), rounds_run="20", R90=r90)
     storage.set_trial_system_attr(trial._trial_id, "fedrun:value:0:1", 0.5)
@@ -167,7 +167,7 @@ def test_a_trial_with_a_failed_seed_fails_and_says_why(tmp_path):
     study = optuna.create_study(storage=storage, study_name="s", direction="maximize")
     trial = study.ask({"x": FloatDistribution(0, 1)})
     write_summary(tmp_path / "0", final_test_accuracy="0.9")
-    TrialRecord(tmp_path, None, None, [0, 1], "final_test_accuracy").close(study, trial, [True, False])
+    TrialRecord(tmp_path, None, "e", None, [0, 1], "final_test_accuracy").close(study, trial, [True, False])
     assert study.trials[0].state == optuna.trial.TrialState.FAIL
     assert study.trials[0].user_attrs["failure"].startswith("seed 1")
 

@@ -177,6 +177,7 @@ class FedrunOptunaSweeper(Sweeper):
         record = studies.TrialRecord(
             sweep_dir,
             resolve_uri(config.tracking.uri, Path.cwd()) if tracking else None,
+            config.tracking.experiment,
             sweep_parent(sweep_dir) if tracking else None,
             seeds,
             s["objective"],
