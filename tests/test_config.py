@@ -198,7 +198,7 @@ def test_help_opens_with_what_fedrun_is_and_its_commonest_commands():
     lines = done.stdout.splitlines()
     assert lines[0].startswith("fedrun: simulated federated-learning experiments")
     commands = [line.split()[0] for line in lines[lines.index("Commonest commands:") + 1 :] if line.startswith("  ")]
-    assert commands[:6] == ["fedrun", "fedrun", "fedrun", "fedrun", "fedrun-report", "mlflow"]
+    assert commands[:7] == ["fedrun", "fedrun", "fedrun", "fedrun", "fedrun", "fedrun-report", "mlflow"]
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     for section in [s for line in lines for s in __import__("re").findall(r'\("([^"]+)"\)', line)]:
         assert f"## {section}" in readme, section  # every section the help points to exists
