@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from fedrun.metrics import mean_ci
-from fedrun.tracking import CONFIG_GROUPS, MAIN_SECTION, mlflow_name, plain_name
+from fedrun.tracking import CONFIG_GROUPS, MAIN_SECTION, R_INDEX_SECTION, mlflow_name, plain_name
 
 IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
 META_GROUPS = ("experiment", "method")  # config groups whose options choose options of other groups
@@ -31,12 +31,12 @@ SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_auto
 
 def with_plain_names(runs: pd.DataFrame) -> pd.DataFrame:
     """One column per metric under its plain name (``metrics.test_accuracy``), whether the run logged it under its
-    MLflow section (``0_main/test_accuracy``, since November 2026) or, stored before, without it."""
-    prefix = "metrics." + MAIN_SECTION
-    moved = [c for c in runs.columns if c.startswith(prefix)]
+    MLflow section (``0_main/test_accuracy``, ``1_r_index/R90``, since November 2026) or, stored before, without."""
+    prefixes = ("metrics." + MAIN_SECTION, "metrics." + R_INDEX_SECTION)
+    moved = [c for c in runs.columns if c.startswith(prefixes)]
     runs = runs.copy()
     for column in moved:
-        plain = "metrics." + column[len(prefix) :]
+        plain = "metrics." + plain_name(column[len("metrics.") :])
         runs[plain] = runs[column].combine_first(runs[plain]) if plain in runs else runs[column]
     return runs.drop(columns=moved)
 

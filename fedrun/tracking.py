@@ -120,22 +120,26 @@ def retried(call, attempts: int = 8):
 
 # MLflow's run page draws one section of charts per prefix before the last "/" (``alpha/client_3`` is in ``alpha``),
 # the sections in alphabetical order and the metrics without a prefix last ("Model metrics"; MLflow 3's
-# RunsChartsCardConfig). The metrics a user opens a run for get a prefix that sorts before any other, a digit
-# (before letters in either case), so that the page opens on them: test accuracy and loss, training loss, the
-# clients' own accuracy and the R-index. These are MLflow's names only: the CSV files keep the plain ones.
-MAIN_SECTION = "0_main/"
+# RunsChartsCardConfig), each section's charts sorted by name. The metrics a user opens a run for get prefixes that
+# sort before any other, a digit (before letters in either case), so that the page opens on them: the curves of
+# test accuracy and loss, training loss and the clients' own accuracy, then the R-index (a section of its own: in
+# one with the curves, "R90" would sort before "test_accuracy"). These are MLflow's names only: the CSV files keep
+# the plain ones.
+MAIN_SECTION, R_INDEX_SECTION = "0_main/", "1_r_index/"
 MAIN_METRICS = ("test_accuracy", "test_loss", "train_loss", "client_accuracy")
 MAIN_R_INDEX = re.compile(r"^(client_)?R\d+(\.\d+)?$")  # R90, client_R90 (not R90_mb or R90_time)
 
 
 def mlflow_name(name: str) -> str:
-    """The name a metric has in MLflow: ``0_main/test_accuracy`` for the main ones, else its own."""
-    return MAIN_SECTION + name if name in MAIN_METRICS or MAIN_R_INDEX.match(name) else name
+    """The name a metric has in MLflow: ``0_main/test_accuracy``, ``1_r_index/R90``, else its own."""
+    if name in MAIN_METRICS:
+        return MAIN_SECTION + name
+    return R_INDEX_SECTION + name if MAIN_R_INDEX.match(name) else name
 
 
 def plain_name(name: str) -> str:
-    """The inverse of ``mlflow_name`` (a name without the prefix is returned as it is: runs stored before it)."""
-    return name.removeprefix(MAIN_SECTION)
+    """The inverse of ``mlflow_name`` (a name without a prefix is returned as it is: runs stored before them)."""
+    return name.removeprefix(MAIN_SECTION).removeprefix(R_INDEX_SECTION)
 
 
 HEATMAP_CLIENTS = 100  # clients in the alpha heatmap of a long alpha.csv: those with the largest total alpha
@@ -407,9 +411,10 @@ class Tracker:
             print(f"fedrun: {self.link()}", file=sys.stderr)
 
     def link(self) -> str:
-        """Where to look at the run in the MLflow UI. The ``workflowType`` parameter makes MLflow 3 open the
-        model-training pages: without it the UI starts on its GenAI view whatever the experiment's kind."""
-        page = f"#/experiments/{self.experiment_key}/runs/{self.run_id}?workflowType=machine_learning"
+        """Where to look at the run in the MLflow UI: its charts (``model-metrics``; the run's own page opens on its
+        overview). The ``workflowType`` parameter makes MLflow 3 open the model-training pages: without it the UI
+        starts on its GenAI view whatever the experiment's kind."""
+        page = f"#/experiments/{self.experiment_key}/runs/{self.run_id}/model-metrics?workflowType=machine_learning"
         if self.uri.startswith(("http://", "https://")):
             return f"MLflow run at {self.uri.rstrip('/')}/{page}"
         return f"MLflow run: mlflow ui --backend-store-uri {self.uri}, then http://127.0.0.1:5000/{page}"

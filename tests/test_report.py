@@ -400,8 +400,8 @@ def test_accuracy_per_megabyte_is_indexed_by_the_cumulative_upload():
 
 
 def test_a_store_with_the_old_metric_names_reports_with_the_new_and_a_study_groups_by_trial(store, tmp_path):
-    """Runs stored before the main metrics moved to MLflow's first section (``test_accuracy``, ``R60``) and runs
-    after (``0_main/test_accuracy``, ``0_main/R60``) make one table; a study's trial runs are left out."""
+    """Runs stored before the main metrics moved to MLflow's first sections (``test_accuracy``, ``R60``) and runs
+    after (``0_main/test_accuracy``, ``1_r_index/R60``) make one table; a study's trial runs are left out."""
     import mlflow
     from mlflow.entities import Metric, RunTag
 
@@ -412,11 +412,11 @@ def test_a_store_with_the_old_metric_names_reports_with_the_new_and_a_study_grou
     experiment = client.create_experiment("renamed")
     r60 = [3.0, 5.0, 4.0, 6.0]  # seeds 0, 1 with the old names, 2, 3 with the new: mean 4.5
     for seed, value in enumerate(r60):
-        prefix = "" if seed < 2 else "0_main/"
+        curves, r_index = ("", "") if seed < 2 else ("0_main/", "1_r_index/")
         tags = {"aggregator": "fedavg", "seed": str(seed), "fedrun.trial": str(seed % 2)}
         run = client.create_run(experiment, tags=tags)
-        curve = [Metric(prefix + "test_accuracy", 0.5 + 0.1 * step, 0, step) for step in (1, 2, 3)]
-        summary = [Metric(prefix + "R60", value, 0, 0), Metric("final_test_accuracy", 0.8 + 0.01 * seed, 0, 0)]
+        curve = [Metric(curves + "test_accuracy", 0.5 + 0.1 * step, 0, step) for step in (1, 2, 3)]
+        summary = [Metric(r_index + "R60", value, 0, 0), Metric("final_test_accuracy", 0.8 + 0.01 * seed, 0, 0)]
         client.log_batch(run.info.run_id, metrics=curve + summary)
         client.set_terminated(run.info.run_id, "FINISHED")
     trial = client.create_run(experiment, tags={"fedrun.role": "trial", "aggregator": "fedavg"})

@@ -88,7 +88,8 @@ def test_runs_have_short_names_the_overrides_as_a_tag_and_a_model_training_exper
     client, [run] = mlflow_runs(store, "names")
     # the run's page, opened on MLflow 3's model-training view (its default is the GenAI one)
     assert (
-        f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}?workflowType=machine_learning" in done.stderr
+        f"/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}/model-metrics?workflowType=machine_learning"
+        in done.stderr
     )
     assert run.info.run_name == "fedsoftmax shards digits temperature=0.5 rounds=1 num_clients=5 seed=3"
     assert run.data.tags["overrides"] == (
