@@ -227,3 +227,29 @@ def test_a_hybrid_returns_its_phase_s_diagnostics_with_the_phase_and_keeps_none_
 def test_bad_values_name_the_key(make, key):
     with pytest.raises(ConfigError, match=key):
         make()
+
+
+def test_only_aggregators_whose_alpha_follows_the_clients_log_its_series(compose_config):
+    """alpha's per-client series go to MLflow only where alpha depends on what the clients measured (README,
+    "Metrics in MLflow"): the loss-weighted family and the hybrid, FedStaleWeight, FedBuff with staleness scaling."""
+    from hydra.utils import instantiate
+
+    expected = {
+        "fedavg": False,
+        "fednova": False,
+        "mvr": False,
+        "fedbuff": False,
+        "fedasync": False,
+        "fedmax": True,
+        "fedbetter": True,
+        "fedmaxk": True,
+        "fedbetterk": True,
+        "fedsoftmax": True,
+        "fedsoftbetter": True,
+        "hybrid": True,
+        "fedstaleweight": True,
+    }
+    for name, informative in expected.items():
+        assert instantiate(compose_config(f"aggregator={name}").aggregator).alpha_informative is informative, name
+    scaled = compose_config("aggregator=fedbuff", "aggregator.staleness_scaling=true").aggregator
+    assert instantiate(scaled).alpha_informative

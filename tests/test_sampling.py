@@ -220,3 +220,10 @@ def test_importance_sampling_refuses_stragglers_that_drop_out(compose_config):
 
     with pytest.raises(ConfigError, match="heterogeneity.mode='drop'.*partial with sampler=importance"):
         setup(compose_config("sampler=importance", "heterogeneity=stragglers", "heterogeneity.mode=drop"))
+
+
+def test_importance_weights_follow_the_update_norms_and_are_logged_per_client_only_then():
+    from fedrun.sampling import Importance, PowerOfChoice, Uniform
+
+    assert Importance(signal="update_norm").alpha_informative and not Importance(signal="size").alpha_informative
+    assert not Uniform().alpha_informative and not PowerOfChoice().alpha_informative

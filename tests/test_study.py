@@ -13,7 +13,7 @@ import optuna
 import pandas as pd
 import pytest
 import yaml
-from conftest import mlflow_runs
+from conftest import mlflow_runs, sweep_runs
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -262,7 +262,7 @@ def test_a_study_killed_mid_trial_resumes_to_n_trials_and_equals_one_never_kille
     run_study(tmp_path, store, whole, "hydra.sweeper.n_trials=4", "schedule.rounds=6")
     killed = tmp_path / "killed"
     command = [FEDRUN, "-m", *STUDY, f"tracking.uri=sqlite:///{store}", f"hydra.sweep.dir={killed}"]
-    extra = ["hydra.sweeper.n_trials=4", "schedule.rounds=6", "checkpoint.every=1"]
+    extra = ["hydra.sweeper.n_trials=4", "schedule.rounds=6", "checkpoint.every=1", "tracking.experiment=killed"]
     process = subprocess.Popen(command + extra, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while (
@@ -281,6 +281,12 @@ def test_a_study_killed_mid_trial_resumes_to_n_trials_and_equals_one_never_kille
     assert [t.params for t in again] == [t.params for t in once]
     assert [t.value for t in again] == pytest.approx([t.value for t in once])
     assert sorted(p.name for p in killed.iterdir() if p.name.isdigit()) == [str(k) for k in range(8)]
+    _, seeds = mlflow_runs(store, "killed")  # the killed job's run was reopened, not made twice
+    assert len(seeds) == 8 and all(r.info.status == "FINISHED" for r in seeds)
+    client, [parent] = sweep_runs(store, "killed")
+    trial_runs = client.search_runs([parent.info.experiment_id], "tags.`fedrun.role` = 'trial'")
+    assert len(trial_runs) == 4 and {r.info.status for r in trial_runs} == {"FINISHED"}
+    assert parent.info.status == "FINISHED" and parent.data.metrics["jobs_finished"] == 4
     refused = run_study(tmp_path, store, killed, *extra, check=False)  # the same dir again, without resume=
     assert refused.returncode == 2 and "resume=" in refused.stderr.strip().splitlines()[-1]
 
