@@ -88,6 +88,7 @@ def open_storage(url: str | None, sweep_dir: Path):
     import optuna
     from optuna.storages.journal import JournalFileBackend
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # its INFO lines repeat fedrun's line per trial, with less
     if url:
         return optuna.storages.get_storage(url)
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
