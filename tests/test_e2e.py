@@ -181,6 +181,7 @@ def test_named_sweep_runs_every_point(fedrun, store):
     assert sorted(r.data.params["aggregator.k"] for r in runs) == ["0.1", "0.2", "0.5", "1", "1.0"]
 
 
+@pytest.mark.slow  # two runs (20 s); tests/test_async.py checks the engine in the fast tier
 def test_async_run_logs_virtual_time_staleness_and_fairness_and_repeats_exactly(fedrun, store):
     speeds = "engine.speeds=[{name:fast,clients:3,distribution:uniform,low:1.0,high:2.0},{name:slow,clients:2,distribution:uniform,low:8.0,high:12.0}]"
     args = [
