@@ -182,6 +182,18 @@ def test_a_resumed_study_must_repeat_its_space_seeds_and_objective():
         check_resumed(saved, settings_of({}, {"aggregator": "fedsoftmax"}, [0, 1], "R90", "minimize"))
 
 
+def test_a_pruner_is_median_none_or_an_optuna_class():
+    from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import make_pruner
+
+    median = make_pruner("median")
+    assert isinstance(median, optuna.pruners.MedianPruner) and median._n_warmup_steps == 5
+    assert isinstance(make_pruner("none"), optuna.pruners.NopPruner)
+    threshold = make_pruner({"_target_": "optuna.pruners.ThresholdPruner", "lower": 0.5})
+    assert isinstance(threshold, optuna.pruners.ThresholdPruner)
+    with pytest.raises(ConfigError, match="hydra.sweeper.pruner='hyperband' is invalid"):
+        make_pruner("hyperband")
+
+
 def test_interrupted_trials_are_relaunched_in_runs_of_consecutive_numbers():
     class T:
         def __init__(self, number):

@@ -65,7 +65,9 @@ def make_pruner(config):
         return optuna.pruners.MedianPruner(**MEDIAN)
     if isinstance(config, (dict, DictConfig)) and "_target_" in config:
         return instantiate(config)
-    raise ValueError(f"hydra.sweeper.pruner={config!r} is invalid: allowed is median, none or {{_target_: ...}}")
+    from fedrun.errors import ConfigError
+
+    raise ConfigError("hydra.sweeper.pruner", config, "median, none or an optuna.pruners class as {_target_: ...}")
 
 
 def sweeper_config(hydra_cfg) -> DictConfig | None:
