@@ -343,3 +343,18 @@ def test_a_study_s_batches_run_side_by_side_under_the_joblib_launcher(tmp_path, 
         assert sorted(trial.intermediate_values) == [1, 2, 3]  # both seeds' rounds reached the journal
     _, runs = mlflow_runs(store, "joblib")
     assert len(runs) == 4 and all(r.info.status == "FINISHED" for r in runs)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_searched_seed_or_an_unknown_objective_is_refused_in_one_line_before_any_job(tmp_path, store):
+    for extra, line in (
+        (["seed=0,1"], "fedrun: error: seed='0,1' is invalid: allowed is left to hydra.sweeper.seeds"),
+        (["hydra.sweeper.objective=R95"], "fedrun: error: hydra.sweeper.objective='R95' is invalid"),
+    ):
+        sweep_dir = tmp_path / extra[0].split("=")[0]
+        done = run_study(tmp_path, store, sweep_dir, *extra, "tracking.experiment=refused", check=False)
+        assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(line)
+        assert not any(p.name.isdigit() for p in sweep_dir.iterdir())  # no job ran
+    _, parents = sweep_runs(store, "refused")
+    assert len(parents) == 2 and all(p.info.status == "FAILED" for p in parents)  # no job ran: not FINISHED

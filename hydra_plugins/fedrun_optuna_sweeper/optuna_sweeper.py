@@ -139,9 +139,10 @@ class FedrunOptunaSweeper(Sweeper):
         check(int(s["n_jobs"]) >= 1, "hydra.sweeper.n_jobs", s["n_jobs"], "an integer >= 1")
         direction = studies.objective_direction(s["objective"], s["direction"], config.metrics.r_targets)
         lines = [f"{k}={v}" for k, v in (s["params"] or {}).items()] + list(arguments)
-        space, fixed = {}, {}
+        space, fixed, given = {}, {}, {}
         for override in OverridesParser.create().parse_overrides(lines):
             key = override.get_key_element()
+            given[key] = override.input_line.split("=", 1)[1]
             try:
                 found = distribution(override)
             except ValueError as exc:
@@ -152,7 +153,7 @@ class FedrunOptunaSweeper(Sweeper):
         check(
             "seed" not in space and "seed" not in fixed,
             "seed",
-            space.get("seed", fixed.get("seed")),
+            given.get("seed"),
             "left to hydra.sweeper.seeds (every trial runs each of them; a searched seed would be optimised)",
         )
         check(bool(space), "hydra.sweeper.params", s["params"], "at least one parameter to search")
