@@ -322,12 +322,16 @@ def test_a_forced_pruner_stops_a_trial_between_rounds_and_its_run_is_killed_with
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_a_study_s_batches_run_side_by_side_under_the_joblib_launcher(tmp_path, store):
-    """Two trials launched together (n_jobs=2): four seed jobs in joblib's worker processes, each writing its
-    rounds to the study's journal at the same time as another."""
-    sweep_dir = tmp_path / "joblib"
-    extra = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
-    run_study(tmp_path, store, sweep_dir, *extra, "tracking.experiment=joblib")
+@pytest.mark.parametrize(
+    "launcher", [["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], ["hydra/launcher=submitit_local"]]
+)
+def test_a_study_s_batches_run_side_by_side_under_the_joblib_and_submitit_launchers(tmp_path, store, launcher):
+    """Two trials launched together (n_jobs=2): four seed jobs in the launcher's own processes, each writing its
+    rounds to the study's journal beside another."""
+    name = launcher[0].split("=")[1]
+    sweep_dir = tmp_path / name
+    extra = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", *launcher, "device.threads=1"]
+    run_study(tmp_path, store, sweep_dir, *extra, f"tracking.experiment={name}")
     trials = trials_of(sweep_dir)
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
     for trial in trials:
@@ -341,7 +345,7 @@ def test_a_study_s_batches_run_side_by_side_under_the_joblib_launcher(tmp_path, 
         ]
         assert trial.value == pytest.approx(sum(finals) / 2)
         assert sorted(trial.intermediate_values) == [1, 2, 3]  # both seeds' rounds reached the journal
-    _, runs = mlflow_runs(store, "joblib")
+    _, runs = mlflow_runs(store, name)
     assert len(runs) == 4 and all(r.info.status == "FINISHED" for r in runs)
 
 
