@@ -31,7 +31,8 @@ from fedrun.metrics import mean_ci, r_name
 STUDY_FILE = "optuna_study.journal"  # the default storage, in the sweep dir
 RESULTS_FILE = "optimization_results.yaml"
 PRUNED = "pruned"  # ``checkpoint.stop_requested`` of a pruned job: it checkpoints and stops like a signalled one
-VALUE_ATTR = "fedrun:value:{seed}:{round}"  # a trial's system attribute: one seed's reported value at one round
+VALUE_PREFIX = "fedrun:value:"
+VALUE_ATTR = VALUE_PREFIX + "{seed}:{round}"  # a trial's system attribute: one seed's reported value at one round
 PRUNED_ATTR = "fedrun:pruned"  # a trial's system attribute: which seed pruned it, at which round, at what mean
 RUN_ATTR = "fedrun:mlflow_run_id"  # a trial's system attribute: its MLflow run
 SETTINGS_ATTR = "fedrun:settings"  # a study's user attribute: what a resume must repeat (``settings_of``)
@@ -123,7 +124,7 @@ def mean_curve(system_attrs: dict, up_to: int | None = None) -> dict[int, float]
     """Round -> the mean of the values the trial's seeds reported at that round (over those that reached it)."""
     sums: dict[int, list[float]] = {}
     for key, value in system_attrs.items():
-        if key.startswith("fedrun:value:"):
+        if key.startswith(VALUE_PREFIX):
             round_ = int(key.rsplit(":", 1)[1])
             if up_to is None or round_ <= up_to:
                 sums.setdefault(round_, []).append(float(value))
@@ -153,6 +154,8 @@ class SeedReport:
         self.storage, self.seed, self.last_round, self.trial_number = storage, seed, last_round, trial_number
         self.trial_id = storage.get_trial_id_from_study_id_trial_number(self.study._study_id, trial_number)
         self.maximize = self.study.direction == optuna.study.StudyDirection.MAXIMIZE
+        # NopPruner (pruner: none) prunes no trial, this one's other seeds included: nothing to read back each round
+        self.judged = not isinstance(pruner, optuna.pruners.NopPruner)
 
     def pruned(self) -> str | None:
         """Why the trial was pruned (by this or another of its seeds), or None."""
@@ -167,7 +170,7 @@ class SeedReport:
             return None
         value = accuracy if self.maximize else 1.0 - accuracy
         self.storage.set_trial_system_attr(self.trial_id, VALUE_ATTR.format(seed=self.seed, round=round_), value)
-        if round_ >= self.last_round:
+        if round_ >= self.last_round or not self.judged:
             return None
         trial = self.storage.get_trial(self.trial_id)
         if PRUNED_ATTR in trial.system_attrs:
@@ -295,8 +298,9 @@ class TrialRecord:
             if failure:
                 trial.set_user_attr("failure", failure)
             study.tell(trial, state=state)
-        self._close_run(study, trial.number, attrs)
-        print(f"fedrun: {self.describe(study.get_trials(deepcopy=False)[trial.number])}", file=sys.stderr, flush=True)
+        frozen = study.get_trials(deepcopy=False)[trial.number]
+        self._close_run(frozen, attrs)
+        print(f"fedrun: {self.describe(frozen)}", file=sys.stderr, flush=True)
 
     def describe(self, trial) -> str:
         """One line: the trial, its parameters and how it ended."""
@@ -310,7 +314,7 @@ class TrialRecord:
             ended = f"failed: {trial.user_attrs.get('failure', 'see its jobs')}"
         return f"trial {trial.number} ({params}): {ended}"
 
-    def _close_run(self, study, number: int, attrs: dict) -> None:
+    def _close_run(self, frozen, attrs: dict) -> None:
         import mlflow
 
         from fedrun.tracking import retried
@@ -318,7 +322,6 @@ class TrialRecord:
         run_id = attrs.get(RUN_ATTR)
         if self.client is None or run_id is None:
             return
-        frozen = study.get_trials(deepcopy=False)[number]
         now = int(time.time() * 1000)
         metrics = {}
         if frozen.state.name == "COMPLETE":

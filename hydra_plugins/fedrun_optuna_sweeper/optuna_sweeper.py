@@ -189,18 +189,21 @@ class FedrunOptunaSweeper(Sweeper):
         n_trials = int(s["n_trials"])
         states = optuna.trial.TrialState
         interrupted = study.get_trials(deepcopy=False, states=(states.RUNNING, states.WAITING))
+        out = None  # the results as of the last launch (written after each, so the best trial shows as it goes)
         if interrupted:
             print(f"fedrun: finishing the study's {len(interrupted)} interrupted trials", file=sys.stderr)
             for run in contiguous([optuna.trial.Trial(study, t._trial_id) for t in interrupted]):
                 self._launch(study, run)
+                out = record.results(study, settings, n_trials)
         while (done := len(study.get_trials(deepcopy=False))) < n_trials:
             batch = []
             for number in range(done, min(done + int(s["n_jobs"]), n_trials)):
                 study.sampler = self._sampler(number)
                 batch.append(study.ask(space))
             self._launch(study, batch)
-            record.results(study, settings, n_trials)
-        out = record.results(study, settings, n_trials)
+            out = record.results(study, settings, n_trials)
+        if out is None:  # resumed when already complete: nothing launched
+            out = record.results(study, settings, n_trials)
         best = out.get("best_trial")
         print(
             f"fedrun: study {name}: {out['trials']}; "
@@ -227,6 +230,8 @@ class FedrunOptunaSweeper(Sweeper):
     def _launch(self, study, trials: list) -> None:
         """Run every seed of ``trials`` (consecutive numbers: trial n's seed i is job n * S + i) through the
         launcher, then close each trial from its jobs."""
+        from hydra.core.utils import JobStatus
+
         for trial in trials:
             self.record.open(study, trial)
         overrides = [
@@ -235,8 +240,6 @@ class FedrunOptunaSweeper(Sweeper):
             for seed in self.seeds
         ]
         returns = self.launcher.launch(overrides, initial_job_idx=trials[0].number * len(self.seeds))
-        from hydra.core.utils import JobStatus
-
         for k, trial in enumerate(trials):
             jobs = returns[k * len(self.seeds) : (k + 1) * len(self.seeds)]
             self.record.close(study, trial, [job.status == JobStatus.COMPLETED for job in jobs])
