@@ -18,6 +18,7 @@ file by file, so the data is never held twice.
 """
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from fedrun.errors import ConfigError, check
 # LEAF models/utils/language_utils.py, line 11 (80 symbols; index 0 is the newline, 79 the closing brace).
 ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
 SEQUENCE = 80  # Shakespeare's input length (LEAF baseline_constants.py: seq_len 80)
+LAYOUT = '{"users": [names], "num_samples": [counts], "user_data": {name: {"x": [...], "y": [...]}}}'
 _LOOKUP = np.full(256, -1, dtype=np.int64)
 _LOOKUP[np.frombuffer(ALL_LETTERS.encode("ascii"), dtype=np.uint8)] = np.arange(len(ALL_LETTERS))
 
@@ -85,28 +87,40 @@ class Leaf(Dataset):
         return found
 
     def read(self, split: str) -> tuple[torch.Tensor, torch.Tensor, list[str], list[np.ndarray]]:
-        """The split's tensors, its users in file order and each user's sample indices."""
-        xs, ys, users, sizes = [], [], [], []
+        """The split's tensors, its users in file order and each user's sample indices.
+
+        The progress bar shows after a second (tqdm prints its 0% line when a bar opens: a wrong root or a file that
+        is not LEAF's is then its one-line error alone), and an error clears it on a terminal.
+        """
+        xs, ys, users, sizes, seen = [], [], [], [], set()
         started, files = time.perf_counter(), self.files(split)
-        bar = tqdm(files, desc=f"{self.folder} {split}", unit="file", dynamic_ncols=True)
-        for path in bar:
-            file_x, file_y = [], []
-            for user, x, y in self._users(path):
-                ux, uy = self.convert(x, y, f"{path} user {user!r}")
-                file_x.append(ux), file_y.append(uy), users.append(user), sizes.append(len(uy))
-            if file_x:
-                xs.append(np.concatenate(file_x)), ys.append(np.concatenate(file_y))
-            bar.set_postfix(users=len(users), samples=sum(sizes))
-        bar.close()
-        seen, duplicates = set(), set()
-        for user in users:
-            (duplicates if user in seen else seen).add(user)
-        if duplicates:
+        bar = tqdm(files, desc=f"{self.folder} {split}", unit="file", dynamic_ncols=True, delay=1.0)
+        try:
+            for path in bar:
+                file_x, file_y = [], []
+                for user, x, y in self._users(path):
+                    if user in seen:
+                        raise ConfigError(
+                            "dataset.root", str(self.root / split), f"each user in one file ({user!r} recurs in {path})"
+                        )
+                    ux, uy = self.convert(x, y, f"{path} user {user!r}")
+                    file_x.append(ux), file_y.append(uy), users.append(user), sizes.append(len(uy)), seen.add(user)
+                if file_x:
+                    xs.append(np.concatenate(file_x)), ys.append(np.concatenate(file_y))
+                bar.set_postfix(users=len(users), samples=sum(sizes), refresh=False)  # refresh ignores delay
+        except BaseException:
+            bar.leave = False
+            raise
+        finally:
+            bar.close()
+        if not users:
             raise ConfigError(
-                "dataset.root", str(self.root / split), f"each user in one file ({sorted(duplicates)[:3]} recur)"
+                "dataset.root",
+                str(self.root / split),
+                f"LEAF {self.folder} files with at least one user in {split}/ (users is empty in all {len(files)})",
             )
         x = _stacked(xs, self.sample_shape)
-        y = torch.from_numpy(np.concatenate(ys or [np.zeros(0, dtype=np.int64)]))
+        y = torch.from_numpy(np.concatenate(ys))
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         parts = [np.arange(a, b) for a, b in zip(offsets[:-1], offsets[1:])]
         seconds = time.perf_counter() - started
@@ -119,25 +133,43 @@ class Leaf(Dataset):
         try:
             with path.open() as handle:
                 data = json.load(handle)
+        except RecursionError:  # json's decoder recurses once per level: ``[[[[...`` deeper than Python's stack
+            raise ConfigError(
+                "dataset.root",
+                str(path),
+                f"a LEAF JSON file, {LAYOUT} (this one nests deeper than {sys.getrecursionlimit()} levels)",
+            ) from None
         except (OSError, ValueError) as exc:
             raise ConfigError("dataset.root", str(path), f"a LEAF JSON file ({type(exc).__name__}: {exc})") from None
         missing = [
             key for key in ("users", "num_samples", "user_data") if not isinstance(data, dict) or key not in data
         ]
         if missing:
-            raise ConfigError(
-                "dataset.root", str(path), f"a LEAF JSON file with users, num_samples and user_data (no {missing[0]})"
-            )
+            raise ConfigError("dataset.root", str(path), f"a LEAF JSON file with {LAYOUT} (no {missing[0]})")
         users, counts, user_data = data.pop("users"), data.pop("num_samples"), data.pop("user_data")
+        _expect(isinstance(users, list), path, "users is a list of user names", users)
+        _expect(isinstance(counts, list), path, "num_samples is a list of counts, one a user", counts)
+        _expect(isinstance(user_data, dict), path, "user_data is an object {name: {x, y}}", user_data)
         if len(users) != len(counts):
             raise ConfigError(
                 "dataset.root", str(path), f"as many num_samples as users ({len(counts)} for {len(users)} users)"
             )
         for user, count in zip(users, counts):
+            _expect(isinstance(user, str), path, "users are strings (user_data's keys)", user)
+            _expect(
+                isinstance(count, int) and not isinstance(count, bool) and count >= 0,
+                path,
+                f"num_samples of {user!r} is an integer >= 0",
+                count,
+            )
             samples = user_data.pop(user, None)
             if not isinstance(samples, dict) or "x" not in samples or "y" not in samples:
                 raise ConfigError(
                     "dataset.root", str(path), f"user_data with x and y for every user ({user!r} has none)"
+                )
+            for field in ("x", "y"):
+                _expect(
+                    isinstance(samples[field], list), path, f"user_data[{user!r}].{field} is a list", samples[field]
                 )
             if not len(samples["x"]) == len(samples["y"]) == count:
                 raise ConfigError(
@@ -146,7 +178,7 @@ class Leaf(Dataset):
                     f"num_samples equal to the user's x and y ({user!r}: num_samples {count}, "
                     f"{len(samples['x'])} x, {len(samples['y'])} y)",
                 )
-            yield str(user), samples["x"], samples["y"]
+            yield user, samples["x"], samples["y"]
 
     def _splits(self):
         x_train, y_train, train_users, train_parts = self.read("train")
@@ -155,6 +187,15 @@ class Leaf(Dataset):
         empty = np.zeros(0, dtype=np.int64)
         self.natural_test_split = [by_user.get(user, empty) for user in train_users]
         return x_train, y_train, x_test, y_test, train_parts
+
+
+def _expect(ok: bool, path: Path, what: str, value) -> None:
+    """Refuse one field of a LEAF file in one line: the file, what the field must be, what it holds, LEAF's layout."""
+    if not ok:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{type(value).__name__} {repr(value)[:30]}..."
+        raise ConfigError(
+            "dataset.root", str(path), f"a LEAF file whose {what} (here {shown}); LEAF's layout: {LAYOUT}"
+        )
 
 
 def _stacked(chunks: list[np.ndarray], shape: tuple[int, ...]) -> torch.Tensor:
@@ -193,16 +234,26 @@ class FEMNIST(Leaf):
         self.invert = invert
 
     def convert(self, x, y, where):
-        try:
-            images = np.asarray(x, dtype=np.float32)
-            labels = np.asarray(y, dtype=np.int64)
+        if not y:
+            return np.zeros((0, 784), dtype=np.float32), np.zeros(0, dtype=np.int64)
+        try:  # as parsed first: a string or a bool would pass as a number through a float32 cast
+            images, labels = np.asarray(x), np.asarray(y)
         except (TypeError, ValueError) as exc:
-            raise ConfigError("dataset.root", where, f"x of 784 numbers and integer y ({exc})") from None
-        if images.ndim != 2 or images.shape[1] != 784:
-            raise ConfigError("dataset.root", where, f"x of 784 pixels a sample (got shape {images.shape})")
-        if labels.ndim != 1 or (len(labels) and not (0 <= labels.min() and labels.max() < 62)):
+            raise ConfigError("dataset.root", where, f"x of 784 pixels a sample and integer y ({exc})") from None
+        if images.ndim != 2 or images.shape[1] != 784 or images.dtype.kind not in "iuf":
+            shape = f"shape {images.shape}" if images.dtype.kind in "iuf" else f"{images.dtype} values"
+            raise ConfigError("dataset.root", where, f"x of 784 pixels a sample (got {shape})")
+        # LEAF's data_to_json.py stores each pixel as grey / 255: a value outside [0, 1] (255, say) is another scale.
+        if not ((images >= 0) & (images <= 1)).all():
+            bad = images[~((images >= 0) & (images <= 1))][0]
+            raise ConfigError("dataset.root", where, f"x's pixels in [0, 1], as LEAF stores them (one is {bad})")
+        if labels.ndim != 1 or labels.dtype.kind not in "iuf" or (labels != np.round(labels)).any():
+            bad = next((v for v in y if isinstance(v, bool) or not isinstance(v, (int, float)) or v != round(v)), y)
+            raise ConfigError("dataset.root", where, f"y of integer labels 0-61 (one is {bad!r})")
+        if not (0 <= labels.min() and labels.max() < 62):
             raise ConfigError("dataset.root", where, "labels y in 0-61")
-        return (1 - images if self.invert else images), labels
+        images = images.astype(np.float32)
+        return (1 - images if self.invert else images), labels.astype(np.int64)
 
 
 class Shakespeare(Leaf):

@@ -111,8 +111,42 @@ def test_shakespeare_maps_characters_through_leafs_vocabulary(tmp_path):
         (lambda root: write(root / "train" / "b.json", {"u": {"x": [[0.5] * 783], "y": [1]}}), "784 pixels"),
         (lambda root: write(root / "train" / "b.json", {"u": {"x": [[0.5] * 784], "y": [62]}}), "labels y in 0-61"),
         (lambda root: write(root / "train" / "b.json", {"f0001_01": {"x": [[0.5] * 784], "y": [1]}}), "recur"),
+        # JSON, but not LEAF-shaped: each names the file, the field and LEAF's layout
+        (lambda root: leaf_json(root, users=3), r"b.json.*whose users is a list of user names \(here 3\).*layout"),
+        (lambda root: leaf_json(root, user_data=[1]), r"b.json.*whose user_data is an object.*\(here \[1\]\)"),
+        (lambda root: leaf_json(root, users=[["u"]]), r"b.json.*whose users are strings.*\(here \['u'\]\)"),
+        (
+            lambda root: leaf_json(root, user_data={"u": {"x": 5, "y": [1]}}),
+            r"b.json.*whose user_data\['u'\].x is a list \(here 5\)",
+        ),
+        (
+            lambda root: leaf_json(root, num_samples=["1"]),
+            r"b.json.*num_samples of 'u' is an integer >= 0 \(here '1'\)",
+        ),
+        (lambda root: (root / "train" / "b.json").write_text("[" * 100_000 + "]" * 100_000), "b.json.*nests deeper"),
+        (
+            lambda root: [write(path, {}) for path in (root / "train" / "a.json", root / "train" / "b.json")],
+            "train'.*at least one user in train/",
+        ),
+        # LEAF stores pixels as grey / 255 in [0, 1] and integer labels: another scale or a fraction is refused
+        (
+            lambda root: write(root / "train" / "b.json", {"u": {"x": [[255] * 784], "y": [1]}}),
+            r"b.json user 'u'.*pixels in \[0, 1\].*one is 255",
+        ),
+        (
+            lambda root: write(root / "train" / "b.json", {"u": {"x": [[0.5] * 784], "y": [3.7]}}),
+            r"b.json user 'u'.*integer labels 0-61 \(one is 3.7\)",
+        ),
+        (
+            lambda root: write(root / "train" / "b.json", {"u": {"x": [["0.5"] * 784], "y": [1]}}),
+            "b.json user 'u'.*784 pixels a sample \\(got <U3 values",
+        ),
     ],
-    ids=["missing", "not-json", "no-num-samples", "counts", "pixels", "labels", "duplicate-user"],
+    ids=[
+        *("missing", "not-json", "no-num-samples", "counts", "pixels", "labels", "duplicate-user"),
+        *("users-int", "user-data-list", "list-as-user", "x-int", "count-str", "deep", "no-users"),
+        *("pixel-255", "label-3.7", "pixel-str"),
+    ],
 )
 def test_a_missing_folder_or_malformed_file_is_one_line_naming_it(tmp_path, spoil, message):
     femnist_files(tmp_path)
@@ -120,6 +154,33 @@ def test_a_missing_folder_or_malformed_file_is_one_line_naming_it(tmp_path, spoi
     with pytest.raises(ConfigError, match=message) as info:
         FEMNIST(root=str(tmp_path)).load(seed=0)
     assert "\n" not in str(info.value) and str(info.value).startswith("dataset.root=")
+
+
+def leaf_json(root, **fields) -> None:
+    """train/b.json as LEAF's layout with one user u, then ``fields`` put in place of LEAF's."""
+    data = {"users": ["u"], "num_samples": [1], "user_data": {"u": {"x": [[0.5] * 784], "y": [1]}}, **fields}
+    (root / "train" / "b.json").write_text(json.dumps(data))
+
+
+def test_a_leaf_error_is_its_line_alone_without_a_progress_bar(tmp_path, capsys):
+    femnist_files(tmp_path)
+    write(tmp_path / "train" / "b.json", {"u": {"x": [[0.5] * 784], "y": [62]}})
+    with pytest.raises(ConfigError, match="labels y in 0-61"):
+        FEMNIST(root=str(tmp_path)).load(seed=0)
+    assert capsys.readouterr().err == ""  # tqdm printed its 0% line here before
+
+
+def test_a_bad_leaf_file_is_one_line_and_exit_2_through_fedrun(fedrun, tmp_path):
+    femnist_files(tmp_path / "data")
+    leaf_json(tmp_path / "data", users=3)
+    args = ("experiment=femnist", f"dataset.root={tmp_path / 'data'}", "schedule.cohort=2", "tracking.enabled=false")
+    done = fedrun(*args, check=False)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"fedrun: error: dataset.root='{tmp_path / 'data' / 'train' / 'b.json'}' is invalid: allowed is a LEAF file "
+        "whose users is a list of user names (here 3); LEAF's layout: "
+        '{"users": [names], "num_samples": [counts], "user_data": {name: {"x": [...], "y": [...]}}}'
+    ]
 
 
 def test_a_character_outside_leafs_vocabulary_is_refused_naming_it(tmp_path):
