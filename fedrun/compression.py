@@ -18,8 +18,14 @@ backend, and across a kill and resume.
   E[Q(v)] = v. Message: the norm (32 bits) and each coordinate's signed level, one of 2 s + 1 values:
   32 + d log2(2 s + 1) bits (a fixed-length code, as FedJAX counts its quantisers; QSGD's Elias coding of sparse
   levels would take fewer at small s).
-- ``sign``: scaled sign compression (Karimireddy et al. 2019, the compressor of EF-SignSGD): ||v||_1 / d * sign(v),
-  with the same optional error feedback. Message: the scale (32 bits) and one bit per coordinate: 32 + d bits.
+- ``sign``: scaled sign compression (Karimireddy et al. 2019, the compressor of EF-SignSGD): ||v||_1 / d * s(v),
+  with the same optional error feedback. s(v)_j is +1 for v_j >= 0 and -1 below: a zero coordinate is sent as +,
+  so the message has two symbols and one bit per coordinate is its true size (torch.sign would send 0 as a third
+  symbol, which one bit cannot carry). BytePS's scaled 1-bit compressor encodes the same way: the bit is v_j < 0,
+  decoded as +-||v||_1 / d (bytedance/byteps, byteps/common/compressor/impl/onebit.cc). With s(v) in {-1, +1}^d,
+  <s(v), v> = ||v||_1 and ||s(v)||^2 = d, so the compression error is ||v||^2 - ||v||_1^2 / d: Karimireddy et
+  al.'s delta = ||v||_1^2 / (d ||v||^2) holds with equality. Error feedback carries what a zero sent as + adds
+  into the client's next update. Message: the scale (32 bits) and one bit per coordinate: 32 + d bits.
 """
 
 import math
@@ -92,7 +98,8 @@ class TopK(Compressor):
     name = "topk"
 
     def __init__(self, k: float = 0.1, error_feedback: bool = True):
-        check(isinstance(k, (int, float)) and 0 < k <= 1, "k", k, "a fraction in (0, 1]")
+        # Python's bool is an int: k=true would keep everything (k = 1) without saying so
+        check(isinstance(k, (int, float)) and not isinstance(k, bool) and 0 < k <= 1, "k", k, "a fraction in (0, 1]")
         super().__init__(error_feedback)
         self.k = float(k)
 
@@ -150,7 +157,8 @@ class QSGD(Compressor):
 
 
 class Sign(Compressor):
-    """Scaled sign compression, ||v||_1 / d * sign(v), with optional error feedback (see the module docstring).
+    """Scaled sign compression, ||v||_1 / d * s(v) with s(v)_j = +1 for v_j >= 0 and -1 below (a zero is sent as +:
+    one bit a coordinate), with optional error feedback (see the module docstring).
 
     Args:
         error_feedback: Error feedback (default on: EF-SignSGD).
@@ -162,7 +170,8 @@ class Sign(Compressor):
         super().__init__(error_feedback)
 
     def compress(self, row, client, round_):
-        return row.abs().mean() * torch.sign(row)
+        # Two symbols: a zero goes as + (the message is one bit a coordinate; see the module docstring).
+        return row.abs().mean() * torch.where(row >= 0, 1.0, -1.0).to(row)
 
     def message_bits(self, d):
         return FLOAT_BITS + d

@@ -56,6 +56,22 @@ def test_sign_by_hand():
     assert sent.tolist() == [[2.5, -2.5, 2.5, -2.5]]
 
 
+def test_sign_sends_a_zero_as_plus_so_one_bit_a_coordinate_is_the_whole_message():
+    # The vector: ||v||_1 / d = (0.35 + 0 + 0.35 + 0 + 0.35) / 5 = 0.21. Two symbols, zero as +: the decoded
+    # vector is 0.21 * (+, +, -, +, +), and the message is the scale (32 bits) and 5 bits: 37 bits.
+    v = rows([0.35, 0.0, -0.35, 0.0, 0.35])
+    sign = Sign(error_feedback=True)
+    sent, diagnostics = sign(v, np.array([3]), 1)
+    torch.testing.assert_close(sent, rows([0.21, 0.21, -0.21, 0.21, 0.21]), rtol=0, atol=1e-15)
+    assert set(sent[0].abs().tolist()) == {sent[0].abs().max().item()}  # one magnitude: no third symbol
+    assert sign.message_bits(5) == 37 and diagnostics["sign/bits_per_coordinate"] == 37 / 5
+    # The residual the client keeps: v - sent = (0.14, -0.21, -0.14, -0.21, 0.14); ||e||^2 = ||v||^2 - ||v||_1^2 / d
+    torch.testing.assert_close(sign.residuals[3], rows(0.14, -0.21, -0.14, -0.21, 0.14), rtol=0, atol=1e-15)
+    assert sign.residuals[3].square().sum().item() == pytest.approx(3 * 0.35**2 - 1.05**2 / 5, rel=1e-12)
+    # -0.0 is a zero too: sent as +
+    assert Sign(error_feedback=False)(rows([-0.0, 2.0]), np.array([0]), 1)[0].tolist() == [[1.0, 1.0]]
+
+
 def test_qsgd_is_unbiased_and_lands_on_its_levels():
     qsgd, n = QSGD(levels=2), 1000
     v = torch.tensor([0.3, -0.4, 0.0, 1.2], dtype=torch.float64)  # ||v|| = sqrt(0.09 + 0.16 + 1.44) = 1.3
@@ -86,7 +102,14 @@ def test_the_bits_of_each_message_by_hand():
     assert message_bits([Clip(1.0), TopK(k=0.1), Clip(1.0)], 100) == 390
 
 
-@pytest.mark.parametrize("make,key", [(lambda: TopK(k=0), "k"), (lambda: QSGD(levels=0), "levels")])
+@pytest.mark.parametrize(
+    "make,key",
+    [
+        (lambda: TopK(k=0), "k"),
+        (lambda: TopK(k=True), "k=True is invalid: allowed is a fraction in"),  # a bool is not a number (k = 1)
+        (lambda: QSGD(levels=0), "levels"),
+    ],
+)
 def test_bad_settings_are_refused(make, key):
     with pytest.raises(ConfigError, match=key):
         make()
