@@ -89,6 +89,7 @@ def setup(cfg: DictConfig) -> dict:
     objects["engine"].check(
         objects["aggregator"], objects["heterogeneity"], objects["pipeline"], objects["schedule"], objects["sampler"]
     )
+    objects["partition"].check(objects["schedule"], objects["engine"])  # a population's cohort, before any work
     # A run dir saved before the privacy group has none.
     objects["privacy"] = build("privacy", cfg.privacy) if "privacy" in cfg else Privacy()
     objects["privacy"].check(
