@@ -33,7 +33,7 @@ import math
 import torch
 
 from fedrun.errors import check
-from fedrun.pipeline import Stage
+from fedrun.pipeline import Stage, number
 from fedrun.seeding import torch_generator
 
 FLOAT_BITS = 32  # what the dense message holds per coordinate (float32), and a norm or scale
@@ -98,8 +98,7 @@ class TopK(Compressor):
     name = "topk"
 
     def __init__(self, k: float = 0.1, error_feedback: bool = True):
-        # Python's bool is an int: k=true would keep everything (k = 1) without saying so
-        check(isinstance(k, (int, float)) and not isinstance(k, bool) and 0 < k <= 1, "k", k, "a fraction in (0, 1]")
+        check(number(k) and 0 < k <= 1, "k", k, "a fraction in (0, 1]")  # number(): k=true is not k = 1
         super().__init__(error_feedback)
         self.k = float(k)
 

@@ -20,6 +20,11 @@ from fedrun.errors import check
 from fedrun.state import Stateful
 
 
+def number(value) -> bool:
+    """Whether ``value`` is a real number: Python's bool is an int, and ``true`` is not a clip norm or a rate."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class Stage(Stateful):
     """One step of the pipeline. ``name`` prefixes its diagnostics."""
 
@@ -85,20 +90,15 @@ class Clip(Stage):
     def __init__(
         self, max_norm: float = 1.0, adaptive: bool = False, target_quantile: float = 0.5, clip_lr: float = 0.2
     ):
-        check(
-            isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0,
-            "max_norm",
-            max_norm,
-            "a number > 0",
-        )
+        check(number(max_norm) and max_norm > 0, "max_norm", max_norm, "a number > 0")
         check(isinstance(adaptive, bool), "adaptive", adaptive, "true or false")
         check(
-            isinstance(target_quantile, (int, float)) and 0 <= target_quantile <= 1,
+            number(target_quantile) and 0 <= target_quantile <= 1,
             "target_quantile",
             target_quantile,
             "a number in [0, 1]",
         )
-        check(isinstance(clip_lr, (int, float)) and clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
+        check(number(clip_lr) and clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
         self.max_norm, self.adaptive, self.target_quantile, self.clip_lr = (
             float(max_norm),
             adaptive,

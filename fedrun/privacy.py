@@ -14,10 +14,16 @@ ledger records what ran (``schedule.sampling``):
   replace-one neighbours only (Wang, Balle and Kasiviswanathan 2019, Theorem 27; RDP only), where replacing one
   client's data moves the sum by up to ||v_j - v_j'|| <= 2C: the noise is z * C = (z / 2) * 2C, so the event is
   ``SampledWithoutReplacement(N, m, Gaussian(z / 2))``, its noise multiplier relative to that sensitivity as
-  dp-accounting's RDP code defines it. (Its PLD accountant instead takes the per-client bound and doubles it
-  itself; ``tests/test_privacy.py`` checks the two conventions against each other.) That bound is loose: for some
-  m and z it is above the plain Gaussian(z / 2) without amplification, which holds too; the smaller of the two is
-  reported (and calibrated).
+  dp-accounting's RDP code defines it (``_compute_rdp_sample_wor_gaussian``: alpha / (2 sigma^2) at m = N, no
+  doubling of its own). That bound is loose: for some m and z it is above the plain Gaussian mechanism without
+  amplification, which holds too; the smaller of the two is reported (and calibrated). dp-accounting's PLD
+  accountant has no event for a sample without replacement: ``accountant=pld`` is refused there, with a noise
+  multiplier or a target epsilon alike, before any calibration.
+- The replace-one Gaussian mechanism (the fallback above, and local DP) is written once, ``replace_one_gaussian``:
+  the sensitivity 2C is counted exactly once for each accountant. dp-accounting's RDP reads a GaussianDpEvent's
+  noise multiplier over the sensitivity whatever the relation, so the event is Gaussian(z / 2); its PLD accountant
+  builds a replace-one Gaussian's loss from the two shifted distributions, which doubles the per-client bound
+  itself, so the event is Gaussian(z) (``tests/test_privacy.py`` pins both against the exact Gaussian mechanism).
 - full participation (``fixed`` with every client each round): no amplification, ``Gaussian(z)``, zero-out.
 
 With ``mechanism: local`` each client clips and noises its own update before sending it (local DP): the server sees
@@ -25,6 +31,15 @@ every noised update and who sent it, so there is no amplification by sampling, a
 composition of one Gaussian mechanism per round it took part in. Its neighbours are any two datasets of that client
 (replace-one: the clipped update moves by up to 2C, the noise is z C, so the event is ``Gaussian(z / 2)`` for RDP;
 ``local_event``). The ledger counts each client's rounds and the logged epsilon is the worst client's.
+
+What the epsilon covers (``COVERS``, also the run's tag ``privacy_epsilon_covers``): the released global models
+(with ``local``, each noised update) for one client's data, all its rounds, against an observer who does not know
+who was drawn in each round nor the noise. A simulation shows both: each round's cohort is written to the run dir
+and to MLflow (``selected.csv``, ``alpha.csv``, ``cohort_size``, ``upload_mb``) although amplification by sampling
+assumes it secret, and the noise is a function of the logged seed (two runs with one seed share their noise).
+Neighbours differ in one client, so with ``partition=population``, where a training sample belongs to hundreds of
+synthetic clients, the epsilon is per synthetic client, not per sample. It is the epsilon a deployment with this
+sampling and noise would give, not a guarantee of what this run dir or its MLflow run discloses.
 
 The ledger is plain data (``state_dict``): the event's parameters and how many rounds ran, so a resumed run
 replays it into a fresh accountant and reports the same epsilon as an uninterrupted one. Epsilon is always computed
@@ -43,11 +58,19 @@ from dp_accounting import pld, rdp
 from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
 
 from fedrun.errors import ConfigError, check
-from fedrun.pipeline import clip_rows, geometric_clip_step
+from fedrun.pipeline import clip_rows, geometric_clip_step, number
 from fedrun.seeding import torch_generator
 from fedrun.state import Stateful
 
 ACCOUNTANTS = ("rdp", "pld")
+COVERS = (
+    "epsilon covers the released models (local: each noised update) for one client's data over all its rounds, "
+    "if each round's cohort and the noise stay secret. This run does not keep them secret: its dir and MLflow run "
+    "log each round's cohort (selected.csv, alpha.csv, cohort_size, upload_mb), which amplification by sampling "
+    "assumes hidden, and the noise follows the logged seed (runs with one seed share their noise). Neighbours "
+    "differ in one client: with partition=population a training sample belongs to many synthetic clients, and "
+    "epsilon is per synthetic client, not per sample."
+)
 SAMPLINGS = ("poisson", "fixed")
 ZERO_OUT, REPLACE_ONE = "zero_out", "replace_one"  # the neighbouring relations (N public in both)
 
@@ -72,10 +95,28 @@ def round_event(noise_multiplier: float, sampling: str, num_clients: int, cohort
 
 
 def without_replacement(noise_multiplier: float, num_clients: int, cohort: int):
-    """m of N clients drawn without replacement, for replace-one neighbours: the clipped sum's sensitivity is 2C,
-    so the noise multiplier relative to it is z / 2 (dp-accounting's RDP reads it that way)."""
-    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier / 2)
-    return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, cohort, gaussian)
+    """m of N clients drawn without replacement, for replace-one neighbours (RDP only: dp-accounting's PLD has no
+    such event): the clipped sum's sensitivity is 2C, so the noise multiplier relative to it is z / 2."""
+    return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, cohort, replace_one_gaussian(noise_multiplier))
+
+
+def replace_one_gaussian(noise_multiplier: float, kind: str = "rdp"):
+    """The Gaussian mechanism of noise z C on a sum whose replace-one sensitivity is 2C (one client's clipped update
+    replaced by another), as each accountant reads it: ``Gaussian(z / 2)`` for RDP, which takes the noise over the
+    sensitivity; ``Gaussian(z)`` for PLD, whose replace-one Gaussian already shifts by twice the per-client bound.
+    The factor 2 is counted once, here, for either."""
+    return dp_accounting.GaussianDpEvent(noise_multiplier / 2 if kind == "rdp" else noise_multiplier)
+
+
+def check_accountant(kind: str, relation: str) -> None:
+    """Refuse PLD for a fixed-size sample of some clients (replace-one): dp-accounting's PLD has no event for it."""
+    if kind == "pld" and relation == REPLACE_ONE:
+        raise ConfigError(
+            "accountant",
+            kind,
+            "rdp with schedule.sampling=fixed and fewer clients than all (dp-accounting's PLD has no event for "
+            "a fixed-size sample), or schedule.sampling=poisson",
+        )
 
 
 def neighbours(sampling: str, num_clients: int, cohort: int | None) -> str:
@@ -84,12 +125,20 @@ def neighbours(sampling: str, num_clients: int, cohort: int | None) -> str:
     return REPLACE_ONE if sampling == "fixed" and cohort < num_clients else ZERO_OUT
 
 
-def bounds(noise_multiplier: float, sampling: str, num_clients: int, cohort: int | None, rate: float | None) -> list:
+def bounds(
+    noise_multiplier: float,
+    sampling: str,
+    num_clients: int,
+    cohort: int | None,
+    rate: float | None,
+    kind: str = "rdp",
+) -> list:
     """The events whose epsilon is a valid bound for one round (the smallest is reported): the round's event, and
-    for a fixed-size sample also the Gaussian(z / 2) without amplification (replace-one)."""
+    for a fixed-size sample also the replace-one Gaussian without amplification (``replace_one_gaussian``: its
+    sensitivity 2C counted once for ``kind``)."""
     events = [round_event(noise_multiplier, sampling, num_clients, cohort, rate)]
     if neighbours(sampling, num_clients, cohort) == REPLACE_ONE:
-        events.append(dp_accounting.GaussianDpEvent(noise_multiplier / 2))
+        events.append(replace_one_gaussian(noise_multiplier, kind))
     return events
 
 
@@ -138,12 +187,7 @@ class Accountant(Stateful):
     ):
         check(kind in ACCOUNTANTS, "accountant", kind, "rdp or pld")
         check(sampling in SAMPLINGS, "sampling", sampling, "poisson or fixed")
-        check(
-            isinstance(noise_multiplier, (int, float)) and noise_multiplier >= 0,
-            "noise_multiplier",
-            noise_multiplier,
-            "a number >= 0",
-        )
+        check(number(noise_multiplier) and noise_multiplier >= 0, "noise_multiplier", noise_multiplier, "a number >= 0")
         check(isinstance(delta, float) and 0 < delta < 1, "delta", delta, "a number in (0, 1)")
         if sampling == "poisson":
             check(rate is not None and 0 < rate <= 1, "rate", rate, "a probability in (0, 1] with sampling=poisson")
@@ -155,13 +199,7 @@ class Accountant(Stateful):
                 f"an integer in [1, {num_clients}] with sampling=fixed",
             )
         self.relation = neighbours(sampling, num_clients, cohort)
-        if kind == "pld" and self.relation == REPLACE_ONE:
-            raise ConfigError(
-                "accountant",
-                kind,
-                "rdp with schedule.sampling=fixed and fewer clients than all (dp-accounting's PLD has no event for "
-                "a fixed-size sample), or schedule.sampling=poisson",
-            )
+        check_accountant(kind, self.relation)
         self.kind, self.delta = kind, float(delta)
         self.event = {
             "noise_multiplier": float(noise_multiplier),
@@ -197,7 +235,7 @@ class Accountant(Stateful):
 
     def events(self) -> list:
         """The events whose epsilon bounds one round (``bounds``)."""
-        return bounds(**self.event)
+        return bounds(**self.event, kind=self.kind)
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "delta": self.delta, "event": dict(self.event), "rounds": self.rounds}
@@ -215,10 +253,8 @@ class Accountant(Stateful):
 
 
 def local_event(noise_multiplier: float, kind: str):
-    """One round of one client under local DP (replace-one, sensitivity 2C, noise z C): ``Gaussian(z / 2)`` for
-    dp-accounting's RDP, which reads the noise over the sensitivity; its PLD accountant takes ``Gaussian(z)`` and
-    doubles the sensitivity itself for replace-one (``tests/test_privacy.py`` checks the two agree)."""
-    return dp_accounting.GaussianDpEvent(noise_multiplier / 2 if kind == "rdp" else noise_multiplier)
+    """One round of one client under local DP (replace-one, sensitivity 2C, noise z C): ``replace_one_gaussian``."""
+    return replace_one_gaussian(noise_multiplier, kind)
 
 
 class LocalAccountant(Accountant):
@@ -266,7 +302,7 @@ def calibrate_events(events, relation: str, kind: str, target_epsilon: float, de
     """The smallest z (to dp-accounting's tolerance, rounded up) for which some event of ``events(z)`` (a list of
     valid bounds for one round) composed ``rounds`` times gives at most ``target_epsilon`` at ``delta``
     (``dp_accounting.calibrate_dp_mechanism`` for each bound)."""
-    check(target_epsilon > 0, "target_epsilon", target_epsilon, "a number > 0")
+    check(number(target_epsilon) and target_epsilon > 0, "target_epsilon", target_epsilon, "a number > 0")
     found = []
     for k in range(len(events(1.0))):
 
@@ -308,9 +344,11 @@ def calibrate(
 ) -> float:
     """The smallest noise multiplier z (to dp-accounting's tolerance, rounded up) whose ``rounds`` rounds give at
     most ``target_epsilon`` at ``delta`` (``dp_accounting.calibrate_dp_mechanism`` for each of ``bounds``; the
-    reported epsilon is their smallest, so the smallest z that brings any of them to the target)."""
+    reported epsilon is their smallest, so the smallest z that brings any of them to the target). What the
+    accountant cannot account is refused first (``check_accountant``), as it is with a noise multiplier given."""
+    check_accountant(kind, neighbours(sampling, num_clients, cohort))
     return calibrate_events(
-        lambda z: bounds(z, sampling, num_clients, cohort, rate),
+        lambda z: bounds(z, sampling, num_clients, cohort, rate, kind),
         neighbours(sampling, num_clients, cohort),
         kind,
         target_epsilon,
@@ -355,10 +393,11 @@ class Privacy(Stateful):
     ``LocalAccountant`` for the epsilon (the worst client's; no amplification by sampling).
 
     The noise comes from its own streams (seed, round[, client]): the same on every backend and device. The epsilon
-    logged each round (``epsilon``, at ``delta``) is what the rounds run so far guarantee for everything released
-    (the global models; with ``local``, each noised update), by dp-accounting. fedrun's other per-round numbers
-    computed on clients' data (``train_loss``, ``client_accuracy``, the clip statistics) are measurements of the
-    simulation, outside that guarantee.
+    logged each round (``epsilon``, at ``delta``) is what the rounds run so far guarantee for the global models
+    (with ``local``, each noised update), by dp-accounting, if the cohorts and the noise stay secret; the run writes
+    the cohorts down and the noise follows its logged seed (``COVERS``, the tag ``privacy_epsilon_covers``, says
+    so on every private run). fedrun's other per-round numbers computed on clients' data (``train_loss``,
+    ``client_accuracy``, the clip statistics) are measurements of the simulation, outside that guarantee.
 
     ``deployment_clients`` and ``deployment_cohort`` (central only) also log ``epsilon_deployment``: the epsilon of
     a larger, hypothetical deployment (pfl-research's benchmarks report this one) that adds the same noise to the
@@ -409,23 +448,49 @@ class Privacy(Stateful):
             noise_multiplier,
             "a number >= 0, or null with target_epsilon set (one of the two)",
         )
-        check(noise_multiplier is None or noise_multiplier >= 0, "noise_multiplier", noise_multiplier, "a number >= 0")
-        check(isinstance(clip_norm, (int, float)) and clip_norm > 0, "clip_norm", clip_norm, "a number > 0")
+        # number(): Python's bool is an int, and clip_norm=true would clip to 1 without a word
+        check(
+            noise_multiplier is None or (number(noise_multiplier) and noise_multiplier >= 0),
+            "noise_multiplier",
+            noise_multiplier,
+            "a number >= 0",
+        )
+        check(number(clip_norm) and clip_norm > 0, "clip_norm", clip_norm, "a number > 0")
         check(isinstance(delta, float) and 0 < delta < 1, "delta", delta, "a number in (0, 1)")
         check(accountant in ACCOUNTANTS, "accountant", accountant, "rdp or pld")
-        check(target_epsilon is None or target_epsilon > 0, "target_epsilon", target_epsilon, "null or a number > 0")
-        check(max_epsilon is None or max_epsilon > 0, "max_epsilon", max_epsilon, "null or a number > 0")
+        check(
+            target_epsilon is None or (number(target_epsilon) and target_epsilon > 0),
+            "target_epsilon",
+            target_epsilon,
+            "null or a number > 0",
+        )
+        check(
+            max_epsilon is None or (number(max_epsilon) and max_epsilon > 0),
+            "max_epsilon",
+            max_epsilon,
+            "null or a number > 0",
+        )
         check(isinstance(adaptive, bool), "adaptive", adaptive, "true or false")
         check(not adaptive or mechanism == "central", "adaptive", adaptive, "false with mechanism=local")
-        check(0 <= target_quantile <= 1, "target_quantile", target_quantile, "a number in [0, 1]")
-        check(clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
-        check(clip_count_noise is None or clip_count_noise >= 0, "clip_count_noise", clip_count_noise, "null or >= 0")
+        check(
+            number(target_quantile) and 0 <= target_quantile <= 1,
+            "target_quantile",
+            target_quantile,
+            "a number in [0, 1]",
+        )
+        check(number(clip_lr) and clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
+        check(
+            clip_count_noise is None or (number(clip_count_noise) and clip_count_noise >= 0),
+            "clip_count_noise",
+            clip_count_noise,
+            "null or a number >= 0",
+        )
         deployment = (deployment_clients, deployment_cohort)
         check(
             deployment == (None, None)
             or (
                 mechanism == "central"
-                and all(isinstance(n, int) and n >= 1 for n in deployment)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in deployment)
                 and deployment_cohort <= deployment_clients
             ),
             "deployment_cohort",
@@ -456,10 +521,22 @@ class Privacy(Stateful):
     def __bool__(self) -> bool:
         return self.mechanism != "none"
 
+    def check_engine(self, engine) -> None:
+        """Refuse an asynchronous engine (called before the aggregator is built: the privacy options set
+        ``aggregator.weighting``, a key asynchronous aggregators do not have)."""
+        from fedrun.engine import SyncEngine
+
+        if self and not isinstance(engine, SyncEngine):
+            raise ConfigError(
+                "engine",
+                "async",
+                f"sync with privacy={self.mechanism} (asynchronous privacy is not accounted; an asynchronous "
+                "aggregator runs on engine=async)",
+            )
+
     def check(self, aggregator, engine, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
         """Refuse, before training, what this mechanism's accounting does not cover."""
         from fedrun.aggregators import FedAvg
-        from fedrun.engine import SyncEngine
         from fedrun.heterogeneity import EqualWork
 
         if not self:
@@ -472,8 +549,7 @@ class Privacy(Stateful):
                 f"uniform with {mine} (the accountant's amplification assumes each client is drawn alike, "
                 "whatever the data)",
             )
-        if not isinstance(engine, SyncEngine):
-            raise ConfigError("engine", "async", f"sync with {mine} (asynchronous privacy is not accounted)")
+        self.check_engine(engine)
         if type(aggregator) is not FedAvg:
             raise ConfigError(
                 "aggregator",
@@ -481,11 +557,12 @@ class Privacy(Stateful):
                 f"fedavg with {mine} (weights that follow the clients' losses, steps or data would change "
                 "the sensitivity the noise is calibrated to)",
             )
-        if aggregator.weighting != "uniform":
+        if aggregator.weighting != "uniform":  # the privacy options choose uniform: this one was set after them
             raise ConfigError(
                 "aggregator.weighting",
                 aggregator.weighting,
-                f"uniform with {mine} (DP-FedAvg weighs every client alike; sample counts are private)",
+                f"uniform with {mine}, which privacy={self.mechanism} sets by itself (DP-FedAvg weighs every client "
+                "alike; sample counts are private)",
             )
         if heterogeneity is not None and type(heterogeneity) is not EqualWork:
             raise ConfigError(
@@ -527,6 +604,17 @@ class Privacy(Stateful):
                 "outright)",
             )
         self.denominator = rate * num_clients if poisson else float(cohort)  # central's D: the expected cohort
+        if self.mechanism == "central" and self.denominator < 1:
+            # Below one expected client each weight 1 / D exceeds 1: the noise and a lone client's update are
+            # multiplied, not averaged (q N = 0.02 took a test loss to 8e8). One client is the floor that keeps D an
+            # average; a higher one would be a judgement on utility, which z and C already make the user's.
+            raise ConfigError(
+                "schedule.clients_per_round",
+                rate,
+                f"a rate of at least 1 / N = {1 / num_clients:.3g} with privacy=central and schedule.sampling=poisson "
+                f"(an expected cohort q N = {self.denominator:.3g} below one client: the fixed denominator q N would "
+                "multiply the noise instead of averaging it)",
+            )
         try:
             if self.mechanism == "local":
                 self._bind_local(schedule.rounds, num_clients)
@@ -667,6 +755,7 @@ class Privacy(Stateful):
         if not self:
             return {}
         tags = {
+            "privacy_epsilon_covers": COVERS,
             "privacy_noise_multiplier": f"{self.noise_multiplier:.6g}",
             "privacy_neighbours": self.ledger.relation if self.ledger else "",
             "privacy_accountant": self.kind,

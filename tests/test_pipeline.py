@@ -123,6 +123,13 @@ def test_a_clip_stage_gives_equal_runs_on_the_loop_worker_process_and_vmap_backe
     assert [r["test_accuracy"] for r in loose_rows] == [r["test_accuracy"] for r in plain_rows]
 
 
+@pytest.mark.parametrize("key", ["max_norm", "target_quantile", "clip_lr"])
+def test_true_is_not_a_number_for_a_clip_stage(key):
+    # Python's bool is an int: true would have been a quantile or a rate of 1
+    with pytest.raises(ConfigError, match=rf"^{key}=True is invalid: allowed is a number"):
+        Clip(**{key: True})
+
+
 def test_the_sync_engine_refuses_stages_with_mvr_whose_second_update_would_bypass_them():
     with pytest.raises(ConfigError, match="pipeline=.*none with aggregator=mvr"):
         SyncEngine().check(MVR(), None, Pipeline([Clip(1.0)]))

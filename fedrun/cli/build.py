@@ -77,6 +77,11 @@ def setup(cfg: DictConfig) -> dict:
     seed = cfg.seed
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", seed, "an integer >= 0")
+    # A run dir saved before the privacy group has none. Built first: its options set aggregator.weighting=uniform,
+    # a key asynchronous aggregators lack, so its refusal of the asynchronous engine must come before they are built.
+    privacy = build("privacy", cfg.privacy) if "privacy" in cfg else Privacy()
+    if privacy:
+        privacy.check_engine(build("engine", cfg.engine))
     groups = ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")
     objects = {group: build(group, cfg[group]) for group in groups}
     # Each stage on its own, so that an error names its key (pipeline.stages.0.max_norm), then the pipeline around them.
@@ -90,8 +95,7 @@ def setup(cfg: DictConfig) -> dict:
         objects["aggregator"], objects["heterogeneity"], objects["pipeline"], objects["schedule"], objects["sampler"]
     )
     objects["partition"].check(objects["schedule"], objects["engine"])  # a population's cohort, before any work
-    # A run dir saved before the privacy group has none.
-    objects["privacy"] = build("privacy", cfg.privacy) if "privacy" in cfg else Privacy()
+    objects["privacy"] = privacy
     objects["privacy"].check(
         objects["aggregator"],
         objects["engine"],
@@ -154,10 +158,7 @@ def setup(cfg: DictConfig) -> dict:
     objects["sampler"].bind(
         objects["schedule"], client_sizes(clients), getattr(objects["aggregator"], "weighting", "samples")
     )
-    try:
-        objects["privacy"].bind(objects["schedule"], len(clients), seed)
-    except ConfigError as exc:
-        raise exc.within("privacy") from None
+    objects["privacy"].bind(objects["schedule"], len(clients), seed)  # its errors name their full keys
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
