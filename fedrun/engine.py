@@ -149,7 +149,9 @@ def run(
             selection_s = time.perf_counter() - clock
             selected = np.zeros(len(clients), dtype=np.int64)  # who was picked (before stragglers drop out)
             selected[selection.cohort] = selection.counts
-            plan = heterogeneity.plan(t, selection.cohort, sizes[selection.cohort], schedule.work, seed)
+            plan = heterogeneity.plan(
+                t, selection.cohort, sizes[selection.cohort], schedule.work, seed, counts=selection.counts
+            )
             works = [work for work in plan if work is not None]
             selection = selection.keep(np.array([work is not None for work in plan], dtype=bool))  # stragglers drop out
             cohort = selection.cohort

@@ -13,9 +13,16 @@ class EqualWork:
     """``heterogeneity=none``: every client does the schedule's work."""
 
     def plan(
-        self, round_: int, cohort: np.ndarray, sizes: np.ndarray, work: LocalWork, seed: int
+        self,
+        round_: int,
+        cohort: np.ndarray,
+        sizes: np.ndarray,
+        work: LocalWork,
+        seed: int,
+        counts: np.ndarray | None = None,
     ) -> list[LocalWork | None]:
-        """Each cohort client's work this round, or None for a client that drops out."""
+        """Each cohort client's work this round, or None for a client that drops out. ``counts``: how many of the
+        round's draws each cohort client took (a sampler with replacement; None: one each)."""
         return [work] * len(cohort)
 
 
@@ -37,7 +44,7 @@ class RandomSteps(EqualWork):
         check(isinstance(high, int) and high >= low, "high", high, f"an integer >= low={low}")
         self.low, self.high, self.redraw = low, high, redraw
 
-    def plan(self, round_, cohort, sizes, work, seed):
+    def plan(self, round_, cohort, sizes, work, seed, counts=None):
         keys = [(round_, int(c)) if self.redraw else (int(c),) for c in cohort]
         return [
             LocalWork(work.batch_size, local_steps=int(numpy_rng(seed, "work", *k).integers(self.low, self.high + 1)))
@@ -49,6 +56,14 @@ class Stragglers(EqualWork):
     """FedProx's protocol: each round a ``fraction`` of the cohort straggles. In ``partial`` mode a straggler
     does a uniformly random number of steps in [1, its full work]; in ``drop`` mode it drops out of the round.
 
+    The fraction is of the round's draws: int(fraction * m) of the m draws straggle, chosen uniformly, and a client
+    drawn more than once (``sampler=importance`` draws with replacement) does the work of its first draw. Which
+    draws straggle does not depend on who was drawn, so a client's chance of straggling, int(fraction * m) / m, is
+    the same whatever else the draw holds, and importance sampling's estimate stays unbiased: E[sum_k alpha_k
+    Delta_k] = sum_k q_k E[Delta_k], each client's update averaged over the stragglers' law. Counting the fraction
+    over the distinct clients instead made a client drawn twice (fewer distinct clients) straggle less often. With
+    one draw per client (every sampler without replacement) the draws are the clients, as in FedProx.
+
     Args:
         fraction: Share of the cohort that straggles, in [0, 1) (at least one client always finishes).
         mode: ``partial`` or ``drop``.
@@ -59,9 +74,13 @@ class Stragglers(EqualWork):
         check(mode in ("partial", "drop"), "mode", mode, "partial or drop")
         self.fraction, self.mode = fraction, mode
 
-    def plan(self, round_, cohort, sizes, work, seed):
+    def plan(self, round_, cohort, sizes, work, seed, counts=None):
         rng = numpy_rng(seed, "stragglers", round_)
-        stragglers = set(rng.choice(len(cohort), size=int(self.fraction * len(cohort)), replace=False).tolist())
+        counts = np.ones(len(cohort), dtype=np.int64) if counts is None else np.asarray(counts)
+        draws = int(counts.sum())  # the cohort's clients in sorted order, each repeated as often as it was drawn
+        first = np.concatenate(([0], np.cumsum(counts)[:-1])) if len(counts) else counts  # each client's first draw
+        straggling = rng.choice(draws, size=int(self.fraction * draws), replace=False)
+        stragglers = set(np.flatnonzero(np.isin(first, straggling)).tolist())
         plan = []
         for i, size in enumerate(sizes):
             if i not in stragglers:

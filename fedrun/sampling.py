@@ -29,7 +29,9 @@ client's total selections; the importance sampler's last-known update norms) is 
   the issue's 1 / (N p_k)); a client drawn twice trains once and counts twice. Then
   E[sum of alpha_k Delta_k] = sum_k q_k Delta_k, full participation's update, for any p > 0. The alpha do not sum to
   1 in a round, only in expectation. Clients that drop out after the draw would bias it: ``heterogeneity`` with
-  ``mode: drop`` is refused. With top-k's error feedback the residual a client keeps is re-sent under the next
+  ``mode: drop`` is refused. Partial stragglers keep it unbiased: ``Stragglers`` picks the straggling share of
+  the m draws, not of the distinct clients, so whether a client straggles does not depend on how often it (or
+  anyone) was drawn. With top-k's error feedback the residual a client keeps is re-sent under the next
   round's weight, so the estimate is unbiased for each round's compressed updates, not for the residuals. Server
   optimizers step on an unbiased update; an adaptive one (Adam) is not linear in it. ``signal``:
   - ``update_norm``: p_k proportional to q_k ||Delta_k|| with each client's last-known update norm (what the

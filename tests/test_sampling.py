@@ -222,6 +222,35 @@ def test_importance_sampling_refuses_stragglers_that_drop_out(compose_config):
         setup(compose_config("sampler=importance", "heterogeneity=stragglers", "heterogeneity.mode=drop"))
 
 
+def test_importance_sampling_stays_unbiased_with_partial_stragglers():
+    from fedrun.cohort import LocalWork
+    from fedrun.heterogeneity import Stragglers
+
+    # Two clients of equal data, p = q = (1/2, 1/2), m = 2 draws with replacement, half of them straggle: a full
+    # client does F = 100 steps, a straggler U{1..100}. Take the update to be the steps done. Each draw straggles
+    # with probability s = int(0.5 * 2) / 2 = 1/2 whoever it drew, so the estimate's mean is full participation's
+    # under that law: (1 - s) F + s (F + 1) / 2 = 75.25. Counting the fraction over distinct clients instead, a
+    # client drawn twice (one distinct client: int(0.5) = 0 stragglers) never straggled: the mean was
+    # 1/2 F + 1/2 (F / 2 + (F + 1) / 4) = 87.625, 12 points above.
+    sizes, work, full = np.array([10, 10]), LocalWork(batch_size=1, local_steps=100), 100
+    sampler, stragglers = Importance(signal="size", uniform_mix=0.0), Stragglers(fraction=0.5, mode="partial")
+    sampler.bind(schedule(2, 2), sizes)
+    rng, n = np.random.default_rng(0), 4000
+    estimates = np.empty(n)
+    for t in range(n):
+        picked = sampler.draw(rng, None)
+        plan = stragglers.plan(t + 1, picked.cohort, sizes[picked.cohort], work, 0, counts=picked.counts)
+        estimates[t] = picked.weights @ np.array([w.local_steps for w in plan])
+    s = int(0.5 * 2) / 2
+    expected = (1 - s) * full + s * (full + 1) / 2
+    # within 4 standard errors (the sample's own standard deviation, about 27 here: 4 se is about 1.7)
+    assert abs(estimates.mean() - expected) < 4 * estimates.std() / np.sqrt(n)
+    # Without replacement each client is one draw: the plan is FedProx's, as before (int(0.5 * 4) = 2 of 4).
+    four = Stragglers(fraction=0.5).plan(3, np.arange(4), np.full(4, 10), work, 0)
+    assert four == Stragglers(fraction=0.5).plan(3, np.arange(4), np.full(4, 10), work, 0, counts=np.ones(4, int))
+    assert sum(w.local_steps < full for w in four) <= 2 and sum(w.local_steps == full for w in four) >= 2
+
+
 def test_importance_weights_follow_the_update_norms_and_are_logged_per_client_only_then():
     from fedrun.sampling import Importance, PowerOfChoice, Uniform
 
