@@ -3,13 +3,16 @@
 The sweeper (``hydra_plugins/fedrun_optuna_sweeper``) parses the search space and launches the jobs; this module
 holds the rest, with no Hydra in it:
 
-- where a study is stored (``open_storage``: by default a journal file in the sweep dir) and how a resumed one is
-  checked against the command (``settings_of``);
+- where a study is stored (``open_storage``: by default a journal file in the sweep dir, refused in one line when
+  Optuna cannot replay it: ``check_journal``) and how a resumed one is checked against the command
+  (``settings_of``), its interrupted trials relaunched only with values of its search space (``relaunched_params``:
+  a journal is data, never code);
 - a seed job's objective value from its summary (``objective_value``; an R-index never reached counts as the
   rounds run + 1);
-- a seed job's per-round reports and the pruning decision (``SeedReport``): each job writes its test accuracy
-  each round, the trial's intermediate value at round t is the mean over the trial's seeds that reached t, and
-  the study's pruner judges that mean against the finished trials' mean curves;
+- a seed job's per-round reports and the pruning decision (``SeedReport``): each job writes its value of the
+  objective's per-round curve (``CURVES``) each round, and the study's pruner judges the trial's mean over the
+  seeds that reached round t against the finished trials' means over those same seeds (``paired_view``);
+  an objective without a per-round curve is not pruned (``pruner_for``);
 - what a trial leaves when its jobs return (``TrialRecord.close``): its Optuna state and attributes (the mean over
   seeds, its standard error and 95% interval, each seed's value), its MLflow run (a child of the sweep's run, the
   parent of its seeds' runs) and ``optimization_results.yaml``.
@@ -40,6 +43,22 @@ SETTINGS_ATTR = "fedrun:settings"  # a study's user attribute: what a resume mus
 # Summary metrics a study may optimise, and their direction (``direction: null`` takes it from here).
 MAXIMIZED = ("final_test_accuracy", "best_test_accuracy", "final_client_accuracy")
 MINIMIZED = ("upload_mb_total", "total_wall_s", "smoothness")
+
+# An objective's per-round curve, from the rows the engine hands ``on_round``: the row's column and how a seed's
+# value at round t follows from its rows 1..t. "last": the column at t (final accuracy); "max": its best so far
+# (best accuracy); "mean": the total so far / t (a total over rounds: megabytes uploaded, seconds). The mean and not
+# the running sum, because Optuna's percentile pruners judge a trial by its best value over steps
+# (optuna/pruners/_percentile.py, ``_get_best_intermediate_result_over_steps``), which for a sum that only grows is
+# its first round's; dividing every trial's sum at round t by the same t keeps their order at t. The R-index (a
+# round reached or not), ``smoothness`` and ``lag1_autocorr`` (of the whole curve) are known when the run ends:
+# they have none, and no pruner judges them (``pruner_for``).
+CURVES = {
+    "final_test_accuracy": ("test_accuracy", "last"),
+    "best_test_accuracy": ("test_accuracy", "max"),
+    "final_client_accuracy": ("client_accuracy", "last"),
+    "upload_mb_total": ("upload_mb", "mean"),
+    "total_wall_s": ("round_wall_s", "mean"),
+}
 
 
 def objective_direction(objective: str, direction: str | None, r_targets) -> str:
@@ -91,9 +110,96 @@ def open_storage(url: str | None, sweep_dir: Path):
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # its INFO lines repeat fedrun's line per trial, with less
     if url:
-        return optuna.storages.get_storage(url)
+        try:
+            return optuna.storages.get_storage(url)
+        except Exception as exc:  # SQLAlchemy's errors for a URL are of several kinds (no dialect, no driver, no DB)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                "hydra.sweeper.storage", url, f"null (a journal in the sweep dir) or an RDB URL that opens ({first})"
+            ) from None
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
     return optuna.storages.JournalStorage(JournalFileBackend(str(Path(sweep_dir) / STUDY_FILE)))
+
+
+def check_journal(path: Path) -> None:
+    """Refuse, in one line naming the file and line, a journal that Optuna cannot replay (which it says in a
+    traceback): a line that is not JSON or nests deeper than Python's parser goes (``RecursionError``), one that is
+    not an operation of Optuna's journal (an object with a known ``op_code``), or one whose operation does not apply
+    (replayed here, line by line, as ``JournalStorage`` does). A last line without its newline is a write in
+    progress, which Optuna's reader skips too (``JournalFileBackend.read_logs``)."""
+    from optuna.storages.journal import BaseJournalBackend, JournalStorage
+    from optuna.storages.journal._storage import JournalOperation
+
+    path = Path(path)
+    if not path.is_file():
+        return
+    codes = {int(op) for op in JournalOperation}
+
+    def refuse(number: int, line, why: str) -> ConfigError:
+        shown = line.decode("utf-8", "replace").strip() if isinstance(line, bytes) else str(line)
+        return ConfigError(f"{path} line {number}", shown[:60] + ("..." if len(shown) > 60 else ""), why)
+
+    logs, lines = [], []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break
+            try:
+                log = json.loads(line)
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError and bad UTF-8 are ValueErrors
+                raise refuse(number, line, f"one JSON object per line ({type(exc).__name__})") from None
+            if not isinstance(log, dict) or type(log.get("op_code")) is not int or log["op_code"] not in codes:
+                raise refuse(
+                    number, line, f"an operation of Optuna's journal: an object with an op_code in {sorted(codes)}"
+                )
+            logs.append(log)
+            lines.append(line)
+
+    class Replayed(BaseJournalBackend):
+        read = 0
+
+        def read_logs(self, log_number_from: int):
+            for self.read, log in enumerate(logs[log_number_from:], start=log_number_from + 1):
+                yield log
+
+        def append_logs(self, logs) -> None:
+            raise AssertionError("the journal is only read here")
+
+    replay = Replayed()
+    try:
+        JournalStorage(replay)
+    except Exception as exc:  # any error of Optuna's replay is the journal's: KeyError, TypeError, ValueError ...
+        number = max(replay.read, 1)
+        raise refuse(
+            number, lines[number - 1], f"an operation Optuna can replay ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def relaunched_params(trial, space: dict, where: str) -> dict:
+    """An interrupted trial's parameters as they are relaunched: each one of the study's search space (``space``,
+    which the resume checked against the command), with a value inside its distribution, given as the
+    distribution's own value (a categorical's choice, not what the journal spelt). Anything else is a ConfigError:
+    a journal is data, and an override such as a group's ``_target_`` would run code."""
+    for name, value in trial.params.items():
+        check(
+            name in space,
+            f"{where}: trial {trial.number}'s parameter {name}",
+            value,
+            f"a parameter of the study's search space ({', '.join(sorted(space))})",
+        )
+    missing = sorted(set(space) - set(trial.params))
+    check(not missing, f"{where}: trial {trial.number}", f"without {', '.join(missing)}", "a value for each parameter")
+    out = {}
+    for name, value in trial.params.items():
+        distribution = space[name]
+        try:
+            internal = distribution.to_internal_repr(value)
+            inside = distribution._contains(internal)
+        except (ValueError, TypeError):
+            inside = False
+        check(inside, f"{where}: trial {trial.number}'s parameter {name}", value, f"a value of {distribution}")
+        out[name] = distribution.to_external_repr(internal)
+    return out
 
 
 def settings_of(space: dict, fixed: dict, seeds: list[int], objective: str, direction: str) -> dict:
@@ -120,23 +226,100 @@ def check_resumed(saved: dict, now: dict) -> None:
             )
 
 
-def mean_curve(system_attrs: dict, up_to: int | None = None) -> dict[int, float]:
-    """Round -> the mean of the values the trial's seeds reported at that round (over those that reached it)."""
-    sums: dict[int, list[float]] = {}
+def pruner_for(objective: str, pruner, default: bool):
+    """The pruner a study runs with: ``pruner`` when the objective has a per-round curve (``CURVES``) or nothing
+    is pruned anyway; else none, with a printed line when ``pruner`` is the default (``median``) and a ConfigError
+    when the user chose one: it would judge a trial on another metric than the one the study optimises."""
+    import optuna
+
+    if objective in CURVES or isinstance(pruner, optuna.pruners.NopPruner):
+        return pruner
+    why = f"{objective} has no per-round curve to judge a trial by before its runs end"
+    check(
+        default,
+        "hydra.sweeper.pruner",
+        type(pruner).__name__,
+        f"none: {why} (objectives with one: {', '.join(CURVES)})",
+    )
+    print(f"fedrun: no pruning: {why} (hydra.sweeper.pruner=none says so)", file=sys.stderr)
+    return optuna.pruners.NopPruner()
+
+
+def seed_values(system_attrs: dict) -> dict[int, dict[int, float]]:
+    """Round -> {seed: the value that seed reported at that round}, from a trial's system attributes."""
+    out: dict[int, dict[int, float]] = {}
     for key, value in system_attrs.items():
         if key.startswith(VALUE_PREFIX):
-            round_ = int(key.rsplit(":", 1)[1])
-            if up_to is None or round_ <= up_to:
-                sums.setdefault(round_, []).append(float(value))
-    return {r: sum(v) / len(v) for r, v in sorted(sums.items())}
+            seed, round_ = key[len(VALUE_PREFIX) :].split(":")
+            out.setdefault(int(round_), {})[int(seed)] = float(value)
+    return out
+
+
+def mean_curve(system_attrs: dict, up_to: int | None = None) -> dict[int, float]:
+    """Round -> the mean of the values the trial's seeds reported at that round (over those that reached it)."""
+    return {
+        r: sum(v.values()) / len(v) for r, v in sorted(seed_values(system_attrs).items()) if up_to is None or r <= up_to
+    }
+
+
+def paired_curve(system_attrs: dict, seeds: list[int], up_to: int | None = None) -> dict[int, float]:
+    """Round -> the mean over ``seeds`` of the trial's values at that round, at the rounds every one of them
+    reported (a run that stopped early at its target accuracy, or a round not evaluated, has none)."""
+    return {
+        r: sum(v[s] for s in seeds) / len(seeds)
+        for r, v in sorted(seed_values(system_attrs).items())
+        if (up_to is None or r <= up_to) and all(s in v for s in seeds)
+    }
+
+
+def paired_view(study, trial, round_: int):
+    """The study as the pruner must see it when ``trial`` (a FrozenTrial, running) is judged at ``round_``: an
+    in-memory copy in which the running trial and every finished trial are each their mean over the same seeds,
+    those of the running trial that reached ``round_``. Returns (the copy, the running trial's view, those seeds).
+
+    Optuna's pruners judge a trial by its intermediate values and compare them with the finished trials'
+    intermediate values at the same step (``MedianPruner`` = ``PercentilePruner(50)``: prune when the trial's best
+    value so far is worse than the median of the COMPLETE trials' ``intermediate_values[step]``;
+    optuna/pruners/_percentile.py, ``_get_percentile_intermediate_result_over_trials``). A trial of several seeds
+    has one curve per seed; seeds differ in difficulty, and under the sequential launcher a trial's first seed is
+    judged alone for its whole run. Its mean over the seeds it has reached is comparable only with the other trials'
+    means over those same seeds (paired by seed), so each finished trial's intermediate values in the copy are its
+    mean over those seeds, round by round. Every finished trial is in the copy (a trial without those seeds' values
+    has no value at the step: the pruner leaves it out, as Optuna leaves out a trial that stopped before the step),
+    so ``n_startup_trials`` counts as in the study."""
+    import optuna
+
+    seeds = sorted(seed_values(trial.system_attrs).get(round_, {}))
+    copy = optuna.create_study(direction=study.direction, sampler=optuna.samplers.RandomSampler(seed=0))
+    for done in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        copy.add_trial(
+            optuna.trial.create_trial(
+                state=optuna.trial.TrialState.COMPLETE,
+                value=done.value,
+                intermediate_values=paired_curve(done.system_attrs, seeds),
+            )
+        )
+    view = optuna.trial.FrozenTrial(
+        number=trial.number,
+        state=optuna.trial.TrialState.RUNNING,
+        value=None,
+        datetime_start=trial.datetime_start,
+        datetime_complete=None,
+        params=trial.params,
+        distributions=trial.distributions,
+        user_attrs={},
+        system_attrs={},
+        intermediate_values=paired_curve(trial.system_attrs, seeds, up_to=round_),
+        trial_id=trial._trial_id,
+    )
+    return copy, view, seeds
 
 
 class SeedReport:
-    """One seed job's line to its trial: ``report`` each round's test accuracy, and whether to stop.
+    """One seed job's line to its trial: ``report`` each round's row, and whether to stop.
 
-    The value reported is the test accuracy when the study maximises and the test error (1 - accuracy) when it
-    minimises (an R-index, say): Optuna's pruners compare intermediate values in the study's direction, so
-    reporting accuracy to a minimising study would prune its best trials.
+    The value reported is the objective's per-round curve (``CURVES``) as it is, which the study's pruner compares
+    in the study's direction; an objective without one reports nothing and is never pruned (``pruner_for``).
 
     Args:
         storage: The study's storage (``open_storage``).
@@ -145,61 +328,85 @@ class SeedReport:
         seed: This job's seed.
         pruner: The study's pruner (an ``optuna.pruners`` object; ``NopPruner`` never prunes).
         last_round: The run's last round: no pruning there (stopping saves nothing).
+        objective: The summary metric the study optimises.
     """
 
-    def __init__(self, storage, study_name: str, trial_number: int, seed: int, pruner, last_round: int):
+    def __init__(
+        self,
+        storage,
+        study_name: str,
+        trial_number: int,
+        seed: int,
+        pruner,
+        last_round: int,
+        objective: str = "final_test_accuracy",
+    ):
         import optuna
 
         self.study = optuna.load_study(study_name=study_name, storage=storage, pruner=pruner)
         self.storage, self.seed, self.last_round, self.trial_number = storage, seed, last_round, trial_number
         self.trial_id = storage.get_trial_id_from_study_id_trial_number(self.study._study_id, trial_number)
-        self.maximize = self.study.direction == optuna.study.StudyDirection.MAXIMIZE
+        self.column, self.how = CURVES.get(objective, (None, None))
         # NopPruner (pruner: none) prunes no trial, this one's other seeds included: nothing to read back each round
-        self.judged = not isinstance(pruner, optuna.pruners.NopPruner)
+        self.judged = self.column is not None and not isinstance(pruner, optuna.pruners.NopPruner)
+        self.so_far: tuple[int, float] | None = None  # (round, this seed's value there): what "max" and "mean" carry
 
     def pruned(self) -> str | None:
         """Why the trial was pruned (by this or another of its seeds), or None."""
         mark = self.storage.get_trial_system_attrs(self.trial_id).get(PRUNED_ATTR)
         return None if mark is None else describe_pruned(mark)
 
-    def report(self, round_: int, accuracy: float) -> str | None:
-        """Write this round's value; the reason to stop now when the trial is (or was just) pruned, else None."""
-        import optuna
+    def value(self, round_: int, row: dict) -> float | None:
+        """This seed's value of the curve at ``round_`` from its row, or None where it has none yet (a round not
+        evaluated, for the final accuracy; before the first evaluated round, for the best). A job resumed from a checkpoint carries on from its value at the round before, which it
+        wrote to the study before that round's checkpoint."""
+        x = float(row.get(self.column, math.nan))
+        if self.how == "last":
+            return None if math.isnan(x) else x
+        if self.so_far is None:
+            mine = {r: v[self.seed] for r, v in seed_values(self.storage.get_trial_system_attrs(self.trial_id)).items()}
+            before = [r for r in mine if r < round_]
+            self.so_far = (max(before), mine[max(before)]) if before else (0, math.nan)
+        at, last = self.so_far
+        if self.how == "max":
+            value = last if math.isnan(x) else x if math.isnan(last) else max(last, x)
+        else:  # "mean": every row has the column (megabytes, seconds), so the total to round t is t times the mean
+            value = ((0.0 if at == 0 else last * at) + x) / round_
+        self.so_far = (round_, value)
+        return None if math.isnan(value) else value
 
-        if math.isnan(accuracy):  # a round that was not evaluated
+    def report(self, round_: int, row: dict) -> str | None:
+        """Write this round's value; the reason to stop now when the trial is (or was just) pruned, else None."""
+        if self.column is None:
             return None
-        value = accuracy if self.maximize else 1.0 - accuracy
+        value = self.value(round_, row)
+        if value is None:
+            return None
         self.storage.set_trial_system_attr(self.trial_id, VALUE_ATTR.format(seed=self.seed, round=round_), value)
         if round_ >= self.last_round or not self.judged:
             return None
         trial = self.storage.get_trial(self.trial_id)
         if PRUNED_ATTR in trial.system_attrs:
             return describe_pruned(trial.system_attrs[PRUNED_ATTR])
-        curve = mean_curve(trial.system_attrs, up_to=round_)
-        view = optuna.trial.FrozenTrial(
-            number=trial.number,
-            state=optuna.trial.TrialState.RUNNING,
-            value=None,
-            datetime_start=trial.datetime_start,
-            datetime_complete=None,
-            params=trial.params,
-            distributions=trial.distributions,
-            user_attrs={},
-            system_attrs={},
-            intermediate_values=curve,
-            trial_id=self.trial_id,
-        )
-        if not self.study.pruner.prune(self.study, view):
+        copy, view, seeds = paired_view(self.study, trial, round_)
+        if not self.study.pruner.prune(copy, view):
             return None
-        mark = {"seed": self.seed, "round": round_, "mean": curve[round_], "pruner": type(self.study.pruner).__name__}
+        mark = {
+            "seed": self.seed,
+            "round": round_,
+            "mean": view.intermediate_values[round_],
+            "seeds": seeds,
+            "pruner": type(self.study.pruner).__name__,
+        }
         self.storage.set_trial_system_attr(self.trial_id, PRUNED_ATTR, mark)
         return describe_pruned(mark)
 
 
 def describe_pruned(mark: dict) -> str:
+    over = f"seeds {mark['seeds']}, against the other trials over the same seeds" if "seeds" in mark else "its seeds"
     return (
-        f"{PRUNED} by {mark['pruner']} at round {mark['round']} (the trial's mean value there, over its seeds that "
-        f"reached it: {mark['mean']:.4g}; seed {mark['seed']} asked)"
+        f"{PRUNED} by {mark['pruner']} at round {mark['round']} (the trial's mean value there, over {over}: "
+        f"{mark['mean']:.4g}; seed {mark['seed']} asked)"
     )
 
 
@@ -269,7 +476,7 @@ class TrialRecord:
         and record it: COMPLETE with the mean of the seeds' objectives (their standard error, 95% interval and
         values as attributes); PRUNED when a seed pruned it; FAIL when a seed failed (a diverged run, a missing
         summary), with the reason as the attribute ``failure``. The mean curve of its seeds' reports becomes its
-        intermediate values, which later trials' pruning compares against."""
+        intermediate values (what Optuna's tools show); later trials' pruning pairs its seeds' own values."""
         import optuna
 
         attrs = study._storage.get_trial_system_attrs(trial._trial_id)

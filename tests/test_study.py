@@ -85,54 +85,150 @@ def test_the_mean_curve_averages_the_seeds_that_reached_each_round():
     assert mean_curve(attrs, up_to=1) == {1: pytest.approx(0.55)}
 
 
-def study_with_two_finished_trials(tmp_path, direction: str, curves: list[dict]):
-    """A study whose finished trials have these intermediate values, and a running third trial."""
+def finished_study(tmp_path, direction: str, trials: list[dict], pruner=None):
+    """A study whose finished trials have these per-seed values ({seed: {round: value}}, as their seed jobs wrote
+    them) and their means as intermediate values, and a running trial to judge."""
     storage = open_storage(None, tmp_path)
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+    pruner = pruner or optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
     study = optuna.create_study(storage=storage, study_name="s", direction=direction, pruner=pruner)
     space = {"x": FloatDistribution(0, 1)}
-    for k, curve in enumerate(curves):
+    for k, seeds in enumerate(trials):
+        attrs = {f"fedrun:value:{seed}:{r}": v for seed, curve in seeds.items() for r, v in curve.items()}
         study.add_trial(
             optuna.trial.create_trial(
-                params={"x": 0.1 * k}, distributions=space, value=curve[max(curve)], intermediate_values=curve
+                params={"x": 0.1 * k},
+                distributions=space,
+                value=0.5,
+                intermediate_values=mean_curve(attrs),
+                system_attrs=attrs,
             )
         )
     return storage, pruner, study.ask(space)
 
 
+def accuracy(value: float) -> dict:
+    """A round's row as the engine hands it to ``on_round`` (the columns a study may read)."""
+    return {"test_accuracy": value, "upload_mb": 1.0, "round_wall_s": 0.5}
+
+
 def test_a_trial_is_pruned_when_its_mean_over_seeds_lags_the_median_and_its_other_seeds_stop(tmp_path):
-    # finished trials at round 3: 0.8 and 0.6, median 0.7
-    storage, pruner, trial = study_with_two_finished_trials(tmp_path, "maximize", [{3: 0.8}, {3: 0.6}])
+    # finished trials at round 3: 0.8 and 0.6 on both seeds, median 0.7
+    both = [{0: {3: 0.8}, 1: {3: 0.8}}, {0: {3: 0.6}, 1: {3: 0.6}}]
+    storage, pruner, trial = finished_study(tmp_path, "maximize", both)
     first, second = (SeedReport(storage, "s", trial.number, seed, pruner, last_round=10) for seed in (1, 0))
-    assert first.report(3, 0.75) is None  # mean 0.75 > 0.7
-    why = second.report(3, 0.6)  # mean (0.75 + 0.6) / 2 = 0.675 < 0.7
+    assert first.report(3, accuracy(0.75)) is None  # mean 0.75 > 0.7
+    why = second.report(3, accuracy(0.6))  # mean (0.75 + 0.6) / 2 = 0.675 < 0.7
     assert why.startswith("pruned by MedianPruner at round 3") and "0.675" in why
     assert storage.get_trial_system_attrs(trial._trial_id)[PRUNED_ATTR] == {
         "seed": 0,
         "round": 3,
         "mean": pytest.approx(0.675),
+        "seeds": [0, 1],
         "pruner": "MedianPruner",
     }
-    assert first.report(4, 0.9) == why and first.pruned() == why  # the other seed stops at its next round
+    assert first.report(4, accuracy(0.9)) == why and first.pruned() == why  # the other seed stops at its next round
     fresh = SeedReport(storage, "s", trial.number, 2, pruner, last_round=10)
     assert fresh.pruned() == why  # a seed not started yet is skipped
 
 
-def test_a_minimising_study_is_told_the_test_error_so_the_worse_accuracy_is_pruned(tmp_path):
-    # an R-index study: its finished trials' curves are test errors 0.2 and 0.4 at round 3 (median 0.3)
-    storage, pruner, trial = study_with_two_finished_trials(tmp_path, "minimize", [{3: 0.2}, {3: 0.4}])
-    good = SeedReport(storage, "s", trial.number, 0, pruner, last_round=10)
-    assert good.report(3, 0.75) is None  # error 0.25 < 0.3: better than the median
-    assert storage.get_trial_system_attrs(trial._trial_id)["fedrun:value:0:3"] == pytest.approx(0.25)
-    worse = SeedReport(storage, "s", trial.number, 1, pruner, last_round=10)
-    assert worse.report(3, 0.45) is not None  # mean error (0.25 + 0.55) / 2 = 0.4 > 0.3
+# The review's case: seed 1 is 4 points harder than seed 0 in every trial. Five finished trials, means over both
+# seeds 0.87, 0.89, 0.91, 0.93, 0.95 at round 5 (median 0.91; seed 1 alone: median 0.89); the default pruner.
+HARDER_SEED = [{0: {5: m + 0.02}, 1: {5: m - 0.02}} for m in (0.87, 0.89, 0.91, 0.93, 0.95)]
+
+
+@pytest.mark.parametrize("order", [(1, 0), (0, 1)])
+def test_a_trial_better_than_the_median_over_its_seeds_is_not_pruned_whichever_seed_runs_first(tmp_path, order):
+    """0.92 over its seeds (0.94 and 0.90) against the median 0.91: judged on seed 1 alone, the old comparison
+    (0.90 against the finished trials' 0.91 over both seeds) pruned it at round 5 when seed 1 ran first. Paired by
+    seed, seed 1's 0.90 is judged against the other trials' seed 1 (median 0.89), then the mean against 0.91."""
+    from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import make_pruner
+
+    storage, pruner, trial = finished_study(tmp_path, "maximize", HARDER_SEED, make_pruner("median"))
+    mine = {0: 0.94, 1: 0.90}
+    for seed in order:  # the sequential launcher: one seed's whole run, then the next
+        assert (
+            SeedReport(storage, "s", trial.number, seed, pruner, last_round=10).report(5, accuracy(mine[seed])) is None
+        )
+    assert PRUNED_ATTR not in storage.get_trial_system_attrs(trial._trial_id)
+
+
+@pytest.mark.parametrize("order", [(1, 0), (0, 1)])
+def test_a_trial_worse_than_the_median_on_its_first_seed_is_still_pruned_whichever_seed_runs_first(tmp_path, order):
+    """0.86 over its seeds (0.88 and 0.84): its first seed is below the others' median on that seed (0.93 on seed
+    0, 0.89 on seed 1), so it is pruned at round 5 and its second seed never runs."""
+    from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import make_pruner
+
+    storage, pruner, trial = finished_study(tmp_path, "maximize", HARDER_SEED, make_pruner("median"))
+    mine = {0: 0.88, 1: 0.84}
+    first = SeedReport(storage, "s", trial.number, order[0], pruner, last_round=10)
+    assert first.report(4, accuracy(mine[order[0]] - 0.01)) is None  # round 4: still warming up (n_warmup_steps=5)
+    why = first.report(5, accuracy(mine[order[0]]))
+    assert why.startswith("pruned by MedianPruner at round 5") and f"seeds [{order[0]}]" in why
+    assert SeedReport(storage, "s", trial.number, order[1], pruner, last_round=10).pruned() == why
+
+
+def test_a_study_minimising_upload_is_pruned_on_its_upload_per_round_not_on_test_error(tmp_path):
+    """The review's case: a study of upload_mb_total pruned its low-upload trial on test error. The curve is the
+    mean upload per round so far (the total to round t over t, in the same order as the totals at t)."""
+    finished = [{0: {1: 2.0, 2: 2.0}}, {0: {1: 4.0, 2: 4.0}}]  # 2 and 4 MB a round: median 3 at round 2
+    storage, pruner, trial = finished_study(tmp_path, "minimize", finished)
+    low = SeedReport(storage, "s", trial.number, 0, pruner, last_round=10, objective="upload_mb_total")
+    assert low.report(1, {"test_accuracy": 0.1, "upload_mb": 1.0}) is None  # the worst accuracy, the least upload
+    assert low.report(2, {"test_accuracy": 0.1, "upload_mb": 2.0}) is None  # (1 + 2) / 2 = 1.5 MB a round < 3
+    assert mean_curve(storage.get_trial_system_attrs(trial._trial_id)) == {1: 1.0, 2: 1.5}
+    storage, pruner, trial = finished_study(tmp_path / "high", "minimize", finished)
+    high = SeedReport(storage, "s", trial.number, 0, pruner, last_round=10, objective="upload_mb_total")
+    assert high.report(1, {"test_accuracy": 0.99, "upload_mb": 5.0}) is not None  # the best accuracy, 5 > 3 MB
+
+
+def test_a_seed_resumed_from_its_checkpoint_carries_its_running_total_and_best_from_the_study(tmp_path):
+    storage, pruner, trial = finished_study(tmp_path, "minimize", [])
+    before = SeedReport(storage, "s", trial.number, 0, pruner, last_round=10, objective="upload_mb_total")
+    for r, mb in ((1, 1.0), (2, 3.0), (3, 8.0)):  # round 3 was reported, then the job was killed before its checkpoint
+        before.report(r, {"upload_mb": mb})
+    resumed = SeedReport(storage, "s", trial.number, 0, pruner, last_round=10, objective="upload_mb_total")
+    resumed.report(3, {"upload_mb": 5.0})  # round 3 again, after round 2's checkpoint: (1 + 3 + 5) / 3
+    assert mean_curve(storage.get_trial_system_attrs(trial._trial_id)) == {1: 1.0, 2: 2.0, 3: 3.0}
+    storage, pruner, trial = finished_study(tmp_path / "best", "maximize", [])
+    best = SeedReport(storage, "s", trial.number, 0, pruner, last_round=10, objective="best_test_accuracy")
+    best.report(1, accuracy(0.5))
+    best.report(2, accuracy(math.nan))  # not evaluated: the best so far is still round 1's
+    SeedReport(storage, "s", trial.number, 0, pruner, last_round=10, objective="best_test_accuracy").report(
+        3, accuracy(0.4)
+    )
+    assert mean_curve(storage.get_trial_system_attrs(trial._trial_id)) == {1: 0.5, 2: 0.5, 3: 0.5}
+
+
+def test_an_objective_without_a_per_round_curve_refuses_a_chosen_pruner_and_turns_the_default_off(tmp_path, capsys):
+    from fedrun.study import pruner_for
+    from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import make_pruner
+
+    threshold = make_pruner({"_target_": "optuna.pruners.ThresholdPruner", "lower": 0.5})
+    with pytest.raises(
+        ConfigError, match=r"hydra.sweeper.pruner='ThresholdPruner' is invalid: allowed is none: R90 has"
+    ):
+        pruner_for("R90", threshold, default=False)
+    assert capsys.readouterr().err == ""
+    off = pruner_for("smoothness", make_pruner("median"), default=True)
+    assert isinstance(off, optuna.pruners.NopPruner)
+    assert capsys.readouterr().err == (
+        "fedrun: no pruning: smoothness has no per-round curve to judge a trial by before its runs end "
+        "(hydra.sweeper.pruner=none says so)\n"
+    )
+    assert pruner_for("upload_mb_total", threshold, default=False) is threshold
+    # a seed job of an R90 study writes nothing to judge (and its pruner, whatever it is, is never asked)
+    storage, pruner, trial = finished_study(tmp_path, "minimize", [{0: {3: 0.8}}, {0: {3: 0.6}}])
+    job = SeedReport(storage, "s", trial.number, 0, threshold, last_round=10, objective="R90")
+    assert job.report(3, accuracy(0.0)) is None and storage.get_trial_system_attrs(trial._trial_id) == {}
 
 
 def test_no_pruning_at_the_last_round_or_with_the_nop_pruner(tmp_path):
-    storage, pruner, trial = study_with_two_finished_trials(tmp_path, "maximize", [{3: 0.8}, {3: 0.6}])
-    assert SeedReport(storage, "s", trial.number, 0, pruner, last_round=3).report(3, 0.1) is None
+    storage, pruner, trial = finished_study(
+        tmp_path, "maximize", [{0: {3: 0.8}, 1: {3: 0.8}}, {0: {3: 0.6}, 1: {3: 0.6}}]
+    )
+    assert SeedReport(storage, "s", trial.number, 0, pruner, last_round=3).report(3, accuracy(0.1)) is None
     nop = optuna.pruners.NopPruner()
-    assert SeedReport(storage, "s", trial.number, 1, nop, last_round=10).report(3, 0.1) is None
+    assert SeedReport(storage, "s", trial.number, 1, nop, last_round=10).report(3, accuracy(0.1)) is None
 
 
 def write_summary(job_dir: Path, **values) -> None:
@@ -194,6 +290,133 @@ def test_a_pruner_is_median_none_or_an_optuna_class():
         make_pruner("hyperband")
 
 
+def test_successive_halving_which_keeps_unpaired_rungs_per_trial_is_refused():
+    from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import make_pruner
+
+    for name in ("HyperbandPruner", "SuccessiveHalvingPruner"):
+        with pytest.raises(ConfigError, match=f"pruner='optuna.pruners.{name}' is invalid: allowed is a pruner that"):
+            make_pruner({"_target_": f"optuna.pruners.{name}"})
+
+
+def test_the_sweeper_s_own_bad_arguments_are_one_config_error_each(tmp_path):
+    from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import (
+        FedrunOptunaSweeperConf,
+        check_arguments,
+        make_pruner,
+        make_sampler,
+        search_space,
+    )
+
+    defaults = {k: getattr(FedrunOptunaSweeperConf(), k) for k in ("seeds", "n_trials", "n_jobs", "objective")}
+    defaults.update(storage=None, study_name=None, params=None)
+    check_arguments(defaults)
+    for key, value, message in (
+        ("n_trials", "abc", "hydra.sweeper.n_trials='abc' is invalid: allowed is an integer >= 1"),
+        ("n_trials", 0, "hydra.sweeper.n_trials=0 is invalid"),
+        ("n_jobs", 1.5, "hydra.sweeper.n_jobs=1.5 is invalid"),
+        ("seeds", "abc", "hydra.sweeper.seeds='abc' is invalid: allowed is a list of distinct integer seeds"),
+        ("seeds", [0, 0], "hydra.sweeper.seeds=\\[0, 0\\] is invalid"),
+        ("params", "abc", "hydra.sweeper.params='abc' is invalid: allowed is a mapping"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_arguments({**defaults, key: value})
+    with pytest.raises(ConfigError, match="hydra.sweeper.sampler='bogus' is invalid: allowed is an optuna.samplers"):
+        make_sampler("bogus", 0)
+    with pytest.raises(ConfigError, match="hydra.sweeper.sampler=.*optuna.samplers.Bogus.* is invalid"):
+        make_sampler({"_target_": "optuna.samplers.Bogus"}, 0)
+    with pytest.raises(ConfigError, match="hydra.sweeper.sampler=.* is invalid"):  # a class that is no sampler
+        make_sampler({"_target_": "collections.OrderedDict"}, 0)
+    assert make_sampler({"_target_": "optuna.samplers.RandomSampler", "seed": 3}, 2)._rng.rng.randint(100) == (
+        optuna.samplers.RandomSampler(seed=5)._rng.rng.randint(100)
+    )  # trial 2 of a study seeded 3 asks with seed 5
+    with pytest.raises(ConfigError, match="hydra.sweeper.pruner=.* is invalid"):
+        make_pruner({"_target_": "optuna.pruners.MedianPruner", "n_warmup_steps": -1})
+    with pytest.raises(
+        ConfigError, match=r"aggregator.temperature='interval\(1,0.1\)' is invalid: allowed is a search"
+    ):
+        search_space(["aggregator.temperature=interval(1,0.1)"])
+    with pytest.raises(ConfigError, match="hydra.sweeper.storage='bogus://x' is invalid: allowed is null"):
+        open_storage("bogus://x", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ("garbage", "one JSON object per line \\(JSONDecodeError\\)"),
+        ('{"op_code": 99}', "an operation of Optuna's journal"),
+        ('{"worker_id": "w"}', "an operation of Optuna's journal"),
+        ("[" * 100_000 + "]" * 100_000, "one JSON object per line \\(RecursionError\\)"),
+        ('{"op_code": 4, "worker_id": "w", "study_id": 0}', "an operation Optuna can replay \\(KeyError"),
+    ],
+    ids=["garbage", "unknown-op-code", "no-op-code", "deep-nesting", "trial-without-its-start"],
+)
+def test_a_journal_optuna_cannot_replay_is_refused_naming_its_file_and_line(tmp_path, line, why):
+    from fedrun.study import STUDY_FILE, check_journal
+
+    storage = open_storage(None, tmp_path)
+    optuna.create_study(storage=storage, study_name="s").ask({"x": FloatDistribution(0, 1)})
+    journal = tmp_path / STUDY_FILE
+    check_journal(journal)  # Optuna's own journal: fine
+    good = len(journal.read_text().splitlines())
+    with open(journal, "a") as f:
+        f.write(line + "\n")
+    with pytest.raises(ConfigError, match=f"{journal} line {good + 1}=.* is invalid: allowed is {why}"):
+        check_journal(journal)
+    with open(journal, "a") as f:
+        f.write('{"op_code": 0')  # a last line still being written is skipped, as Optuna's reader does
+    with pytest.raises(ConfigError, match=f"line {good + 1}="):
+        check_journal(journal)
+
+
+def test_an_interrupted_trial_is_relaunched_only_with_values_of_the_search_space():
+    from fedrun.study import relaunched_params
+
+    space = {"aggregator.temperature": FloatDistribution(0.05, 20, log=True), "k": CategoricalDistribution([1, 2])}
+
+    def trial(**params):
+        return optuna.trial.FrozenTrial(
+            number=3,
+            state=optuna.trial.TrialState.RUNNING,
+            value=None,
+            datetime_start=None,
+            datetime_complete=None,
+            params=params,
+            distributions={},
+            user_attrs={},
+            system_attrs={},
+            intermediate_values={},
+            trial_id=3,
+        )
+
+    assert relaunched_params(trial(**{"aggregator.temperature": "0.5", "k": True}), space, "j") == {
+        "aggregator.temperature": 0.5,
+        "k": 1,  # the choice itself, not what the journal spelt
+    }
+    for params, message in (
+        (
+            {"aggregator.temperature": 1.0, "k": 1, "aggregator._target_": "payload.Aggregator"},
+            "j: trial 3's parameter aggregator._target_='payload.Aggregator' is invalid: allowed is a parameter of "
+            "the study's search space (aggregator.temperature, k)",
+        ),
+        (
+            {"aggregator.temperature": 30.0, "k": 1},
+            "j: trial 3's parameter aggregator.temperature=30.0 is invalid: allowed is a value of FloatDistribution",
+        ),
+        (
+            {"aggregator.temperature": "${oc.env:HOME}", "k": 1},
+            "j: trial 3's parameter aggregator.temperature='${oc.env:HOME}' is invalid",
+        ),
+        (
+            {"aggregator.temperature": 1.0, "k": "os.system"},
+            "j: trial 3's parameter k='os.system' is invalid: allowed is a value of CategoricalDistribution",
+        ),
+        ({"aggregator.temperature": 1.0}, "j: trial 3='without k' is invalid: allowed is a value for each parameter"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            relaunched_params(trial(**params), space, "j")
+        assert str(refused.value).startswith(message)
+
+
 def test_interrupted_trials_are_relaunched_in_runs_of_consecutive_numbers():
     class T:
         def __init__(self, number):
@@ -247,13 +470,13 @@ def test_a_study_through_fedrun_records_trials_over_seeds_in_mlflow(fedrun, stor
     assert parent.data.tags["best.aggregator.temperature"] == best.data.params["aggregator.temperature"]
 
 
-def run_study(cwd: Path, store: Path, sweep_dir: Path, *extra: str, check: bool = True):
+def run_study(cwd: Path, store: Path, sweep_dir: Path, *extra: str, check: bool = True, study=STUDY, env=None):
     done = subprocess.run(
-        [FEDRUN, "-m", *STUDY, f"tracking.uri=sqlite:///{store}", f"hydra.sweep.dir={sweep_dir}", *extra],
+        [FEDRUN, "-m", *study, f"tracking.uri=sqlite:///{store}", f"hydra.sweep.dir={sweep_dir}", *extra],
         cwd=cwd,
         capture_output=True,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
@@ -362,3 +585,84 @@ def test_a_searched_seed_or_an_unknown_objective_is_refused_in_one_line_before_a
         assert not any(p.name.isdigit() for p in sweep_dir.iterdir())  # no job ran
     _, parents = sweep_runs(store, "refused")
     assert len(parents) == 2 and all(p.info.status == "FAILED" for p in parents)  # no job ran: not FINISHED
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_study_whose_every_trial_fails_exits_non_zero_in_one_line(tmp_path, store):
+    """A search space where every value is invalid (a temperature must be > 0): each job fails in its line, then
+    the sweep says that no trial completed and exits 1 (it exited 0)."""
+    study = [line for line in STUDY if not line.startswith("aggregator.temperature=")]
+    sweep_dir = tmp_path / "failing"
+    extra = ["aggregator.temperature=choice(-1,-2)", "hydra.sweeper.n_trials=2", "tracking.experiment=failing"]
+    done = run_study(tmp_path, store, sweep_dir, *extra, check=False, study=study)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"fedrun: error: study {sweep_dir}: no trial completed ({{'fail': 2}}; their jobs' errors are above); "
+        f"{sweep_dir / 'optimization_results.yaml'}"
+    )
+    assert [t.state.name for t in trials_of(sweep_dir)] == ["FAIL", "FAIL"]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_resumed_study_relaunches_no_parameter_from_its_journal_outside_its_search_space(tmp_path, store):
+    """A crafted journal whose RUNNING trial sets the aggregator's ``_target_`` to a module that writes a marker
+    when imported: the resume refuses it in one line before any job, and the marker is never written."""
+    from fedrun.study import SETTINGS_ATTR
+
+    marker, sweep_dir = tmp_path / "marker", tmp_path / "crafted"
+    (tmp_path / "payload.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nAggregator = dict\n")
+    storage = open_storage(None, sweep_dir)
+    study = optuna.create_study(storage=storage, study_name=str(sweep_dir), direction="maximize")
+    space = {"aggregator.temperature": FloatDistribution(0.05, 20.0, log=True)}
+    fixed = {
+        "aggregator": "fedsoftmax",
+        "schedule.rounds": "3",
+        "partition.num_clients": "5",
+        "tracking.uri": f"sqlite\\:///{store}",  # as Hydra gives a fixed override's value: its colon escaped
+        "tracking.experiment": "crafted",
+    }
+    study.set_user_attr(SETTINGS_ATTR, settings_of(space, fixed, [0, 1], "final_test_accuracy", "maximize"))
+    trial = storage.create_new_trial(study._study_id)
+    storage.set_trial_param(trial, "aggregator.temperature", 1.0, space["aggregator.temperature"])
+    storage.set_trial_param(trial, "aggregator._target_", 0, CategoricalDistribution(["payload.Aggregator"]))
+    journal = sweep_dir / "optuna_study.journal"
+    done = run_study(
+        tmp_path,
+        store,
+        sweep_dir,
+        "tracking.experiment=crafted",
+        "hydra.sweeper.n_trials=1",  # the crafted trial is all there is to run
+        f"resume={sweep_dir}",
+        check=False,
+        env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert not marker.exists(), done.stderr[-2000:]
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        f"fedrun: error: {journal}: trial 0's parameter aggregator._target_='payload.Aggregator' is invalid: "
+        "allowed is a parameter of the study's search space (aggregator.temperature)"
+    ), done.stderr[-2000:]
+    assert not any(p.name.isdigit() for p in sweep_dir.iterdir())  # no job ran
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_the_sweeper_s_bad_arguments_and_a_garbage_journal_are_one_line_before_any_job(tmp_path, store):
+    """``n_trials=abc`` (Hydra's multi-line error) and a resumed study whose journal has a garbage line (Optuna's
+    traceback): one line each, exit 2, no job."""
+    bad = tmp_path / "bad"
+    done = run_study(tmp_path, store, bad, "hydra.sweeper.n_trials=abc", "tracking.experiment=refused", check=False)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "fedrun: error: hydra.sweeper.n_trials='abc' is invalid: allowed is an integer >= 1"
+    ]
+    garbage = tmp_path / "garbage"
+    optuna.create_study(storage=open_storage(None, garbage), study_name=str(garbage))
+    journal = garbage / "optuna_study.journal"
+    with open(journal, "a") as f:
+        f.write("garbage\n")
+    done = run_study(tmp_path, store, garbage, f"resume={garbage}", "tracking.experiment=refused", check=False)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        f"fedrun: error: {journal} line 2='garbage' is invalid: allowed is one JSON object per line (JSONDecodeError)"
+    )
+    assert not any(p.name.isdigit() for p in garbage.iterdir())

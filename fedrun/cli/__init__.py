@@ -192,7 +192,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
         tracker.log_round(row, per_client)
         if report is not None and not checkpoint.stop_requested:
             # between rounds: the engine checkpoints and stops as for a signal
-            if why := report.report(int(row["round"]), float(row["test_accuracy"])):
+            if why := report.report(int(row["round"]), row):  # the study takes its objective's column
                 pruned, checkpoint.stop_requested = why, PRUNED
 
     signals = StopSignals(checkpoint).__enter__()  # until the run is closed: a signal while it closes waits for that

@@ -60,6 +60,7 @@ def seed_report(cfg: DictConfig, hydra_cfg):
         int(cfg.seed),
         make_pruner(sweeper.pruner),
         last_round=int(cfg.schedule.rounds),
+        objective=str(sweeper.objective),
     )
 
 
