@@ -15,6 +15,7 @@ import importlib
 import multiprocessing
 import os
 import signal
+import sys
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ class Device:
             "auto, channels_last or contiguous",
         )
         check(
-            backend == "auto" or backend in BACKENDS or trainer_class(backend) is not None,
+            isinstance(backend, str) and (backend == "auto" or backend in BACKENDS or findable(backend)),
             "backend",
             backend,
             "auto, loop, processes, vmap or the import path of a fedrun.trainer.Trainer class",
@@ -166,11 +167,28 @@ class Device:
         ``backend`` names) built by its ``for_device`` (``together``: see ``chosen_backend``)."""
         vmap_ok = self.torch.type == "cuda" and self.backend == "auto" and vmap_supported(make_optimizer, model) is None
         backend = self.chosen_backend(passes_per_round, vmap_ok, together)
-        return trainer_class(BACKENDS.get(backend, backend)).for_device(model, x, y, make_optimizer, self)
+        return self.load_backend(BACKENDS.get(backend, backend)).for_device(model, x, y, make_optimizer, self)
+
+    def load_backend(self, path: str | None = None) -> type[Trainer] | None:
+        """The ``Trainer`` class at ``path`` (default: ``backend`` when it is an import path), imported: its
+        module's code runs, so the CLI calls this once the name is known to be the user's (from the command line,
+        or a resumed run's named again: ``fedrun.cli.resume``). ConfigError when it names no Trainer class."""
+        path = path or BACKENDS.get(self.backend, self.backend)
+        if path == "auto":
+            return None
+        found = trainer_class(path)
+        check(
+            found is not None,
+            "device.backend",
+            path,
+            "auto, loop, processes, vmap or the import path of a fedrun.trainer.Trainer class",
+        )
+        return found
 
 
 def trainer_class(path: str):
-    """The ``Trainer`` subclass at an import path (``package.module.Class``), or None when there is none."""
+    """The ``Trainer`` subclass at an import path (``package.module.Class``), or None when there is none. This
+    imports the module (its top-level code runs): ``findable`` looks without importing."""
     module, _, name = str(path).rpartition(".")
     if not module:
         return None
@@ -179,6 +197,39 @@ def trainer_class(path: str):
     except ImportError:
         return None
     return found if isinstance(found, type) and issubclass(found, Trainer) else None
+
+
+def findable(path: str) -> bool:
+    """Whether ``path`` (``package.module.Class``) may name a ``Trainer`` class, found without running any code
+    that is not fedrun's: a module of fedrun or one already imported is read; any other is only looked for, part
+    by part, by the finders of ``sys.meta_path``, as the import system does before it loads a module
+    (``importlib.util.find_spec`` would import the parent packages, running their ``__init__``). The class itself
+    is checked when it is loaded (``Device.load_backend``)."""
+    module, _, name = path.rpartition(".")
+    if not module or not name.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
+        return False
+    if module == "fedrun" or module.startswith("fedrun.") or module in sys.modules:
+        return trainer_class(path) is not None
+    parts, locations = module.split("."), None
+    for depth in range(1, len(parts) + 1):
+        fullname = ".".join(parts[:depth])
+        if fullname in sys.modules:  # an imported parent: its package path
+            locations = getattr(sys.modules[fullname], "__path__", None)
+        else:
+            spec = next(
+                (
+                    found
+                    for finder in sys.meta_path
+                    if hasattr(finder, "find_spec") and (found := finder.find_spec(fullname, locations)) is not None
+                ),
+                None,
+            )
+            if spec is None:
+                return False
+            locations = spec.submodule_search_locations
+        if depth < len(parts) and locations is None:  # a module, not a package: it has no submodules
+            return False
+    return True
 
 
 def as_device(device) -> Device:

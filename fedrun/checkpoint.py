@@ -14,11 +14,18 @@ previous checkpoint (and the directory fsynced), so a kill during a write leaves
 
 A ``StopSignals`` context turns the first SIGTERM or SIGINT into a request the engine honours after the
 current round (checkpoint, then ``Stopped``); a second one stops at once.
+
+One process writes a run dir at a time: ``lock`` holds an exclusive ``flock`` on ``fedrun.lock`` in it for as long
+as the process lives (or until ``unlock``), and a second process is refused in one line naming the holder's pid.
+The kernel drops the lock when its process dies, however it dies (kill -9 included), so a stale lock never blocks
+a resume; the file stays, with the last holder's pid.
 """
 
+import fcntl
 import os
 import pickle
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -56,6 +63,65 @@ def diverged(directory: Path) -> str | None:
     """Why the run in ``directory`` diverged, or None when it did not."""
     path = Path(directory) / DIVERGED
     return path.read_text().strip() if path.is_file() else None
+
+
+LOCK_FILE = "fedrun.lock"
+_held: dict[Path, int] = {}  # run dir -> the descriptor of the lock this process holds on it
+
+
+def lock(directory: Path, key: str, value) -> None:
+    """Hold ``directory``'s lock (see the module docstring); a ConfigError for ``key``=``value`` when another
+    process holds it, naming that process's pid."""
+    directory = Path(directory)
+    if directory in _held:
+        return
+    path = directory / LOCK_FILE
+    try:
+        # O_NOFOLLOW: a lock file that is a symbolic link (a crafted dir's, to a file of yours) is never written
+        # through; no O_TRUNC: the holder's pid stays readable to the process it refuses.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError(key, str(value), f"a run dir whose {LOCK_FILE} fedrun can open ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(key, str(value), f"a run dir whose {LOCK_FILE} is a plain file")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown (starting)"
+        os.close(fd)
+        raise ConfigError(
+            key,
+            str(value),
+            f"a run dir no other process is writing (process {holder} holds {path}: let it finish or stop it, "
+            "then run this again)",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[directory] = fd
+
+
+def unlock(directory: Path) -> None:
+    """Release ``directory``'s lock if this process holds it (a sweep's process runs many jobs, one at a time)."""
+    fd = _held.pop(Path(directory), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def held() -> set[Path]:
+    """The run dirs whose lock this process holds."""
+    return set(_held)
+
+
+def _forget_locks_in_child() -> None:
+    # A forked child (a worker process) shares the lock's open file: closing its copy keeps a child that outlives a
+    # killed parent from holding the run dir (closing never unlocks the parent's: only LOCK_UN or the last close does).
+    for fd in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 SLOW_ROUND_S = 10.0  # the default: a checkpoint every round when rounds take longer than this, else every 10

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from fedrun.checkpoint import FILE, Checkpoint, read
+from fedrun.checkpoint import FILE, Checkpoint, lock, read, unlock
 from fedrun.errors import ConfigError
 
 
@@ -66,7 +66,17 @@ def upgrade_config(directory: Path) -> bool:
 
 
 def upgrade(directory: Path) -> bool:
-    """Rewrite ``directory``'s checkpoint and config in today's format; False when they already were."""
+    """Rewrite ``directory``'s checkpoint and config in today's format; False when they already were. Not while a
+    run writes the dir (its lock, ``fedrun.checkpoint.lock``). The config is only read as YAML and rewritten, never
+    built: a resume checks what it names (``fedrun.cli.resume``)."""
+    lock(directory, "directory", directory)
+    try:
+        return _upgrade(directory)
+    finally:
+        unlock(directory)
+
+
+def _upgrade(directory: Path) -> bool:
     changed = upgrade_config(directory)
     path = Path(directory) / FILE
     if not path.is_file():
@@ -96,6 +106,9 @@ def main() -> None:
     for directory in args.directories:
         try:
             print(f"{directory}: {'converted' if upgrade(directory) else 'nothing to do'}")
+        except ConfigError as exc:
+            print(f"python -m fedrun.upgrade: error: {exc}", file=sys.stderr)
+            sys.exit(2)
         except (pickle.UnpicklingError, TypeError, AttributeError, RuntimeError) as exc:
             print(
                 f"python -m fedrun.upgrade: error: {directory / FILE}: {type(exc).__name__}: {str(exc).splitlines()[0]}",

@@ -21,7 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
-from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals
+from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals, held, unlock
 from fedrun.cli.build import build, check_run_keys, setup
 from fedrun.cli.resume import Job, open_job
 from fedrun.cli.runinfo import description, git_commit, run_name
@@ -44,8 +44,18 @@ Plugins.instance().register(FedrunOptunaSweeper)
 
 @hydra.main(config_path="pkg://fedrun.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    """Run one job; returns the final test accuracy (Hydra sweepers can use it)."""
-    hydra_cfg = HydraConfig.get()
+    """Run one job; returns the final test accuracy (Hydra sweepers can use it). Its dir is locked while it runs
+    (``fedrun.checkpoint.lock``) and released when it ends: a sweep's process runs its jobs one after another."""
+    before = held()
+    try:
+        return run_job(cfg, HydraConfig.get())
+    finally:
+        for directory in held() - before:
+            unlock(directory)
+
+
+def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
+    """``main``'s job: open it (which config, dir and checkpoint), check and build it, track it, train it."""
     try:
         job = open_job(cfg, hydra_cfg)
         if job.diverged is not None:
@@ -71,6 +81,7 @@ def main(cfg: DictConfig) -> float | None:
         if job.cfg.tracking.enabled:  # an unreachable store fails now, in one line, not after loading and training
             preflight(resolve_uri(job.cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)))
         parts = setup(job.cfg)
+        parts["device"].load_backend()  # imports a class of the user's: named on the command line (``open_job``)
     except (ConfigError, FileNotFoundError) as exc:
         fail(hydra_cfg, f"fedrun: error: {exc}", 2)
     tracker, title = open_tracking(job, hydra_cfg, parts, report)

@@ -1,18 +1,36 @@
 """Which config, dir and checkpoint a job runs with: a new run, ``resume=<run dir>``, a job of a resumed sweep
 (``-m ... resume=<sweep dir>``) or a job submitit requeued. A job stopped before its first checkpoint starts
-again from round 1 in its dir and MLflow run; a sweep's finished or diverged job is skipped."""
+again from round 1 in its dir and MLflow run; a sweep's finished or diverged job is skipped.
+
+A run dir is data, never code (it may sit on a shared filesystem, written by someone else): the config a resumed
+run builds names only what fedrun's own options build, the ``_target_`` of every file in conf/ and the backends
+``device.backend`` names, at any depth of the config (``_args_``, ``_partial_`` and nested nodes included).
+Anything else is refused in one line before anything is built or imported (``foreign_code``). A run you started
+with your own class (``device.backend=mypackage.Trainer``, ``model._target_=mypackage.Net``) resumes when the resume
+command names that class again: ``FEDRUN_TRUST=mypackage.Trainer fedrun resume=<dir>`` (an environment variable,
+not an override, because an override must compose on today's default config, and a nested key such as
+``pipeline.stages.1._target_`` does not). A sweep's jobs build the config of the resuming command line, which
+must equal each job's saved one, so what they build was named on that command line; their saved configs are
+checked all the same, and a job dir is locked like a run dir (``fedrun.checkpoint.lock``).
+"""
 
 import json
 import os
 from dataclasses import dataclass
+from functools import cache
+from importlib.resources import files
 from pathlib import Path
 
+import yaml
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, diverged
+from fedrun.backends import BACKENDS
+from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, diverged, lock
 from fedrun.errors import ConfigError
 from fedrun.tracking import flatten
+
+TRUST_VARIABLE = "FEDRUN_TRUST"  # comma-separated import paths a resumed run may build besides fedrun's own
 
 
 @dataclass
@@ -50,6 +68,8 @@ def open_job(cfg: DictConfig, hydra_cfg) -> Job:
         (output_dir / FILE).is_file() or (output_dir / RUN_FILE).is_file()
     )
     resuming = bool(cfg.resume) or requeued
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # one process per job dir, also for a fresh job (a later resume sees it)
+        lock(output_dir, "resume" if resuming else "hydra.sweep.dir", output_dir)
     if resuming and hydra_cfg.mode == RunMode.MULTIRUN:  # this job of an earlier sweep, in its own dir
         done = sweep_job(cfg, output_dir)
         if isinstance(done, str):  # a failed job stays failed: its FAILED run has the metrics of the rounds before
@@ -62,6 +82,7 @@ def open_job(cfg: DictConfig, hydra_cfg) -> Job:
         cfg, checkpoint = resumed_config(cfg, hydra_cfg)
         output_dir = checkpoint.path.parent
     else:
+        lock(output_dir, "hydra.run.dir", output_dir)  # a fresh dir, locked so that a resume while it runs is refused
         checkpoint = Checkpoint(output_dir, cfg.checkpoint.every)
     reopened = opened_run(output_dir) if resuming and not checkpoint.resume else None
     return Job(cfg, output_dir, checkpoint, reopened=reopened)
@@ -97,6 +118,7 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
             cfg.resume,
             f"no other overrides (the run continues with {directory / 'config.yaml'}); got {' '.join(others)}",
         )
+    lock(directory, "resume", cfg.resume)  # before its checkpoint is read: a second resume, or the run itself, holds it
     saved = saved_config(directory, cfg.resume)
     saved.resume = str(directory)
     checkpoint = Checkpoint(directory, saved.checkpoint.every, resume=(directory / FILE).is_file())
@@ -115,8 +137,8 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
     reason = diverged(job_dir)
     if not (job_dir / "config.yaml").is_file():  # never started
         return None
-    saved = saved_config(job_dir, cfg.resume)
     mine = OmegaConf.to_container(cfg, resolve=True)
+    saved = saved_config(job_dir, cfg.resume, named=targets(mine))
     mine["resume"] = saved.get("resume")
     if mine != OmegaConf.to_container(saved, resolve=True):
         before = flatten(OmegaConf.to_container(saved))
@@ -134,10 +156,38 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
     return state["rows"][-1]["test_accuracy"] if state["finished"] else None
 
 
-def saved_config(directory: Path, given) -> DictConfig:
-    """The config a run in ``directory`` was started with; one written before the ``pipeline`` group (November
-    2026) is refused with the command that upgrades the dir."""
-    saved = OmegaConf.load(Path(directory) / "config.yaml")
+def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) -> DictConfig:
+    """The config a run in ``directory`` was started with, once it is known to build nothing but fedrun's own
+    classes, the names in ``FEDRUN_TRUST`` and ``named`` (those the command line names: a sweep's); one written
+    before the ``pipeline`` group (November 2026) is refused with the command that upgrades the dir."""
+    directory = Path(directory)
+    if links := sorted(p.name for p in directory.iterdir() if p.is_symlink()):
+        # fedrun rewrites its files in the dir (metrics.csv on a resume): never through a link to a file elsewhere
+        raise ConfigError("resume", given, f"a run dir without symbolic links ({directory} has {', '.join(links)})")
+    try:
+        saved = OmegaConf.load(directory / "config.yaml")
+        plain = OmegaConf.to_container(saved)
+    except Exception as exc:  # not YAML, or not a mapping: the message is OmegaConf's or PyYAML's first line
+        raise ConfigError(
+            "resume", given, f"a run dir with fedrun's config.yaml ({str(exc).splitlines()[0][:200]})"
+        ) from None
+    if not isinstance(saved, DictConfig):
+        raise ConfigError("resume", given, f"a run dir with fedrun's config.yaml ({directory} has a list)")
+    if interpolated := next(iter(interpolations(plain)), None):
+        # fedrun saves its config resolved: what is checked below is then exactly what gets built
+        raise ConfigError("resume", given, f"a config.yaml saved by fedrun (resolved; {interpolated} is ${{...}})")
+    trusted = {name.strip() for name in os.environ.get(TRUST_VARIABLE, "").split(",") if name.strip()}
+    allowed = trusted | named
+    if foreign := [(key, name) for key, name in foreign_code(plain) if not (isinstance(name, str) and name in allowed)]:
+        where = ", ".join(f"{name!r} at {key}" for key, name in foreign[:3])
+        names = ",".join(dict.fromkeys(str(name) for _, name in foreign))
+        raise ConfigError(
+            "resume",
+            given,
+            f"a run dir whose config builds only fedrun's own classes (those conf/ names); {directory / 'config.yaml'} "
+            f"names {where}, and nothing was built. If you trust that code (you started the run with it), name it "
+            f"again: {TRUST_VARIABLE}={names[:300]} fedrun resume={given}",
+        )
     if "pipeline" not in saved:
         raise ConfigError(
             "resume",
@@ -146,3 +196,74 @@ def saved_config(directory: Path, given) -> DictConfig:
             f"upgrade it once with python -m fedrun.upgrade {directory})",
         )
     return saved
+
+
+@cache
+def conf_targets() -> frozenset[str]:
+    """Every ``_target_`` in fedrun's config tree (conf/, any file, any depth), Hydra's own settings left out."""
+    found = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "_target_" and isinstance(value, str):
+                    found.add(value)
+                elif key != "hydra":
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    def visit(folder) -> None:
+        for entry in folder.iterdir():
+            if entry.is_dir() and entry.name != "hydra":  # conf/hydra/: launchers, never in a run's config
+                visit(entry)
+            elif entry.name.endswith(".yaml"):
+                walk(yaml.safe_load(entry.read_text()))
+
+    visit(files("fedrun.conf"))
+    return frozenset(found)
+
+
+# What ``device.backend`` may name in a run dir: fedrun's backends, by name or by class.
+OWN_BACKENDS = frozenset({"auto", *BACKENDS, *BACKENDS.values()})
+
+
+def foreign_code(config) -> list[tuple[str, object]]:
+    """(key, name) of each class or function that ``config`` (plain containers) would build or import and that
+    fedrun's options do not: a ``_target_`` not in ``conf_targets`` anywhere in it (Hydra's instantiate builds
+    nested nodes, ``_args_`` entries included), and a ``backend`` of a ``fedrun.backends.Device`` node that is not
+    one of fedrun's (``Device`` imports the class it names)."""
+    found = []
+
+    def walk(node, key: str) -> None:
+        if isinstance(node, dict):
+            target = node.get("_target_")
+            if "_target_" in node and not (isinstance(target, str) and target in conf_targets()):
+                found.append((f"{key}._target_".lstrip("."), target))
+            backend = node.get("backend", "auto")
+            if target == "fedrun.backends.Device" and not (isinstance(backend, str) and backend in OWN_BACKENDS):
+                found.append((f"{key}.backend".lstrip("."), node.get("backend")))
+            for name, value in node.items():
+                walk(value, f"{key}.{name}")
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, f"{key}.{index}")
+
+    walk(config, "")
+    return found
+
+
+def targets(config) -> frozenset[str]:
+    """The names ``foreign_code`` would refuse in ``config``: those a command line named itself."""
+    return frozenset(str(name) for _, name in foreign_code(config))
+
+
+def interpolations(node, key: str = ""):
+    """The keys of ``node`` (plain containers, unresolved) whose value holds an interpolation (``${...}``)."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for name, value in items:
+        path = f"{key}.{name}".lstrip(".")
+        if isinstance(value, str) and "${" in value:
+            yield path
+        yield from interpolations(value, path)

@@ -3,6 +3,7 @@ when the sweep's process exits), the cores each job of a parallel launcher may u
 does with each of its jobs."""
 
 import atexit
+import re
 import time
 from pathlib import Path
 
@@ -38,7 +39,9 @@ def open_sweep_run(uri: str, experiment: str, sweep_dir: Path, name: str, tags: 
 def sweep_parent(sweep_dir: Path) -> str | None:
     """The id of the MLflow run grouping the sweep in ``sweep_dir``, if it has one."""
     path = sweep_dir / PARENT_FILE
-    return path.read_text().strip() if path.is_file() else None
+    run_id = path.read_text().strip() if path.is_file() and not path.is_symlink() else None
+    # an MLflow run id (32 hex digits): anything else in a dir from elsewhere is not put into a search filter
+    return run_id if run_id is not None and re.fullmatch(r"[0-9a-f]{32}", run_id) else None
 
 
 def seed_report(cfg: DictConfig, hydra_cfg):
