@@ -9,117 +9,286 @@ numbers as metrics and its words as tags, and the directory's files as artifacts
 reached its last round (its checkpoint says so, or its rows reach ``schedule.rounds``), FAILED when it diverged
 (``diverged.txt`` says why), else KILLED.
 
+A run dir is data from wherever it came from (a shared filesystem): everything in it is checked before the MLflow
+run is created, so a bad file is one line and no half-imported run (``checked``): the rounds are integers that fit
+MLflow's steps, the values numbers, the metric, param and tag names ones MLflow accepts. A failure after the run is
+created (the store, the artifact copy) marks it FAILED. Symbolic links are neither read nor copied (one line says
+which were left out). The run goes to ``--uri``, else to the user's store (``fedrun.tracking.DEFAULT_URI``, as fedrun
+itself), never to the ``tracking.uri`` the dir's config names.
+
 Usage:
     fedrun-import DIR [DIR ...] [--uri URI] [--experiment NAME]
 """
 
 import argparse
+import csv
 import math
+import os
+import posixpath
+import re
+import stat
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
 import yaml
 
-from fedrun.checkpoint import FILE, diverged, read
+from fedrun.checkpoint import FILE, LOCK_FILE, diverged, read
 from fedrun.errors import ConfigError
-from fedrun.tracking import flatten, mlflow_name, preflight, resolve_uri
+from fedrun.tracking import DEFAULT_URI, flatten, mlflow_name, preflight, resolve_uri
 
 BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics per call
+# MLflow's rule for metric, param and tag names (mlflow.utils.validation: validate_param_and_metric_name, whose
+# ``^...$`` would also let a trailing newline through, path_not_unique, MAX_ENTITY_KEY_LENGTH): letters, digits,
+# _ - . : / and spaces, at most 250 characters, and not a path that resolves to another name (``../../x``).
+NAME = re.compile(r"[/\w.\- :]+")
+MAX_NAME = 250
+# A number as fedrun's CSV files write one (Python's repr of a float or an int: nan and inf included); anything else
+# (a formula, a word, Python's 1_000) is refused.
+NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?|[+-]?(nan|inf)", re.IGNORECASE)
+MAX_STEP = 2**63 - 1  # MLflow's steps are 64-bit integers
+MAX_EXPERIMENT_NAME = 500  # mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH
 
 
-def finished(directory: Path, config: dict, rounds_written: int) -> bool:
-    if (directory / FILE).exists():
-        return bool(read(directory / FILE).get("finished"))
-    return rounds_written >= config.get("schedule", {}).get("rounds", math.inf)
+def metric_name(name: str, where: str) -> str:
+    """``name`` when MLflow accepts it as a metric, param or tag name (``NAME``), else a ConfigError for ``where``."""
+    normal = posixpath.normpath(name)
+    if (
+        len(name) > MAX_NAME
+        or not NAME.fullmatch(name)
+        or normal != name
+        or normal == "."
+        or normal.startswith(("..", "/"))
+    ):
+        raise ConfigError(
+            where,
+            name if len(name) <= 80 else name[:80] + "...",
+            f"a name MLflow accepts (at most {MAX_NAME} letters, digits, _ - . : / or spaces, not a path that "
+            "resolves elsewhere)",
+        )
+    return name
 
 
-def import_run(directory: Path, uri: str | None, experiment: str | None) -> str:
-    """Log one run directory into MLflow; returns the new run's id."""
-    import mlflow
-    from mlflow.entities import Metric, RunTag
+def number(cell: str, where: str) -> float:
+    if not NUMBER.fullmatch(cell):
+        raise ConfigError(where, cell if len(cell) <= 80 else cell[:80] + "...", "a number")
+    return float(cell)
 
-    if not (directory / "metrics.csv").is_file():
+
+def step(cell: str, where: str) -> int:
+    if not (cell.isascii() and cell.isdigit() and int(cell) <= MAX_STEP):
+        raise ConfigError(where, cell if len(cell) <= 80 else cell[:80] + "...", f"a round: an integer 0 to {MAX_STEP}")
+    return int(cell)
+
+
+def regular(path: Path) -> bool:
+    """A file that is neither a symbolic link nor a device or pipe."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def table(path: Path) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of a CSV file, each row as long as the header (a ConfigError otherwise)."""
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            rows = list(csv.reader(handle))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise ConfigError(path.name, str(path), f"a CSV file fedrun wrote ({type(exc).__name__}: {exc})") from None
+    if not rows:
+        raise ConfigError(path.name, str(path), "a CSV file with a header")
+    header, rows = rows[0], rows[1:]
+    if len(set(header)) != len(header):
+        raise ConfigError(path.name, str(path), "a CSV file whose columns have distinct names")
+    for number_, row in enumerate(rows, 2):
+        if len(row) != len(header):
+            raise ConfigError(f"{path.name} line {number_}", ",".join(row)[:80], f"{len(header)} cells, as the header")
+    return header, rows
+
+
+@dataclass
+class Checked:
+    """Everything ``import_run`` logs, read from the dir and checked."""
+
+    status: str
+    params: dict
+    series: list = field(default_factory=list)  # (name, value, step)
+    summary_metrics: list = field(default_factory=list)  # (name, value)
+    summary_tags: list = field(default_factory=list)  # (name, value)
+    reason: str | None = None
+    experiment: str = "fedrun"
+    artifacts: list = field(default_factory=list)  # (file, artifact folder or None)
+    links: list = field(default_factory=list)  # symbolic links left out, relative to the dir
+
+
+def checked(directory: Path, experiment: str | None) -> Checked:
+    """Read and check everything in ``directory`` (see the module docstring); a ConfigError for the first bad
+    thing, before anything is logged."""
+    if not regular(directory / "metrics.csv"):
         raise ConfigError("directory", str(directory), "a fedrun output dir (with metrics.csv)")
-    config = yaml.safe_load((directory / "config.yaml").read_text()) if (directory / "config.yaml").exists() else {}
-    metrics = pd.read_csv(directory / "metrics.csv")
-    reason = diverged(directory)  # the run failed, and says why
-    # Reads the checkpoint (a crafted one is refused here, before anything is logged).
-    status = "FAILED" if reason is not None else "FINISHED" if finished(directory, config, len(metrics)) else "KILLED"
+    config = {}
+    if regular(directory / "config.yaml"):
+        try:
+            config = yaml.safe_load((directory / "config.yaml").read_text(encoding="utf-8")) or {}
+            params = flatten(config) if isinstance(config, dict) else None
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:
+            raise ConfigError(
+                "config.yaml", str(directory / "config.yaml"), f"a YAML mapping ({type(exc).__name__})"
+            ) from None
+        if params is None:
+            raise ConfigError("config.yaml", str(directory / "config.yaml"), "a YAML mapping")
+    else:
+        params = {}
+    for key in params:
+        metric_name(str(key), "config.yaml key")
     tracking = config.get("tracking", {})
-    uri = uri or resolve_uri(tracking.get("uri", "sqlite:///outputs/mlflow.db"), Path.cwd())
+    schedule = config.get("schedule", {})
+    if not isinstance(tracking, dict) or not isinstance(schedule, dict):
+        raise ConfigError(
+            "config.yaml", str(directory / "config.yaml"), "fedrun's config (tracking, schedule: mappings)"
+        )
+    name = experiment or tracking.get("experiment", "fedrun")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_EXPERIMENT_NAME:
+        raise ConfigError("tracking.experiment", name, f"an experiment name of 1 to {MAX_EXPERIMENT_NAME} characters")
+    result = Checked("KILLED", params, experiment=name)
+
+    header, rows = table(directory / "metrics.csv")
+    if "round" not in header:
+        raise ConfigError("metrics.csv", str(directory / "metrics.csv"), "a table with a round column")
+    at = header.index("round")
+    names = [metric_name(mlflow_name(column), "metrics.csv column") for column in header]
+    for line, row in enumerate(rows, 2):
+        round_ = step(row[at], f"metrics.csv line {line} round")
+        for column, (name_, cell) in enumerate(zip(names, row)):
+            if column != at and cell != "":
+                value = number(cell, f"metrics.csv line {line} {header[column]}")
+                if not math.isnan(value):
+                    result.series.append((name_, value, round_))
+
+    summary = {}
+    if regular(directory / "summary.csv"):
+        summary_header, summary_rows = table(directory / "summary.csv")
+        if len(summary_header) != 2:
+            raise ConfigError("summary.csv", str(directory / "summary.csv"), "a table of names and values")
+        for key, value in summary_rows:
+            summary[key] = value
+            if NUMBER.fullmatch(value):
+                result.summary_metrics.append((metric_name(mlflow_name(key), "summary.csv name"), float(value)))
+            else:
+                result.summary_tags.append((metric_name(key, "summary.csv name"), value[:5000]))
+
+    # a run from before the tag logged every alpha series
+    max_alpha = tracking.get("max_alpha_series", 100)
+    if regular(directory / "alpha.csv") and summary.get("alpha_series", "per_client") == "per_client":
+        alpha_header, alpha_rows = table(directory / "alpha.csv")
+        clients = [c for c in alpha_header if re.fullmatch(r"client_\d{1,12}", c)]
+        if "round" in alpha_header and clients and isinstance(max_alpha, int) and len(clients) <= max_alpha:
+            at = alpha_header.index("round")
+            for line, row in enumerate(alpha_rows, 2):
+                round_ = step(row[at], f"alpha.csv line {line} round")
+                result.series += [
+                    (f"alpha/{c}", number(row[alpha_header.index(c)], f"alpha.csv line {line} {c}"), round_)
+                    for c in clients
+                ]
+
+    reason = diverged(directory) if regular(directory / "diverged.txt") else None  # the run failed, and says why
+    rounds = schedule.get("rounds", math.inf)
+    rounds = rounds if isinstance(rounds, int) else math.inf
+    # A crafted checkpoint is refused here (fedrun.checkpoint.read), before anything is logged.
+    done = bool(read(directory / FILE).get("finished")) if regular(directory / FILE) else len(rows) >= rounds
+    result.status, result.reason = ("FAILED" if reason is not None else "FINISHED" if done else "KILLED"), reason
+
+    for root, folders, names_ in os.walk(directory):  # followlinks=False: a linked folder is listed, never entered
+        for entry in sorted(folders + names_):
+            path = Path(root, entry)
+            relative = path.relative_to(directory)
+            if path.is_symlink():
+                result.links.append(str(relative))
+            elif entry in names_ and regular(path) and relative != Path(LOCK_FILE):
+                result.artifacts.append((path, None if relative.parent == Path(".") else relative.parent.as_posix()))
+    return result
+
+
+def import_run(directory: Path, uri: str, experiment: str | None) -> str:
+    """Log one run directory into MLflow at ``uri``; returns the new run's id. Everything is checked first
+    (``checked``: a ConfigError creates nothing); a failure once the run exists marks it FAILED."""
+    import mlflow
+    from mlflow.entities import Metric, Param, RunTag
+
+    found = checked(directory, experiment)
+    if found.links:
+        print(
+            f"fedrun-import: {directory}: left out {len(found.links)} symbolic link(s), neither read nor copied: "
+            + ", ".join(found.links[:10]),
+            file=sys.stderr,
+        )
+    uri = resolve_uri(uri, Path.cwd())
     preflight(uri)
     client = mlflow.MlflowClient(tracking_uri=uri)
-    name = experiment or tracking.get("experiment", "fedrun")
-    found = client.get_experiment_by_name(name)
-    experiment_id = found.experiment_id if found else client.create_experiment(name)
+    existing = client.get_experiment_by_name(found.experiment)
+    experiment_id = existing.experiment_id if existing else client.create_experiment(found.experiment)
     run = client.create_run(
         experiment_id,
         run_name=directory.name,
         tags={"imported_from": str(directory.resolve()), "output_dir": str(directory.resolve())},
     )
     run_id = run.info.run_id
-    params = flatten(config)
-    items = list(params.items())
-    for start in range(0, len(items), 100):
-        client.log_batch(
-            run_id, params=[mlflow.entities.Param(k, str(v)[:6000]) for k, v in items[start : start + 100]]
-        )
-    now = int(time.time() * 1000)
-    summary = (
-        pd.read_csv(directory / "summary.csv", index_col=0)["value"] if (directory / "summary.csv").exists() else None
-    )
-    series = [
-        Metric(mlflow_name(column), float(value), now, int(step))
-        for column in metrics.columns
-        if column != "round"
-        for step, value in zip(metrics["round"], metrics[column])
-        if not pd.isna(value)
-    ]
-    alpha_path = directory / "alpha.csv"
-    # a run from before the tag logged every alpha series
-    if alpha_path.exists() and (summary is None or summary.get("alpha_series", "per_client") == "per_client"):
-        alpha = pd.read_csv(alpha_path)
-        clients = [c for c in alpha.columns if c.startswith("client_")]
-        if clients and len(clients) <= tracking.get("max_alpha_series", 100):
-            series += [
-                Metric(f"alpha/{c}", float(v), now, int(step))
-                for c in clients
-                for step, v in zip(alpha["round"], alpha[c])
-            ]
-    summary_tags = []
-    if summary is not None:
-        for key, value in summary.items():
-            try:
-                series.append(Metric(mlflow_name(str(key)), float(value), now, 0))
-            except ValueError:
-                summary_tags.append(RunTag(str(key), str(value)[:5000]))
-    for start in range(0, len(series), BATCH):
-        client.log_batch(run_id, metrics=series[start : start + BATCH])
-    if summary_tags:
-        client.log_batch(run_id, tags=summary_tags)
-    client.log_artifacts(run_id, str(directory))
-    if reason is not None:
-        client.set_tag(run_id, "failure_reason", f"DivergenceError: {reason}"[:5000])
-    client.set_terminated(run_id, status)
+    try:
+        items = list(found.params.items())
+        for start in range(0, len(items), 100):
+            client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in items[start : start + 100]])
+        now = int(time.time() * 1000)
+        series = [Metric(name, value, now, round_) for name, value, round_ in found.series]
+        series += [Metric(name, value, now, 0) for name, value in found.summary_metrics]
+        for start in range(0, len(series), BATCH):
+            client.log_batch(run_id, metrics=series[start : start + BATCH])
+        if found.summary_tags:
+            client.log_batch(run_id, tags=[RunTag(k, v) for k, v in found.summary_tags])
+        for path, folder in found.artifacts:
+            client.log_artifact(run_id, str(path), folder)
+        if found.reason is not None:
+            client.set_tag(run_id, "failure_reason", f"DivergenceError: {found.reason}"[:5000])
+        client.set_terminated(run_id, found.status)
+    except BaseException as exc:
+        try:
+            client.set_terminated(run_id, "FAILED")
+        except Exception:  # the store itself is what failed: the run stays as the store has it
+            pass
+        if isinstance(exc, Exception):
+            raise ImportFailed(run_id, exc) from exc
+        raise
     return run_id
 
 
-def main() -> None:
+class ImportFailed(Exception):
+    """A failure once the MLflow run existed (the store, the artifact copy): the run is marked FAILED."""
+
+    def __init__(self, run_id: str, cause: Exception):
+        first = str(cause).splitlines()[0][:300] if str(cause) else ""
+        super().__init__(f"{type(cause).__name__}: {first} (its MLflow run {run_id} is marked FAILED)")
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="fedrun-import", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("directories", nargs="+", type=Path, help="run output dirs")
-    parser.add_argument("--uri", help="MLflow tracking URI (default: the run's tracking.uri, relative to here)")
+    parser.add_argument(
+        "--uri", default=DEFAULT_URI, help="MLflow tracking URI (default: fedrun's, %(default)s, relative to here)"
+    )
     parser.add_argument("--experiment", help="MLflow experiment (default: the run's tracking.experiment)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for directory in args.directories:
         try:
             run_id = import_run(directory, args.uri, args.experiment)
         except ConfigError as exc:
             print(f"fedrun-import: error: {exc}", file=sys.stderr)
             sys.exit(2)
+        except ImportFailed as exc:
+            print(f"fedrun-import: error: {directory}: {exc}", file=sys.stderr)
+            sys.exit(1)
         print(f"fedrun-import: {directory} -> MLflow run {run_id}")
 
 

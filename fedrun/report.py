@@ -20,13 +20,36 @@ import numpy as np
 import pandas as pd
 
 from fedrun.metrics import mean_ci
-from fedrun.tracking import CONFIG_GROUPS, MAIN_SECTION, R_INDEX_SECTION, mlflow_name, plain_name
+from fedrun.tracking import CONFIG_GROUPS, DEFAULT_URI, MAIN_SECTION, R_INDEX_SECTION, mlflow_name, plain_name
 
 IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
 META_GROUPS = ("experiment", "method")  # config groups whose options choose options of other groups
 SWEEP_TAG = "tags.fedrun.role"  # "sweep" on a sweep's parent run, "trial" on a study's trial: not runs of their own
 TRIAL_TAG = "tags.fedrun.trial"  # a study's seed run: its trial (``--group-by trial``)
 SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_autocorr")
+
+
+# OWASP's rule against CSV injection (https://owasp.org/www-community/attacks/CSV_Injection): a spreadsheet runs a cell
+# that begins with = + - @ (or a tab or carriage return) as a formula; such a cell gets a leading single quote, so
+# that it is shown as the text it is. A number stays a number: -0.5 or 1e-3 is not escaped (nor is a number column).
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+PLAIN_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
+def csv_cell(value):
+    """``value``, with a leading ``'`` when it is text a spreadsheet would run as a formula (``FORMULA_START``)."""
+    if isinstance(value, str) and value.startswith(FORMULA_START) and not PLAIN_NUMBER.fullmatch(value):
+        return "'" + value
+    return value
+
+
+def csv_safe(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with every text cell and column name passed through ``csv_cell``, for ``to_csv``."""
+    safe = table.rename(columns=csv_cell)
+    for column in safe.columns:
+        if not pd.api.types.is_numeric_dtype(safe[column]):  # text (object, string or category): numbers are safe
+            safe[column] = safe[column].astype(object).map(csv_cell)
+    return safe
 
 
 def with_plain_names(runs: pd.DataFrame) -> pd.DataFrame:
@@ -414,9 +437,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="fedrun-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--experiment", required=True, help="MLflow experiment name (tracking.experiment)")
-    parser.add_argument(
-        "--tracking-uri", default="sqlite:///outputs/mlflow.db", help="default: %(default)s (relative to here)"
-    )
+    parser.add_argument("--tracking-uri", default=DEFAULT_URI, help="default: %(default)s (relative to here)")
     parser.add_argument(
         "--group-by",
         nargs="+",
@@ -527,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         f"# {args.experiment}\n\n{len(finished)} finished runs ({len(runs) - len(finished)} others left out).\n\n"
         + text
     )
-    table.to_csv(out / "report.csv", index=False)
+    csv_safe(table).to_csv(out / "report.csv", index=False)
     step = step_name(finished)
     plots = [
         plot_bands(
@@ -581,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
             else paired_markdown(pairs, keys, column, baseline)
         )
         (out / "paired.md").write_text(pair_text)
-        pairs.to_csv(out / "paired.csv", index=False)
+        csv_safe(pairs).to_csv(out / "paired.csv", index=False)
         text += "\n" + pair_text
         written += [out / "paired.md", out / "paired.csv"]
     print(text, end="")

@@ -31,17 +31,25 @@ PER_CLIENT = ("alpha", "local_steps", "selected")  # the per-client series the e
 WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
 
 
-def _root_defaults() -> dict[str, str | None]:
-    """The root config's defaults list (conf/config.yaml), group -> default option, in its order."""
+def _root_config() -> dict:
+    """The root config (conf/config.yaml) as plain data."""
     from importlib.resources import files
 
     import yaml
 
-    defaults = yaml.safe_load(files("fedrun.conf").joinpath("config.yaml").read_text())["defaults"]
+    return yaml.safe_load(files("fedrun.conf").joinpath("config.yaml").read_text())
+
+
+def _root_defaults() -> dict[str, str | None]:
+    """The root config's defaults list (conf/config.yaml), group -> default option, in its order."""
+    defaults = _root_config()["defaults"]
     return {name: option for entry in defaults if isinstance(entry, dict) for name, option in entry.items()}
 
 
 ROOT_DEFAULTS = _root_defaults()
+# The user's store: where a run goes when nothing says otherwise (``tracking.uri`` of conf/config.yaml), relative to
+# the directory a command starts in; fedrun-import and fedrun-report default to it too.
+DEFAULT_URI = _root_config()["tracking"]["uri"]
 # Config groups whose chosen option becomes a run tag (and a grouping key in fedrun-report), in the defaults list's
 # order (``sweep`` left out: a named sweep is a multirun, not a run's choice); a new group in conf/config.yaml is a
 # tag and a report key without a code edit.

@@ -434,3 +434,36 @@ def test_a_store_with_the_old_metric_names_reports_with_the_new_and_a_study_grou
     table = pd.read_csv(tmp_path / "trials" / "report.csv")
     assert table["runs"].tolist() == [2, 2]
     assert table["R60_mean"].tolist() == pytest.approx([3.5, 5.5])  # trial 0: seeds 0 and 2; trial 1: seeds 1 and 3
+
+
+def test_report_csv_escapes_cells_a_spreadsheet_would_run_and_keeps_numbers_numbers(store, tmp_path):
+    """OWASP's CSV-injection rule: a text cell starting with = + - @ gets a leading ', a number (-0.5) does not."""
+    import csv
+
+    import mlflow
+    from mlflow.entities import Metric, Param
+
+    from fedrun.report import main
+
+    uri = f"sqlite:///{store}"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("formulas")
+    notes = {'=HYPERLINK("http://x","y")': "-0.5", "@SUM(A1)": "-1e-3", "-2+3": "+2", "+cmd": "0.5", "plain": "1"}
+    for note, temperature in notes.items():
+        run = client.create_run(experiment, tags={"aggregator": "fedsoftmax", "seed": "0"})
+        params = [Param("aggregator.note", note), Param("aggregator.temperature", temperature), Param("seed", "0")]
+        metrics = [Metric("0_main/test_accuracy", -0.25, 0, 1), Metric("final_test_accuracy", -0.25, 0, 0)]
+        client.log_batch(run.info.run_id, metrics=metrics, params=params)
+        client.set_terminated(run.info.run_id, "FINISHED")
+    main(["--experiment", "formulas", "--tracking-uri", uri, "--out", str(tmp_path)])
+    with (tmp_path / "report.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    cells = {(row["aggregator.note"], row["aggregator.temperature"]) for row in rows}
+    assert cells == {
+        ('\'=HYPERLINK("http://x","y")', "-0.5"),
+        ("'@SUM(A1)", "-1e-3"),
+        ("'-2+3", "+2"),
+        ("'+cmd", "0.5"),
+        ("plain", "1"),
+    }
+    assert {row["final_test_accuracy_mean"] for row in rows} == {"-0.25"}  # a number column is written as it was

@@ -1,0 +1,371 @@
+"""Run dirs from elsewhere (a shared filesystem) are data, never code: a resumed run builds only what fedrun's options
+build, a backend named by a dir is not imported, one process writes a run dir at a time, fedrun-import checks the
+dir before it creates anything. The crafted dirs are built here."""
+
+import fcntl
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FEDRUN
+from omegaconf import OmegaConf
+
+import fedrun.checkpoint as checkpoint
+import fedrun.cli.resume as resume
+from fedrun.cli import setup
+from fedrun.errors import ConfigError
+
+# Read at use (not imported by name), so that each test fails for its own reason on a fedrun without them.
+LOCK_FILE, TRUST_VARIABLE = "fedrun.lock", "FEDRUN_TRUST"
+
+IMPORT = str(Path(FEDRUN).with_name("fedrun-import"))
+
+
+class Payload:
+    """A pickle that creates ``marker`` when it is loaded (any loader that unpickles runs it)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+# The loaders the review found running a run dir's pickle, each with the keyword that names the file.
+LOADERS = {
+    "torch.load": {"f": None, "weights_only": False},
+    "numpy.load": {"file": None, "allow_pickle": True},
+    "joblib.load": {"filename": None},
+    "pandas.read_pickle": {"filepath_or_buffer": None},
+}
+
+
+def crafted_run(directory: Path, compose_config, loader: str) -> Path:
+    """A run dir whose ``dataset`` group (the first one built) loads the dir's own pickle with ``loader``."""
+    directory.mkdir()
+    (directory / "payload.pkl").write_bytes(pickle.dumps(Payload(directory.parent / "marker")))
+    config = OmegaConf.to_container(compose_config("schedule.rounds=3", "tracking.enabled=false"), resolve=True)
+    arguments = {k: str(directory / "payload.pkl") if v is None else v for k, v in LOADERS[loader].items()}
+    config["dataset"] = {"_target_": loader, **arguments}
+    OmegaConf.save(OmegaConf.create(config), directory / "config.yaml")
+    return directory
+
+
+@pytest.mark.parametrize("loader", list(LOADERS))
+def test_a_resumed_config_that_loads_the_dir_s_pickle_is_refused_before_anything_is_built(
+    tmp_path, compose_config, loader
+):
+    run = crafted_run(tmp_path / "run", compose_config, loader)
+    outcome = None
+    try:
+        setup(resume.saved_config(run, str(run)))  # what ``fedrun resume=`` builds
+    except Exception as exc:
+        outcome = exc
+    assert not (tmp_path / "marker").exists()  # the payload never ran
+    assert isinstance(outcome, ConfigError)
+    assert f"names '{loader}' at dataset._target_, and nothing was built" in str(outcome)
+
+
+def test_fedrun_resume_of_a_crafted_dir_exits_2_in_one_line_and_runs_nothing(tmp_path, compose_config):
+    run = crafted_run(tmp_path / "run", compose_config, "torch.load")
+    done = subprocess.run([FEDRUN, f"resume={run}"], cwd=tmp_path, capture_output=True, text=True)
+    assert not (tmp_path / "marker").exists()
+    assert done.returncode == 2, done.stderr[-3000:]
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"fedrun: error: resume='{run}' is invalid: allowed is a run dir whose config builds only")
+    assert f"{TRUST_VARIABLE}=torch.load fedrun resume={run}" in line
+
+
+def test_every_target_at_any_depth_and_a_device_s_backend_are_checked():
+    device = {"_target_": "fedrun.backends.Device", "backend": "loop"}
+    config = {
+        "aggregator": {
+            "_target_": "fedrun.aggregators.Hybrid",
+            "phases": [
+                {"aggregator": {"_target_": "torch.load", "f": "x"}},
+                {"aggregator": {"_target_": "builtins.eval"}},
+            ],
+        },
+        "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": {"_target_": "numpy.load"}},
+        "model": {"_target_": "fedrun.models.CNN", "_args_": [{"_target_": "pandas.read_pickle"}]},
+        "device": {**device, "backend": "mypackage.Trainer"},
+        "dataset": {**device, "backend": "fedrun.vmap.VmapTrainer"},  # a fedrun backend, in any group
+        "server": {"_target_": ["not", "a", "string"]},
+        "heterogeneity": {"_target_": "fedrun.heterogeneity.EqualWork"},
+    }
+    assert resume.foreign_code(config) == [
+        ("aggregator.phases.0.aggregator._target_", "torch.load"),
+        ("aggregator.phases.1.aggregator._target_", "builtins.eval"),
+        ("optimizer.lr._target_", "numpy.load"),
+        ("model._args_.0._target_", "pandas.read_pickle"),
+        ("device.backend", "mypackage.Trainer"),
+        ("server._target_", ["not", "a", "string"]),
+    ]
+
+
+def test_a_run_started_with_ones_own_class_resumes_when_the_command_names_it_again(
+    tmp_path, compose_config, monkeypatch
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = compose_config("device.backend=mypackage.trainers.MyTrainer", "model._target_=mypackage.nets.Net")
+    OmegaConf.save(saved, run / "config.yaml", resolve=True)
+    with pytest.raises(ConfigError) as refused:
+        resume.saved_config(run, str(run))
+    assert f"{TRUST_VARIABLE}=mypackage.nets.Net,mypackage.trainers.MyTrainer fedrun resume={run}" in str(refused.value)
+    monkeypatch.setenv(TRUST_VARIABLE, "mypackage.trainers.MyTrainer")  # one of the two: still refused
+    with pytest.raises(ConfigError, match="names 'mypackage.nets.Net' at model._target_"):
+        resume.saved_config(run, str(run))
+    monkeypatch.setenv(TRUST_VARIABLE, "mypackage.nets.Net, mypackage.trainers.MyTrainer")
+    assert resume.saved_config(run, str(run)).device.backend == "mypackage.trainers.MyTrainer"
+
+
+def test_a_saved_config_with_interpolations_or_a_dir_with_symbolic_links_is_refused(tmp_path, compose_config):
+    run = tmp_path / "run"
+    run.mkdir()
+    config = OmegaConf.to_container(compose_config(), resolve=True)
+    config["dataset"] = "${oc.decode:'{_target_: torch.load, f: x}'}"  # a node that only resolving builds
+    OmegaConf.save(OmegaConf.create(config), run / "config.yaml")
+    with pytest.raises(ConfigError, match=r"a config.yaml saved by fedrun \(resolved; dataset is"):
+        resume.saved_config(run, str(run))
+    OmegaConf.save(compose_config(), run / "config.yaml", resolve=True)
+    (run / "metrics.csv").symlink_to(tmp_path / "yours.txt")  # a resume rewrites metrics.csv
+    with pytest.raises(ConfigError, match="a run dir without symbolic links"):
+        resume.saved_config(run, str(run))
+
+
+def test_a_resumed_sweep_s_job_dir_is_checked_too(tmp_path, compose_config):
+    job = tmp_path / "sweep" / "0"
+    job.mkdir(parents=True)
+    cfg = compose_config(f"resume={tmp_path / 'sweep'}")
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["dataset"] = {"_target_": "torch.load", "f": "payload.pkl"}
+    OmegaConf.save(OmegaConf.create(config), job / "config.yaml")
+    with pytest.raises(ConfigError, match="names 'torch.load' at dataset._target_"):
+        resume.sweep_job(cfg, job)
+    # a class the sweep's own command line names is the user's
+    mine = compose_config(f"resume={tmp_path / 'sweep'}", "device.backend=mypackage.Trainer")
+    OmegaConf.save(mine, job / "config.yaml", resolve=True)
+    assert resume.sweep_job(mine, job) is None
+
+
+MARKER_MODULE = "from pathlib import Path\nPath({marker!r}).write_text('imported')\n"
+
+
+def test_a_backend_that_names_a_module_of_someone_else_is_not_imported_to_check_it(tmp_path, monkeypatch):
+    from fedrun.backends import Device
+
+    marker = tmp_path / "marker"
+    (tmp_path / "planted.py").write_text(MARKER_MODULE.format(marker=str(marker)))
+    package = tmp_path / "plantedpkg" / "sub"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text(MARKER_MODULE.format(marker=str(marker)))  # a parent's code, too
+    (package / "__init__.py").write_text("")
+    (package / "trainers.py").write_text(MARKER_MODULE.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("planted.Trainer", "plantedpkg.sub.trainers.Trainer"):
+        device = Device("cpu", backend=name)  # found without running its module
+        assert device.backend == name and not marker.exists()
+    for missing in ("plantedpkg.nothing.Trainer", "planted.sub.Trainer", "nowhere_at_all.Trainer"):
+        with pytest.raises(ConfigError, match="the import path of a fedrun.trainer.Trainer class"):
+            Device("cpu", backend=missing)
+    assert not marker.exists()
+    with pytest.raises(ConfigError, match="device.backend='planted.Trainer'"):  # imported when the user asks for it
+        Device("cpu", backend="planted.Trainer").load_backend()
+    assert marker.exists()
+
+
+def test_resume_of_a_dir_naming_a_planted_backend_never_imports_it(tmp_path, compose_config, monkeypatch):
+    marker = tmp_path / "marker"
+    (tmp_path / "planted_backend.py").write_text(MARKER_MODULE.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(compose_config("device.backend=planted_backend.Trainer"), run / "config.yaml", resolve=True)
+    with pytest.raises(ConfigError, match="names 'planted_backend.Trainer' at device.backend"):
+        setup(resume.saved_config(run, str(run)))
+    assert not marker.exists()
+
+
+HOLD = "import sys, time\nfrom fedrun.checkpoint import lock\nlock(sys.argv[1], 'k', 'v')\nprint('held', flush=True)\ntime.sleep(60)\n"
+
+
+def test_a_run_dir_s_lock_names_its_holder_and_is_free_once_the_holder_is_killed(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError) as refused:
+            checkpoint.lock(tmp_path, "resume", tmp_path)
+        assert f"process {holder.pid} holds {tmp_path / LOCK_FILE}" in str(refused.value)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        checkpoint.lock(tmp_path, "resume", tmp_path)  # the kernel dropped the dead holder's lock
+        assert (tmp_path / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        # a forked child (a worker process) does not keep the dir locked: once the parent lets go, it is free
+        ready, tell = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.write(tell, b"up")  # past fork's hooks
+            time.sleep(3)
+            os._exit(0)
+        assert os.read(ready, 2) == b"up"
+        os.close(ready), os.close(tell)
+        checkpoint.unlock(tmp_path)
+        fd = os.open(tmp_path / LOCK_FILE, os.O_RDWR)  # a new open file: it conflicts with any other holder's
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the child's copy holds nothing
+        finally:
+            os.close(fd)
+        os.waitpid(child, 0)
+    finally:
+        holder.kill()
+        checkpoint.unlock(tmp_path)
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
+    yours = tmp_path / "yours.txt"
+    yours.write_text("keep me\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).symlink_to(yours)
+    with pytest.raises(ConfigError, match=f"a run dir whose {LOCK_FILE} fedrun can open"):
+        checkpoint.lock(run, "resume", run)
+    assert yours.read_text() == "keep me\n"
+
+
+@pytest.mark.slow
+def test_a_resume_while_the_run_is_running_is_refused_with_its_pid_and_accepted_once_it_was_killed(tmp_path, store):
+    from test_reliability import kill_after, rows_written, start
+
+    out = tmp_path / "run"
+    running = start(tmp_path, out, store, "schedule.rounds=200", "partition.num_clients=5", "checkpoint.every=1")
+    try:
+        kill_after(running, out, 1, sig=0)  # signal 0: nothing is sent, the run is under way
+        refused = subprocess.run([FEDRUN, f"resume={out}"], cwd=tmp_path, capture_output=True, text=True)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        [line] = refused.stderr.strip().splitlines()
+        assert f"process {running.pid} holds {out / LOCK_FILE}" in line and line.startswith("fedrun: error: resume=")
+        assert running.poll() is None  # the refused resume wrote nothing of its own
+    finally:
+        running.send_signal(signal.SIGKILL)
+        running.wait()
+    before = rows_written(out)
+    resumed = subprocess.Popen([FEDRUN, f"resume={out}"], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while rows_written(out) <= before:
+            assert resumed.poll() is None, resumed.communicate()[1][-3000:]
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert (out / LOCK_FILE).read_text() == f"{resumed.pid}\n"  # the resume holds the dir now
+    finally:
+        resumed.send_signal(signal.SIGKILL)
+        resumed.wait()
+
+
+# fedrun-import: each crafted dir is refused in one line before the store is touched (the database is not even
+# created), so no half-imported run is left RUNNING.
+CONFIG = "schedule: {rounds: 2}\ntracking: {experiment: imported}\n"
+BAD_DIRS = {
+    "formula": ('round,test_accuracy\n1,=HYPERLINK("http://x")\n', "metrics.csv line 2 test_accuracy", "a number"),
+    "word": ("round,test_accuracy\n1,high\n", "metrics.csv line 2 test_accuracy='high'", "a number"),
+    "round abc": ("round,test_accuracy\nabc,0.5\n", "metrics.csv line 2 round='abc'", "a round"),
+    "round of 20 digits": ("round,test_accuracy\n" + "9" * 20 + ",0.5\n", "metrics.csv line 2 round", "a round"),
+    "a path as a name": ("round,../../x\n1,0.5\n", "metrics.csv column='../../x'", "a name MLflow accepts"),
+    "a long name": (f"round,{'a' * 1000}\n1,0.5\n", "metrics.csv column='aaaa", "at most 250"),
+    "no round": ("test_accuracy\n0.5\n", "metrics.csv=", "a round column"),
+    "a short row": ("round,test_accuracy\n1\n", "metrics.csv line 2", "2 cells"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DIRS))
+def test_fedrun_import_refuses_a_bad_metrics_file_before_it_creates_anything(tmp_path, case):
+    from fedrun.importer import import_run
+
+    metrics, key, allowed = BAD_DIRS[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text(metrics)
+    (run / "config.yaml").write_text(CONFIG)
+    with pytest.raises(ConfigError) as refused:
+        import_run(run, f"sqlite:///{tmp_path / 'store.db'}", None)
+    assert str(refused.value).startswith(key) and allowed in str(refused.value)
+    assert not (tmp_path / "store.db").exists()
+
+
+def test_fedrun_import_refuses_bad_names_elsewhere_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("round,test_accuracy\n1,0.5\n2,-0.25\n")
+    (run / "config.yaml").write_text(CONFIG + "'../../x': 1\n")
+    done = subprocess.run(
+        [IMPORT, str(run), f"--uri=sqlite:///{tmp_path / 'store.db'}"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "fedrun-import: error: config.yaml key='../../x' is invalid: allowed is a name MLflow accepts (at most 250 "
+        "letters, digits, _ - . : / or spaces, not a path that resolves elsewhere)"
+    ]
+    (run / "config.yaml").write_text(CONFIG)
+    (run / "summary.csv").write_text(",value\nR90,3\n=cmd,x\n")
+    with pytest.raises(ConfigError, match="summary.csv name='=cmd'"):
+        from fedrun.importer import import_run
+
+        import_run(run, f"sqlite:///{tmp_path / 'store.db'}", None)
+    assert not (tmp_path / "store.db").exists()
+
+
+def test_fedrun_import_goes_to_the_user_s_store_not_the_one_the_dir_names(tmp_path, monkeypatch):
+    import fedrun.importer as importer
+
+    (tmp_path / "config.yaml").write_text("tracking: {uri: 'sqlite:////elsewhere/theirs.db'}\n")
+    calls = []
+    monkeypatch.setattr(importer, "import_run", lambda directory, uri, experiment: calls.append(uri) or "id")
+    for given in ([], ["--uri", "http://mine:5000"]):
+        monkeypatch.setattr(sys, "argv", ["fedrun-import", str(tmp_path), *given])
+        importer.main()
+    users = OmegaConf.load(Path(__file__).parents[1] / "conf" / "config.yaml").tracking.uri  # what fedrun uses
+    assert calls == [users, "http://mine:5000"]
+
+
+def test_fedrun_import_copies_no_symbolic_link_and_marks_a_failed_import_failed(tmp_path, store, monkeypatch, capsys):
+    import mlflow
+
+    import fedrun.importer as importer
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not yours\n")
+    run = tmp_path / "run"
+    (run / "plots").mkdir(parents=True)
+    (run / "metrics.csv").write_text("round,test_accuracy,test_loss\n1,0.5,\n2,0.75,-0.5\n")
+    (run / "config.yaml").write_text(CONFIG)
+    (run / "plots" / "a.txt").write_text("a plot\n")
+    (run / "stolen.txt").symlink_to(secret)
+    (run / "linked").symlink_to(tmp_path)
+    (run / LOCK_FILE).write_text("123\n")
+    uri = f"sqlite:///{store}"
+    run_id = importer.import_run(run, uri, "import_links")
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedrun-import")]
+    assert said == [f"fedrun-import: {run}: left out 2 symbolic link(s), neither read nor copied: linked, stolen.txt"]
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    assert {a.path for a in client.list_artifacts(run_id)} == {"config.yaml", "metrics.csv", "plots"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "0_main/test_loss")] == [(2, -0.5)]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(mlflow.MlflowClient, "log_artifact", broken)
+    monkeypatch.setattr(sys, "argv", ["fedrun-import", str(run), "--uri", uri, "--experiment", "import_links"])
+    with pytest.raises(SystemExit) as exited:
+        importer.main()
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedrun-import: error")]
+    assert exited.value.code == 1 and line.startswith(
+        f"fedrun-import: error: {run}: OSError: disk full (its MLflow run"
+    )
+    failed = line.split("its MLflow run ")[1].split(" ")[0]
+    assert client.get_run(failed).info.status == "FAILED"
