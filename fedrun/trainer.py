@@ -27,7 +27,9 @@ Signal = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], float]
 
 class Trainer:
     """The protocol of the training backends (``LoopTrainer``, ``ProcessTrainer``, ``VmapTrainer``). A backend of
-    your own is a subclass, chosen with ``device.backend=<its import path>`` (``fedrun.backends.BACKENDS``)."""
+    your own is a subclass, chosen with ``device.backend=<its import path>`` (``fedrun.backends.BACKENDS``); a run
+    made with it resumes when the resume command names it again, ``FEDRUN_TRUST=<its import path> fedrun
+    resume=<dir>`` (a run dir alone never makes fedrun import a module: ``fedrun.cli.resume``)."""
 
     @classmethod
     def for_device(cls, model, x, y, make_optimizer, device) -> "Trainer":

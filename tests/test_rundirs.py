@@ -202,6 +202,10 @@ def test_a_run_dir_s_lock_names_its_holder_and_is_free_once_the_holder_is_killed
         with pytest.raises(ConfigError) as refused:
             checkpoint.lock(tmp_path, "resume", tmp_path)
         assert f"process {holder.pid} holds {tmp_path / LOCK_FILE}" in str(refused.value)
+        from fedrun.upgrade import upgrade
+
+        with pytest.raises(ConfigError, match=f"process {holder.pid} holds"):  # nor rewritten under it
+            upgrade(tmp_path)
         holder.send_signal(signal.SIGKILL)
         holder.wait()
         checkpoint.lock(tmp_path, "resume", tmp_path)  # the kernel dropped the dead holder's lock

@@ -159,7 +159,8 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
 def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) -> DictConfig:
     """The config a run in ``directory`` was started with, once it is known to build nothing but fedrun's own
     classes, the names in ``FEDRUN_TRUST`` and ``named`` (those the command line names: a sweep's); one written
-    before the ``pipeline`` group (November 2026) is refused with the command that upgrades the dir."""
+    before the ``pipeline`` group (November 2026) is refused first, with the command that upgrades the dir (which
+    builds nothing: the upgraded config is checked when it is resumed)."""
     directory = Path(directory)
     if links := sorted(p.name for p in directory.iterdir() if p.is_symlink()):
         # fedrun rewrites its files in the dir (metrics.csv on a resume): never through a link to a file elsewhere
@@ -173,6 +174,13 @@ def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) ->
         ) from None
     if not isinstance(saved, DictConfig):
         raise ConfigError("resume", given, f"a run dir with fedrun's config.yaml ({directory} has a list)")
+    if "pipeline" not in saved:
+        raise ConfigError(
+            "resume",
+            given,
+            f"a run dir of this fedrun ({directory} was written by an older one: if you trust it, "
+            f"upgrade it once with python -m fedrun.upgrade {directory})",
+        )
     if interpolated := next(iter(interpolations(plain)), None):
         # fedrun saves its config resolved: what is checked below is then exactly what gets built
         raise ConfigError("resume", given, f"a config.yaml saved by fedrun (resolved; {interpolated} is ${{...}})")
@@ -186,14 +194,12 @@ def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) ->
             given,
             f"a run dir whose config builds only fedrun's own classes (those conf/ names); {directory / 'config.yaml'} "
             f"names {where}, and nothing was built. If you trust that code (you started the run with it), name it "
-            f"again: {TRUST_VARIABLE}={names[:300]} fedrun resume={given}",
-        )
-    if "pipeline" not in saved:
-        raise ConfigError(
-            "resume",
-            given,
-            f"a run dir of this fedrun ({directory} was written by an older one: if you trust it, "
-            f"upgrade it once with python -m fedrun.upgrade {directory})",
+            f"again: {TRUST_VARIABLE}={names[:300]} fedrun resume={given}"
+            + (
+                f" (a class of an older fedrun: python -m fedrun.upgrade {directory})"
+                if any(str(name).startswith("fedrun.") for _, name in foreign)
+                else ""
+            ),
         )
     return saved
 
