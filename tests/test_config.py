@@ -214,3 +214,125 @@ def test_every_group_of_the_config_tree_is_a_run_tag_and_a_report_key():
         "dataset",
         "partition",
     )  # conf/config.yaml's order
+
+
+OPTIONS_LINE = "none, qsgd, sign, topk"
+SCHEDULE_KEYS = (
+    "_target_, rounds, local_epochs, local_steps, batch_size, clients_per_round, cohort, sampling, lr_decay, "
+    "eval_every, stop_at_accuracy, stop_on"
+)
+LAUNCHERS = (
+    "basic, joblib, ray, ray_aws, ray_cluster, slurm, slurm_cpu, submitit_local, submitit_local_requeue, submitit_slurm"
+)
+# What a new user types wrong, and the one line fedrun says for it (Hydra printed several lines and exited 1).
+HYDRA_ERRORS = [
+    (
+        ["compression.k=0.1"],  # a key of another option of the group
+        "compression.k=0.1 is invalid: allowed is a key of compression with compression=none (it has none); "
+        "k is a key of compression=topk",
+    ),
+    (["compression=bogus"], f"compression='bogus' is invalid: allowed is an option of compression: {OPTIONS_LINE}"),
+    (
+        ["optimizer.lr=0.1", "optimizer.bogus=1"],
+        "optimizer.bogus=1 is invalid: allowed is a key of optimizer with optimizer=sgd "
+        "(_target_, _partial_, lr, momentum, weight_decay)",
+    ),
+    (
+        ["bogus/x=y"],
+        "bogus/x='y' is invalid: allowed is a config group: aggregator, compression, dataset, device, engine, "
+        "experiment, heterogeneity, method, model, optimizer, partition, pipeline, privacy, sampler, schedule, "
+        "server, sweep (or hydra/<group>)",
+    ),
+    (
+        ["a=["],
+        "a='[' is invalid: allowed is an override in Hydra's grammar, key=value (no viable alternative at input "
+        "'['; https://hydra.cc/docs/advanced/override_grammar/basic/)",
+    ),
+    (
+        ["+schedule.rounds=3"],
+        "+schedule.rounds=3 is invalid: allowed is schedule.rounds=<value> without + (schedule.rounds exists; "
+        "++schedule.rounds=<value> sets it either way)",
+    ),
+    (
+        ["~schedule.bogus"],
+        "schedule.bogus='~schedule.bogus' is invalid: allowed is ~ on a key the config has: a key of schedule "
+        f"with schedule=default ({SCHEDULE_KEYS})",
+    ),
+    (["hydra.job.chdir=maybe"], "hydra.job.chdir='maybe' is invalid: allowed is true or false"),
+    (
+        ["hydra/launcher=bogus"],
+        f"hydra/launcher='bogus' is invalid: allowed is an option of hydra/launcher: {LAUNCHERS}",
+    ),
+    (
+        ["hydra.launcher.n_jobs=2"],
+        "hydra.launcher.n_jobs=2 is invalid: allowed is a key of hydra.launcher with hydra/launcher=basic "
+        "(_target_); other hydra/launcher options have other keys",
+    ),
+    (
+        ["compression=topk", "compression.k=0.1,0.2"],
+        "compression.k='0.1,0.2' is invalid: allowed is one value in a single run (fedrun -m sweeps over a,b; "
+        "key=[a,b] is a list)",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,line", HYDRA_ERRORS, ids=[" ".join(o) for o, _ in HYDRA_ERRORS])
+def test_a_hydra_composition_error_is_one_line_naming_the_key_the_value_and_what_is_allowed(overrides, line):
+    from hydra import compose, initialize_config_module
+    from hydra.errors import HydraException
+
+    from fedrun.cli.entry import explain
+
+    with pytest.raises(HydraException) as info:
+        with initialize_config_module(config_module="fedrun.conf", version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    assert str(explain(info.value, overrides)) == line
+
+
+def _one_line_through_fedrun(fedrun, overrides, line):
+    done = fedrun(*overrides, check=False)
+    assert (done.returncode, done.stderr.splitlines()) == (2, [f"fedrun: error: {line}"]), done.stderr[-2000:]
+
+
+FAST = {"compression.k=0.1"}  # the example; the rest through fedrun in the slow tier (seconds each)
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [c for c in HYDRA_ERRORS if " ".join(c[0]) in FAST],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_a_hydra_error_through_fedrun_is_one_line_and_exit_2(fedrun, overrides, line):
+    _one_line_through_fedrun(fedrun, overrides, line)
+
+
+SLOW = {"a=[", "hydra.job.chdir=maybe"}  # the formatting of the others is tested above, without a process each
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides,line",
+    [c for c in HYDRA_ERRORS if " ".join(c[0]) in SLOW]
+    + [
+        (["-m", "hydra/launcher=bogus", "seed=0,1"], HYDRA_ERRORS[8][1]),  # a sweep's composition
+        (["-m", "compression.k=0.1,0.2", "tracking.enabled=false"], HYDRA_ERRORS[0][1].replace("0.1 ", "'0.1,0.2' ")),
+        (  # resolved in the job, before any work (fedrun.cli.entry.check_resolves)
+            ["schedule.rounds=${nothing}"],
+            "schedule.rounds='${nothing}' is invalid: allowed is an interpolation to a key the config has "
+            "(Interpolation key 'nothing' not found)",
+        ),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_every_kind_of_hydra_error_through_fedrun_is_one_line_and_exit_2(fedrun, overrides, line):
+    _one_line_through_fedrun(fedrun, overrides, line)
+
+
+@pytest.mark.slow
+def test_fedruns_own_output_is_unchanged_around_the_one_line_errors(fedrun):
+    shown = fedrun("--cfg", "job", "compression=topk")
+    assert shown.returncode == 0 and "compression:\n  _target_: fedrun.compression.TopK" in shown.stdout
+    swept = fedrun(
+        "-m", "seed=0,1", "schedule.rounds=1", "model=logistic", "tracking.enabled=false", "hydra.sweep.dir=s"
+    )
+    assert swept.returncode == 0 and "#1 : seed=1" in swept.stdout + swept.stderr

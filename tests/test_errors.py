@@ -64,6 +64,10 @@ BAD = [
     (["sampler=importance", "sampler.uniform_mix=-0.5"], "sampler.uniform_mix"),
     (["schedule.sampling=shuffle"], "schedule.sampling"),
     (["schedule.cohort=0"], "schedule.cohort"),
+    (["schedule.rounds=${nothing}"], "schedule.rounds"),  # an interpolation to nothing
+    (["+loss_signal.extra=${bogus}"], "loss_signal.extra"),
+    (["seed=???"], "seed"),  # a missing value
+    (["optimizer.lr=???"], "optimizer.lr"),
 ]
 
 

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals, held, unlock
 from fedrun.cli.build import build, check_run_keys, setup
+from fedrun.cli.entry import one_line_errors
 from fedrun.cli.resume import Job, open_job
 from fedrun.cli.runinfo import description, git_commit, run_name
 from fedrun.cli.sweeps import SweepRun, job_cores, seed_report, sweep_parent
@@ -42,6 +43,7 @@ OmegaConf.register_new_resolver("fedrun.either", lambda value, default: value if
 Plugins.instance().register(FedrunOptunaSweeper)
 
 
+@one_line_errors  # Hydra's composition errors (an unknown key, option or group, a bad override) as one line, exit 2
 @hydra.main(config_path="pkg://fedrun.conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     """Run one job; returns the final test accuracy (Hydra sweepers can use it). Its dir is locked while it runs

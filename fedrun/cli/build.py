@@ -11,6 +11,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from fedrun.cli.entry import check_resolves
 from fedrun.errors import ConfigError
 from fedrun.partitions import LazyClients, client_sizes, hold_out
 from fedrun.privacy import Privacy
@@ -166,6 +167,7 @@ def setup(cfg: DictConfig) -> dict:
 
 def check_run_keys(cfg: DictConfig) -> None:
     """The root-level keys that no constructor checks."""
+    check_resolves(cfg)  # an interpolation to nothing or a ??? left unset, named now rather than mid-run
     targets = cfg.metrics.r_targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, (int, float)) and 0 < t <= 1 for t in targets):
         raise ConfigError(

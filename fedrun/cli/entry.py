@@ -1,0 +1,219 @@
+"""Hydra's own errors as fedrun's one line: a bad override (an unknown key, group or option, a value of the wrong
+type, ``+`` on a key that exists, ``~`` on one that does not, broken override grammar) is
+``fedrun: error: <key>=<value> is invalid: allowed is <what>`` and exit 2, where Hydra prints several lines and
+exits 1.
+
+Hydra reports these inside ``hydra.main``: ``hydra/_internal/utils.py`` runs composition (``Hydra.run``,
+``Hydra.multirun``, ``show_cfg``, ``app_help``) through ``run_and_report``, which prints any exception and exits 1.
+``one_line_errors`` wraps the decorated main so that, while it runs, each of those calls first goes through
+``_one_line``: a composition error raised outside a job becomes the line, anything else reaches Hydra's reporter
+as before (``--help``, ``--cfg``, sweeps, and a genuine bug inside a job keep Hydra's output and traceback).
+``HYDRA_FULL_ERROR=1`` keeps Hydra's full report.
+"""
+
+import functools
+import os
+import re
+import sys
+from importlib import resources
+
+import yaml
+from hydra._internal import utils as hydra_utils
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
+
+from fedrun.errors import ConfigError
+
+GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
+
+
+def one_line_errors(hydra_main):
+    """Decorate the ``hydra.main`` function: its composition errors print as one line and exit 2."""
+
+    @functools.wraps(hydra_main)
+    def main(*args, **kwargs):
+        reporter = hydra_utils.run_and_report
+        hydra_utils.run_and_report = lambda func: reporter(lambda: _one_line(func))
+        try:
+            return hydra_main(*args, **kwargs)
+        finally:
+            hydra_utils.run_and_report = reporter
+
+    return main
+
+
+def _one_line(func):
+    """``func()``; a composition error outside a job is printed as fedrun's one line, exit 2."""
+    try:
+        return func()
+    except (ConfigCompositionException, OverrideParseException) as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or _inside_a_job(exc):
+            raise
+        print(f"fedrun: error: {explain(exc, _command_line_overrides())}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _inside_a_job(exc: BaseException) -> bool:
+    """Whether the exception came from a job's own code (Hydra's ``run_job``): its traceback is then kept."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "run_job" and frame.f_globals.get("__name__") == "hydra.core.utils":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _command_line_overrides() -> list[str]:
+    """The overrides on the command line, as Hydra's own argument parser reads them."""
+    args, _ = hydra_utils.get_args_parser().parse_known_args(sys.argv[1:])
+    return list(args.overrides or [])
+
+
+def explain(exc: BaseException, overrides: list[str]) -> ConfigError:
+    """The ConfigError that says ``exc`` in one line: the override's key, its value and what is allowed."""
+    message = str(exc)
+    parsed = {}
+    for text in overrides:
+        try:
+            parsed[text] = OverridesParser.create().parse_override(text)
+        except HydraException as bad:  # the one the grammar refused: say which
+            key = re.split(r"[=]", text, maxsplit=1)[0].lstrip("+~")
+            value = text.split("=", 1)[1] if "=" in text else text
+            reason = str(bad).splitlines()[0]
+            return ConfigError(key, value, f"an override in Hydra's grammar, key=value ({reason}; {GRAMMAR})")
+
+    def given(key: str):
+        """The value the command line gave ``key`` (as Hydra parsed it), or the override as typed."""
+        for text, override in parsed.items():
+            if override.key_or_group == key:
+                value = override.value()
+                return value if isinstance(value, (str, int, float, bool, type(None))) else text.split("=", 1)[-1]
+        return None
+
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        if exc.options is not None and group:
+            return ConfigError(group, option, f"an option of {group}: {', '.join(sorted(exc.options))}")
+        return ConfigError("config", exc.missing_cfg_file, f"a config of fedrun ({message.splitlines()[0]})")
+    if found := re.match(r"Could not override '([^']+)'", message):
+        key = found.group(1)
+        return ConfigError(key, given(key), _known_keys(key, [t for t in overrides if parsed[t].key_or_group != key]))
+    if found := re.match(r"Could not append to config\. An item is already at '([^']+)'", message):
+        key = found.group(1)
+        return ConfigError(
+            f"+{key}", given(key), f"{key}=<value> without + ({key} exists; ++{key}=<value> sets it either way)"
+        )
+    if found := re.match(r"Could not delete from config\. '([^']+)' does not exist", message):
+        key = found.group(1)
+        others = [t for t in overrides if parsed[t].key_or_group != key]
+        return ConfigError(key, f"~{key}", f"~ on a key the config has: {_known_keys(key, others)}")
+    if found := re.search(r"Ambiguous value for argument '([^=']+)=", message):
+        key = found.group(1).lstrip("+~")
+        return ConfigError(
+            key, given(key), "one value in a single run (fedrun -m sweeps over a,b; key=[a,b] is a list)"
+        )
+    if found := re.match(r"Error merging override (\S+?)=", message):
+        key, cause = found.group(1).lstrip("+~"), exc.__cause__
+        return ConfigError(key, given(key), _wanted_type(cause) if cause is not None else message.splitlines()[0])
+    cause = f" ({exc.__cause__})" if isinstance(exc.__cause__, OmegaConfBaseException) else ""
+    return ConfigError(
+        "overrides", overrides, f"a config Hydra can compose: {message.splitlines()[0]}{cause}".replace("\n", " ")
+    )
+
+
+def _wanted_type(cause: BaseException) -> str:
+    """What a typed node takes, from OmegaConf's ValidationError (``Value 'maybe' is not a valid bool``)."""
+    text = str(cause).splitlines()[0]
+    if found := re.search(r"is not a valid (\w+)", text) or re.search(r"could not be converted to (\w+)", text):
+        kind = found.group(1).lower()
+        return {"bool": "true or false", "integer": "an integer", "int": "an integer", "float": "a number"}.get(
+            kind, f"a {kind}"
+        )
+    return text
+
+
+def _known_keys(key: str, others: list[str]) -> str:
+    """What may stand where ``key`` does: a config group (for ``group/option``), else the keys of the node it would
+    sit in (with the option chosen for it), and the options of that group that have it."""
+    groups = _groups()
+    if "/" in key:
+        return f"a config group: {', '.join(groups)} (or hydra/<group>)"
+    parent, _, leaf = key.rpartition(".")
+    keys, choices = _node_keys(parent, others)
+    group = parent.replace(".", "/")
+    allowed = f"a key of {parent}" if parent else "a key of the config"
+    if choices.get(group):
+        allowed += f" with {group}={choices[group]}"
+    if keys is not None:
+        allowed += f" ({', '.join(keys) or 'it has none'})"
+    if parent in groups:
+        having = [
+            f"{parent}={option}" for option, option_keys in sorted(_options(parent).items()) if leaf in option_keys
+        ]
+        if having:
+            allowed += f"; {leaf} is a key of {' and '.join(having)}"
+    elif group in choices:  # a group of Hydra's or a plugin's: its options are not files of fedrun's
+        allowed += f"; other {group} options have other keys"
+    return allowed
+
+
+def _groups() -> list[str]:
+    """fedrun's config groups: the folders of conf/ (fedrun.conf)."""
+    conf = resources.files("fedrun.conf")
+    return sorted(p.name for p in conf.iterdir() if p.is_dir() and p.name != "hydra" and not p.name.startswith("_"))
+
+
+def _options(group: str) -> dict[str, set]:
+    """Each option of a fedrun group and its top-level keys, read from conf/<group>/*.yaml."""
+    options = {}
+    for path in resources.files("fedrun.conf").joinpath(group).iterdir():
+        if path.name.endswith(".yaml"):
+            try:
+                content = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError:
+                continue
+            options[path.name[: -len(".yaml")]] = set(content) if isinstance(content, dict) else set()
+    return options
+
+
+def _node_keys(parent: str, others: list[str]) -> tuple[list[str] | None, dict]:
+    """The keys of ``parent`` in the config composed from the other overrides (None where that fails too: a second
+    bad override) and the option chosen for each group."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        GlobalHydra.instance().clear()  # the failed composition's; fedrun exits after this
+        usable = [t for t in others if not OverridesParser.create().parse_override(t).is_sweep_override()]
+        with initialize_config_module(config_module="fedrun.conf", version_base="1.3"):
+            cfg = compose(config_name="config", overrides=usable, return_hydra_config=True)
+    except Exception:
+        return None, {}
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if v is not None}
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    keys = [str(k) for k in node.keys() if parent or k != "hydra"] if OmegaConf.is_dict(node) else None
+    return keys, choices
+
+
+def check_resolves(cfg) -> None:
+    """Refuse, before any work, a config value that interpolates to nothing (``${nothing}``) or is left ``???``."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as exc:
+        raise ConfigError(exc.full_key or "config", "???", "a value (??? marks one the config must be given)") from None
+    except InterpolationResolutionError as exc:
+        key, reason = exc.full_key or "config", str(exc).splitlines()[0]
+        raise ConfigError(key, _raw(cfg, key), f"an interpolation to a key the config has ({reason})") from None
+
+
+def _raw(cfg, key: str):
+    """``key``'s value as written, before interpolation."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    try:
+        return node._get_node(leaf)._value()
+    except Exception:
+        return key
