@@ -81,6 +81,24 @@ def test_fedrun_resume_of_a_crafted_dir_exits_2_in_one_line_and_runs_nothing(tmp
     assert f"{TRUST_VARIABLE}=torch.load fedrun resume={run}" in line
 
 
+def test_a_resume_of_a_dir_with_a_link_in_hydra_s_files_is_refused_before_hydra_writes_through_it(
+    tmp_path, compose_config
+):
+    """Hydra writes .hydra/overrides.yaml into the run dir before any of fedrun's code runs, following links."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose_config(), run / "config.yaml", resolve=True)
+    yours = tmp_path / "yours.txt"
+    yours.write_text("keep me\n")
+    (run / ".hydra" / "overrides.yaml").symlink_to(yours)
+    done = subprocess.run([FEDRUN, "resume=run"], cwd=tmp_path, capture_output=True, text=True)
+    assert yours.read_text() == "keep me\n"
+    assert done.returncode == 2, done.stderr[-3000:]
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("fedrun: error: resume='run' is invalid: allowed is a dir without symbolic links (")
+    assert ".hydra/overrides.yaml" in line
+
+
 def test_every_target_at_any_depth_and_a_device_s_backend_are_checked():
     device = {"_target_": "fedrun.backends.Device", "backend": "loop"}
     config = {

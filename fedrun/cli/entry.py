@@ -24,6 +24,7 @@ from hydra.errors import ConfigCompositionException, HydraException, MissingConf
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
+from fedrun.cli.resume import refuse_linked_resume
 from fedrun.errors import ConfigError
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
@@ -34,6 +35,11 @@ def one_line_errors(hydra_main):
 
     @functools.wraps(hydra_main)
     def main(*args, **kwargs):
+        try:  # before Hydra writes .hydra/ into a resumed dir
+            refuse_linked_resume(_command_line_overrides(), os.getcwd())
+        except ConfigError as exc:
+            print(f"fedrun: error: {exc}", file=sys.stderr)
+            sys.exit(2)
         reporter = hydra_utils.run_and_report
         hydra_utils.run_and_report = lambda func: reporter(lambda: _one_line(func))
         try:

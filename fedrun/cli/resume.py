@@ -156,6 +156,39 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
     return state["rows"][-1]["test_accuracy"] if state["finished"] else None
 
 
+def linked_files(directory: Path, depth: int = 3) -> list[Path]:
+    """The symbolic links in ``directory`` and its folders down to ``depth`` (never followed): a run dir's
+    ``.hydra/``, a sweep dir's job dirs and theirs."""
+    found, folders = [], [(Path(directory), 0)]
+    while folders:
+        folder, level = folders.pop()
+        for entry in os.scandir(folder):
+            if entry.is_symlink():
+                found.append(Path(entry.path))
+            elif entry.is_dir(follow_symlinks=False) and level < depth:
+                folders.append((Path(entry.path), level + 1))
+    return sorted(found)
+
+
+def refuse_linked_resume(overrides: list[str], cwd: str) -> None:
+    """Before Hydra starts: ``resume=<dir>`` of a dir that holds symbolic links is a ConfigError. Hydra writes
+    ``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml`` and the job's log into the dir it runs in (a resumed
+    run's or sweep's own) before any of fedrun's code runs, and it follows links: a crafted dir would have it
+    overwrite a file elsewhere."""
+    given = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("resume=")), None)
+    directory = Path(cwd, given) if given else None
+    if directory is None or not directory.is_dir():
+        return  # nothing to write through (a missing dir is refused once the job opens)
+    if links := linked_files(directory):
+        shown = ", ".join(str(link.relative_to(directory)) for link in links[:3])
+        raise ConfigError(
+            "resume",
+            given,
+            f"a dir without symbolic links ({directory} has {shown}{', ...' if len(links) > 3 else ''}; Hydra "
+            "writes .hydra/ and the job's log into it before fedrun starts)",
+        )
+
+
 def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) -> DictConfig:
     """The config a run in ``directory`` was started with, once it is known to build nothing but fedrun's own
     classes, the names in ``FEDRUN_TRUST`` and ``named`` (those the command line names: a sweep's); one written
