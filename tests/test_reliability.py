@@ -149,6 +149,15 @@ CASES = {
         "schedule.rounds=8",
         "partition.num_clients=6",
     ],
+    # Power-of-Choice's candidate draws and loss probes, and QSGD's quantisation stream
+    "power_of_choice": [
+        "sampler=power_of_choice",
+        "sampler.candidates=5",
+        "compression=qsgd",
+        "schedule.clients_per_round=0.5",
+        "schedule.rounds=8",
+        "partition.num_clients=6",
+    ],
     # local DP: each client's count of rounds in the ledger, each client's noise stream
     "local": [
         "privacy=local",
