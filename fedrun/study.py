@@ -364,7 +364,8 @@ class SeedReport:
         if self.how == "last":
             return None if math.isnan(x) else x
         if self.so_far is None:
-            mine = {r: v[self.seed] for r, v in seed_values(self.storage.get_trial_system_attrs(self.trial_id)).items()}
+            values = seed_values(self.storage.get_trial_system_attrs(self.trial_id))
+            mine = {r: v[self.seed] for r, v in values.items() if self.seed in v}  # the trial's other seeds' too
             before = [r for r in mine if r < round_]
             self.so_far = (max(before), mine[max(before)]) if before else (0, math.nan)
         at, last = self.so_far

@@ -27,6 +27,7 @@ from fedrun.study import (
     objective_direction,
     objective_value,
     open_storage,
+    seed_values,
     settings_of,
 )
 from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import contiguous, distribution
@@ -197,6 +198,25 @@ def test_a_seed_resumed_from_its_checkpoint_carries_its_running_total_and_best_f
         3, accuracy(0.4)
     )
     assert mean_curve(storage.get_trial_system_attrs(trial._trial_id)) == {1: 0.5, 2: 0.5, 3: 0.5}
+
+
+@pytest.mark.parametrize("objective", ["upload_mb_total", "best_test_accuracy"])
+def test_a_trial_s_second_seed_starts_its_running_value_from_its_own_rounds_not_its_sibling_s(tmp_path, objective):
+    """The review's case: a seed's first report read its own value at every round the trial had, its sibling's
+    rounds too (a KeyError for seed 1 once seed 0 had reported: every trial of such a study failed)."""
+    storage, pruner, trial = finished_study(tmp_path, "minimize", [])
+    rows = {0: [0.2, 0.6], 1: [0.4, 0.3]}
+    for seed in (0, 1):  # one after the other, as the default launcher runs them
+        job = SeedReport(storage, "s", trial.number, seed, pruner, last_round=10, objective=objective)
+        for r, x in enumerate(rows[seed], start=1):
+            assert job.report(r, {"upload_mb": x, "test_accuracy": x}) is None
+    values = seed_values(storage.get_trial_system_attrs(trial._trial_id))
+    if objective == "upload_mb_total":  # the total so far over the rounds: seed 0 (0.2, 0.4), seed 1 (0.4, 0.35)
+        expected = {1: {0: 0.2, 1: 0.4}, 2: {0: 0.4, 1: 0.35}}
+    else:  # the best so far: seed 0 (0.2, 0.6), seed 1 (0.4, 0.4)
+        expected = {1: {0: 0.2, 1: 0.4}, 2: {0: 0.6, 1: 0.4}}
+    assert values.keys() == expected.keys()
+    assert all(values[r] == pytest.approx(expected[r]) for r in expected)
 
 
 def test_an_objective_without_a_per_round_curve_refuses_a_chosen_pruner_and_turns_the_default_off(tmp_path, capsys):
