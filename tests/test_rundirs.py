@@ -97,6 +97,9 @@ def test_a_resume_of_a_dir_with_a_link_in_hydra_s_files_is_refused_before_hydra_
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("fedrun: error: resume='run' is invalid: allowed is a dir without symbolic links (")
     assert ".hydra/overrides.yaml" in line
+    for spelt in ("++resume=run", "+resume=run", "resume='run'"):  # Hydra reads each as resume=run
+        with pytest.raises(ConfigError, match="a dir without symbolic links"):
+            resume.refuse_linked_resume([spelt], str(tmp_path))
 
 
 def test_every_target_at_any_depth_and_a_device_s_backend_are_checked():

@@ -175,7 +175,15 @@ def refuse_linked_resume(overrides: list[str], cwd: str) -> None:
     ``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml`` and the job's log into the dir it runs in (a resumed
     run's or sweep's own) before any of fedrun's code runs, and it follows links: a crafted dir would have it
     overwrite a file elsewhere."""
-    given = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("resume=")), None)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:  # as Hydra reads them: resume=, +resume=, ++resume=, a quoted path
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        return  # Hydra refuses the command before it writes anything
+    given = next((o.value() for o in reversed(parsed) if o.key_or_group == "resume"), None)
+    given = given if isinstance(given, str) else None
     directory = Path(cwd, given) if given else None
     if directory is None or not directory.is_dir():
         return  # nothing to write through (a missing dir is refused once the job opens)
