@@ -252,6 +252,28 @@ def test_a_run_dir_s_lock_names_its_holder_and_is_free_once_the_holder_is_killed
         checkpoint.unlock(tmp_path)
 
 
+def test_a_sweep_dir_another_process_sweeps_is_refused_in_one_line_before_any_job(tmp_path):
+    """The review's case: a second `-m ... resume=<sweep dir>` while the sweep runs relaunched its jobs."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(sweep)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        done = subprocess.run(
+            [FEDRUN, "-m", "seed=0,1", "schedule.rounds=1", "tracking.enabled=false", f"resume={sweep}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 2, done.stderr[-3000:]
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("fedrun: error: resume=") and f"process {holder.pid} holds {sweep / LOCK_FILE}" in line
+    assert sorted(p.name for p in sweep.iterdir()) == [LOCK_FILE]  # no job ran
+
+
 def test_a_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
     yours = tmp_path / "yours.txt"
     yours.write_text("keep me\n")

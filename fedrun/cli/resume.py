@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun.backends import BACKENDS
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, diverged, lock
 from fedrun.errors import ConfigError
+from fedrun.study import STUDY_FILE
 from fedrun.tracking import flatten
 
 TRUST_VARIABLE = "FEDRUN_TRUST"  # comma-separated import paths a resumed run may build besides fedrun's own
@@ -163,6 +164,8 @@ def linked_files(directory: Path, depth: int = 3) -> list[Path]:
     while folders:
         folder, level = folders.pop()
         for entry in os.scandir(folder):
+            if level == 0 and entry.name.startswith(STUDY_FILE + ".lock"):
+                continue  # Optuna's journal lock is a link to the journal (stale after a kill; Optuna breaks it)
             if entry.is_symlink():
                 found.append(Path(entry.path))
             elif entry.is_dir(follow_symlinks=False) and level < depth:

@@ -3,7 +3,7 @@ when the sweep's process exits), the cores each job of a parallel launcher may u
 does with each of its jobs."""
 
 import atexit
-import re
+import sys
 import time
 from pathlib import Path
 
@@ -12,15 +12,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
+from fedrun.checkpoint import lock
 from fedrun.cli.runinfo import git_commit
+from fedrun.errors import ConfigError
+from fedrun.sweepdir import sweep_parent, trial_of, write_parent
 from fedrun.tracking import Tracker, preflight, resolve_uri, retried
-
-PARENT_FILE = "mlflow_parent_run.txt"  # in a sweep's dir: the id of the MLflow run that groups its jobs
 
 
 def open_sweep_run(uri: str, experiment: str, sweep_dir: Path, name: str, tags: dict) -> str:
     """The MLflow run that groups a sweep's jobs as its children (the UI shows them under it): created on the
-    sweep's first launch, reopened when the sweep is resumed. Its id goes to ``<sweep dir>/PARENT_FILE``, where
+    sweep's first launch, reopened when the sweep is resumed. Its id goes to the sweep dir (``fedrun.sweepdir``), where
     every job reads it (``sweep_parent``), on this machine or on a cluster node sharing the dir."""
     import mlflow
 
@@ -31,17 +32,8 @@ def open_sweep_run(uri: str, experiment: str, sweep_dir: Path, name: str, tags: 
         return run_id
     experiment_id = Tracker.experiment_id(uri, experiment)
     run = retried(lambda: client.create_run(experiment_id, run_name=name, tags=tags))
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    (sweep_dir / PARENT_FILE).write_text(run.info.run_id)
+    write_parent(sweep_dir, run.info.run_id)
     return run.info.run_id
-
-
-def sweep_parent(sweep_dir: Path) -> str | None:
-    """The id of the MLflow run grouping the sweep in ``sweep_dir``, if it has one."""
-    path = sweep_dir / PARENT_FILE
-    run_id = path.read_text().strip() if path.is_file() and not path.is_symlink() else None
-    # an MLflow run id (32 hex digits): anything else in a dir from elsewhere is not put into a search filter
-    return run_id if run_id is not None and re.fullmatch(r"[0-9a-f]{32}", run_id) else None
 
 
 def seed_report(cfg: DictConfig, hydra_cfg):
@@ -54,7 +46,7 @@ def seed_report(cfg: DictConfig, hydra_cfg):
         return None
     from fedrun.study import SeedReport, open_storage
 
-    trial, _ = divmod(int(hydra_cfg.job.num), len(sweeper.seeds))
+    trial, _ = trial_of(int(hydra_cfg.job.num), len(sweeper.seeds))
     sweep_dir = Path(hydra_cfg.runtime.output_dir).resolve().parent
     return SeedReport(
         open_storage(sweeper.storage, sweep_dir),
@@ -128,6 +120,15 @@ class SweepRun(Callback):
     after a failed job."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        # One process sweeps a dir: a second `-m ... resume=<sweep dir>` while this one runs would relaunch its
+        # jobs and trials (each job's own dir is locked by the job). Held until this process exits.
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            lock(sweep_dir, "resume", sweep_dir)
+        except ConfigError as exc:
+            print(f"fedrun: error: {exc}", file=sys.stderr)
+            sys.exit(2)
         if not config.tracking.enabled:
             return
         uri = resolve_uri(config.tracking.uri, Path.cwd())
@@ -135,7 +136,6 @@ class SweepRun(Callback):
         from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import sweeper_config
 
         overrides = [o for o in config.hydra.overrides.task if not o.startswith(("tracking.", "hydra.", "resume="))]
-        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         study = sweeper_config(config.hydra)
         what = (
             f"Optuna study of {' '.join(overrides)}, {study.objective} over seeds {list(study.seeds)}: its trials are "
