@@ -114,6 +114,8 @@ class AsyncEngine:
             every client always training.
     """
 
+    asynchronous = True  # a capability the parts check (privacy refuses it: not accounted)
+
     def __init__(self, speeds: list, max_time: float | None = None, concurrency: int | None = None):
         check(len(speeds) >= 1, "speeds", speeds, "a non-empty list of speed groups")
         self.groups = [SpeedGroup(**dict(g)) for g in speeds]

@@ -34,6 +34,7 @@ import torch
 
 from fedrun.errors import check
 from fedrun.pipeline import Stage, number
+from fedrun.pipeline import message_bits as pipeline_bits
 from fedrun.seeding import torch_generator
 
 FLOAT_BITS = 32  # what the dense message holds per coordinate (float32), and a norm or scale
@@ -68,6 +69,9 @@ class Compressor(Stage):
 
     def message_bits(self, d: int) -> float:
         raise NotImplementedError
+
+    def sent_bits(self, d: int, bits: float) -> float:
+        return self.message_bits(d)  # the compressed message replaces whatever came before
 
     def __call__(self, deltas, clients, round_):
         out = torch.empty_like(deltas)
@@ -177,9 +181,6 @@ class Sign(Compressor):
 
 
 def message_bits(stages, d: int) -> float:
-    """The bits of one client's upload after ``stages``: the last compressor's message, else the dense update."""
-    bits = dense_bits(d)
-    for stage in stages:
-        if isinstance(stage, Compressor):
-            bits = stage.message_bits(d)
-    return bits
+    """The bits of one client's upload after ``stages``, from a dense float32 update: the last compressor's message,
+    else the dense update (``fedrun.pipeline.message_bits`` folds each stage's ``sent_bits``)."""
+    return pipeline_bits(stages, d, dense_bits(d))

@@ -298,6 +298,8 @@ def run(
 class SyncEngine:
     """The ``engine=sync`` option: runs ``run`` (a class, so unknown config keys fail when it is built)."""
 
+    asynchronous = False  # a capability the parts check (privacy accounts synchronous rounds only)
+
     def check(self, aggregator, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
         """Refuse, before training, an aggregator this engine cannot run."""
         if not isinstance(aggregator, Aggregator):

@@ -39,6 +39,12 @@ class Stage(Stateful):
         were not sampled for."""
         return False
 
+    def sent_bits(self, d: int, bits: float) -> float:
+        """The bits of one client's message of ``d`` coordinates after this stage, given the ``bits`` it had before:
+        unchanged by default (clipping rescales in place); a compressor gives its own message's size, a stage that
+        makes the update dense again the dense size. The pipeline folds these over its stages (``message_bits``)."""
+        return bits
+
     def bind(self, seed: int) -> None:
         """Called once before the first round with the run's seed (a randomised stage's streams derive from it)."""
 
@@ -170,11 +176,15 @@ class Pipeline(Stateful):
             stage.load_state_dict(saved)
 
 
-def upload_message_mb(pipeline: "Pipeline", params: torch.Tensor) -> float:
-    """Megabytes of one client's upload: the message of the pipeline's last compressor (``fedrun.compression``),
-    else the dense update as the parameters are stored."""
-    from fedrun.compression import Compressor, message_bits
+def message_bits(stages, d: int, bits: float) -> float:
+    """The bits of one client's upload of ``d`` coordinates after ``stages``, starting from the dense update's
+    ``bits``: each stage says how it changes the message (``Stage.sent_bits``)."""
+    for stage in stages:
+        bits = stage.sent_bits(d, bits)
+    return bits
 
-    if any(isinstance(stage, Compressor) for stage in pipeline.stages):
-        return message_bits(pipeline.stages, params.numel()) / 8 / 1e6
-    return params.numel() * params.element_size() / 1e6
+
+def upload_message_mb(pipeline: "Pipeline", params: torch.Tensor) -> float:
+    """Megabytes of one client's upload: the dense update as the parameters are stored, through each stage of the
+    pipeline (a compressor's message replaces it)."""
+    return message_bits(pipeline.stages, params.numel(), params.numel() * params.element_size() * 8) / 8 / 1e6

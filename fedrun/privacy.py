@@ -524,9 +524,7 @@ class Privacy(Stateful):
     def check_engine(self, engine) -> None:
         """Refuse an asynchronous engine (called before the aggregator is built: the privacy options set
         ``aggregator.weighting``, a key asynchronous aggregators do not have)."""
-        from fedrun.engine import SyncEngine
-
-        if self and not isinstance(engine, SyncEngine):
+        if self and getattr(engine, "asynchronous", True):  # an engine that does not say it is synchronous
             raise ConfigError(
                 "engine",
                 "async",

@@ -30,6 +30,7 @@ import pandas as pd
 
 from fedrun.errors import ConfigError, check
 from fedrun.metrics import mean_ci, r_name
+from fedrun.sweepdir import job_dirs, write_parent
 
 STUDY_FILE = "optuna_study.journal"  # the default storage, in the sweep dir
 RESULTS_FILE = "optimization_results.yaml"
@@ -419,7 +420,7 @@ class TrialRecord:
         sweep_dir: The sweep's dir (job ``k``'s dir is ``<sweep_dir>/<k>``).
         uri: The MLflow tracking URI, or None when tracking is off.
         experiment: The MLflow experiment (its name).
-        parent: The sweep's MLflow run id (``fedrun.cli.sweeps.sweep_parent``), or None.
+        parent: The sweep's MLflow run id (``fedrun.sweepdir.sweep_parent``), or None.
         seeds: Each trial's seeds.
         objective: The summary metric optimised.
     """
@@ -435,13 +436,9 @@ class TrialRecord:
 
             self.client = mlflow.MlflowClient(tracking_uri=uri)
 
-    def job_dirs(self, number: int) -> list[Path]:
-        return [self.sweep_dir / str(number * len(self.seeds) + i) for i in range(len(self.seeds))]
-
     def open(self, study, trial) -> None:
         """Create (or, for a resumed trial, reopen) the trial's MLflow run, and point its seed jobs at it: each job
-        dir gets the run's id in ``mlflow_parent_run.txt``, which the job reads as its MLflow parent."""
-        from fedrun.cli.sweeps import PARENT_FILE
+        dir gets the run's id (``fedrun.sweepdir.write_parent``), which the job reads as its MLflow parent."""
         from fedrun.tracking import retried
 
         if self.client is None:
@@ -468,9 +465,8 @@ class TrialRecord:
             for key, value in trial.params.items():
                 retried(lambda: self.client.log_param(run_id, key, value))
             study._storage.set_trial_system_attr(trial._trial_id, RUN_ATTR, run_id)
-        for job_dir in self.job_dirs(trial.number):
-            job_dir.mkdir(parents=True, exist_ok=True)
-            (job_dir / PARENT_FILE).write_text(run_id)
+        for job_dir in job_dirs(self.sweep_dir, trial.number, len(self.seeds)):
+            write_parent(job_dir, run_id)
 
     def close(self, study, trial, returned: list[bool]) -> None:
         """Tell Optuna how the trial ended, from its seed jobs (``returned``: whether each job returned a result),
@@ -487,7 +483,7 @@ class TrialRecord:
         if PRUNED_ATTR in attrs:
             state = optuna.trial.TrialState.PRUNED
         else:
-            for seed, job_dir, ok in zip(self.seeds, self.job_dirs(trial.number), returned):
+            for seed, job_dir, ok in zip(self.seeds, job_dirs(self.sweep_dir, trial.number, len(self.seeds)), returned):
                 try:
                     if not ok:
                         raise ValueError("its job failed")

@@ -26,11 +26,12 @@ from fedrun.cli.build import build, check_run_keys, setup
 from fedrun.cli.entry import one_line_errors
 from fedrun.cli.resume import Job, open_job
 from fedrun.cli.runinfo import description, git_commit, run_name
-from fedrun.cli.sweeps import SweepRun, job_cores, seed_report, sweep_parent
+from fedrun.cli.sweeps import SweepRun, job_cores, seed_report
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.metrics import run_summary
 from fedrun.models import load_flat
 from fedrun.study import PRUNED
+from fedrun.sweepdir import sweep_parent
 from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
 from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import FedrunOptunaSweeper
 

@@ -201,8 +201,8 @@ class FedrunOptunaSweeper(Sweeper):
         import optuna
 
         from fedrun import study as studies
-        from fedrun.cli.sweeps import sweep_parent
         from fedrun.errors import check
+        from fedrun.sweepdir import sweep_parent
         from fedrun.tracking import resolve_uri
 
         s, config = self.settings, self.config
@@ -289,6 +289,8 @@ class FedrunOptunaSweeper(Sweeper):
         ``params`` through the launcher, then close each trial from its jobs."""
         from hydra.core.utils import JobStatus
 
+        from fedrun.sweepdir import first_job
+
         for trial in trials:
             self.record.open(study, trial)
         overrides = [
@@ -296,7 +298,7 @@ class FedrunOptunaSweeper(Sweeper):
             for values in params
             for seed in self.seeds
         ]
-        returns = self.launcher.launch(overrides, initial_job_idx=trials[0].number * len(self.seeds))
+        returns = self.launcher.launch(overrides, initial_job_idx=first_job(trials[0].number, len(self.seeds)))
         for k, trial in enumerate(trials):
             jobs = returns[k * len(self.seeds) : (k + 1) * len(self.seeds)]
             self.record.close(study, trial, [job.status == JobStatus.COMPLETED for job in jobs])

@@ -1,0 +1,38 @@
+"""A sweep dir's layout, which the sweep's parent process, its jobs and the Optuna sweeper all read: where the id of
+the MLflow run grouping the sweep is kept, and which job dir holds a study's trial and seed. One module, below the
+CLI and the sweeper, so that none of them imports another for it."""
+
+import re
+from pathlib import Path
+
+PARENT_FILE = "mlflow_parent_run.txt"  # in a sweep's (or a trial's job) dir: the MLflow run its jobs are children of
+
+
+def sweep_parent(directory: Path) -> str | None:
+    """The id of the MLflow run that groups the jobs under ``directory``, if it names one."""
+    path = Path(directory) / PARENT_FILE
+    run_id = path.read_text().strip() if path.is_file() and not path.is_symlink() else None
+    # an MLflow run id (32 hex digits): anything else in a dir from elsewhere is not put into a search filter
+    return run_id if run_id is not None and re.fullmatch(r"[0-9a-f]{32}", run_id) else None
+
+
+def write_parent(directory: Path, run_id: str) -> None:
+    """Point the jobs under ``directory`` at the MLflow run ``run_id`` (``sweep_parent`` reads it)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / PARENT_FILE).write_text(run_id)
+
+
+def first_job(trial: int, seeds: int) -> int:
+    """The job number of trial ``trial``'s first seed: trial n's seed i (of S) is job n * S + i."""
+    return trial * seeds
+
+
+def trial_of(job: int, seeds: int) -> tuple[int, int]:
+    """(trial, seed index) of job ``job`` of a study with ``seeds`` seeds a trial."""
+    return divmod(job, seeds)
+
+
+def job_dirs(sweep_dir: Path, trial: int, seeds: int) -> list[Path]:
+    """The dirs of trial ``trial``'s seed jobs, in seed order (Hydra's ``<sweep dir>/<job number>``)."""
+    return [Path(sweep_dir) / str(first_job(trial, seeds) + i) for i in range(seeds)]
