@@ -240,8 +240,8 @@ def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) ->
             f"names {where}, and nothing was built. If you trust that code (you started the run with it), name it "
             f"again: {TRUST_VARIABLE}={names[:300]} fedrun resume={given}"
             + (
-                f" (a class of an older fedrun: python -m fedrun.upgrade {directory})"
-                if any(str(name).startswith("fedrun.") for _, name in foreign)
+                f" (a class an older fedrun saved: if you wrote this dir, python -m fedrun.upgrade {directory})"
+                if any(name == "fedrun.engine.Schedule" for _, name in foreign)  # the one name upgrade maps
                 else ""
             ),
         )
