@@ -206,9 +206,10 @@ def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) ->
     before the ``pipeline`` group (November 2026) is refused first, with the command that upgrades the dir (which
     builds nothing: the upgraded config is checked when it is resumed)."""
     directory = Path(directory)
-    if links := sorted(p.name for p in directory.iterdir() if p.is_symlink()):
+    if links := linked_files(directory, depth=0):
         # fedrun rewrites its files in the dir (metrics.csv on a resume): never through a link to a file elsewhere
-        raise ConfigError("resume", given, f"a run dir without symbolic links ({directory} has {', '.join(links)})")
+        names = ", ".join(link.name for link in links)
+        raise ConfigError("resume", given, f"a run dir without symbolic links ({directory} has {names})")
     try:
         saved = OmegaConf.load(directory / "config.yaml")
         plain = OmegaConf.to_container(saved)
@@ -253,23 +254,18 @@ def conf_targets() -> frozenset[str]:
     """Every ``_target_`` in fedrun's config tree (conf/, any file, any depth), Hydra's own settings left out."""
     found = set()
 
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "_target_" and isinstance(value, str):
-                    found.add(value)
-                elif key != "hydra":
-                    walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
     def visit(folder) -> None:
         for entry in folder.iterdir():
             if entry.is_dir() and entry.name != "hydra":  # conf/hydra/: launchers, never in a run's config
                 visit(entry)
             elif entry.name.endswith(".yaml"):
-                walk(yaml.safe_load(entry.read_text()))
+                found.update(
+                    node["_target_"]
+                    for key, node in nodes(yaml.safe_load(entry.read_text()))
+                    if isinstance(node, dict)
+                    and isinstance(node.get("_target_"), str)
+                    and "hydra" not in key.split(".")  # Hydra's own settings
+                )
 
     visit(files("fedrun.conf"))
     return frozenset(found)
@@ -285,8 +281,7 @@ def foreign_code(config) -> list[tuple[str, object]]:
     nested nodes, ``_args_`` entries included), and a ``backend`` of a ``fedrun.backends.Device`` node that is not
     one of fedrun's (``Device`` imports the class it names)."""
     found = []
-
-    def walk(node, key: str) -> None:
+    for key, node in nodes(config):
         if isinstance(node, dict):
             target = node.get("_target_")
             if "_target_" in node and not (isinstance(target, str) and target in conf_targets()):
@@ -294,13 +289,6 @@ def foreign_code(config) -> list[tuple[str, object]]:
             backend = node.get("backend", "auto")
             if target == "fedrun.backends.Device" and not (isinstance(backend, str) and backend in OWN_BACKENDS):
                 found.append((f"{key}.backend".lstrip("."), node.get("backend")))
-            for name, value in node.items():
-                walk(value, f"{key}.{name}")
-        elif isinstance(node, list):
-            for index, value in enumerate(node):
-                walk(value, f"{key}.{index}")
-
-    walk(config, "")
     return found
 
 
@@ -309,11 +297,14 @@ def targets(config) -> frozenset[str]:
     return frozenset(str(name) for _, name in foreign_code(config))
 
 
-def interpolations(node, key: str = ""):
+def interpolations(node):
     """The keys of ``node`` (plain containers, unresolved) whose value holds an interpolation (``${...}``)."""
+    return (key for key, value in nodes(node) if isinstance(value, str) and "${" in value)
+
+
+def nodes(node, key: str = ""):
+    """(dotted key, value) of ``node`` (plain containers) and of everything in it, at any depth."""
+    yield key, node
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     for name, value in items:
-        path = f"{key}.{name}".lstrip(".")
-        if isinstance(value, str) and "${" in value:
-            yield path
-        yield from interpolations(value, path)
+        yield from nodes(value, f"{key}.{name}".lstrip("."))
