@@ -62,6 +62,18 @@ def clip_rows(deltas: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.T
     return deltas * torch.where(over, bound / norms, torch.ones_like(norms))[:, None], norms, over
 
 
+def check_clip_rule(target_quantile, clip_lr) -> None:
+    """Adaptive clipping's two settings (``geometric_clip_step``), checked alike by the clip stage and the privacy
+    mechanism: gamma a number in [0, 1], eta a number > 0."""
+    check(
+        number(target_quantile) and 0 <= target_quantile <= 1,
+        "target_quantile",
+        target_quantile,
+        "a number in [0, 1]",
+    )
+    check(number(clip_lr) and clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
+
+
 def geometric_clip_step(bound: float, unclipped: float, target_quantile: float, clip_lr: float) -> float:
     """Adaptive clipping's update of the bound (Andrew et al. 2021, Algorithm 1): C exp(-eta (b - gamma)), with b
     the (estimated) fraction of updates whose norm was at most C: C grows while fewer than gamma fit under it."""
@@ -98,13 +110,7 @@ class Clip(Stage):
     ):
         check(number(max_norm) and max_norm > 0, "max_norm", max_norm, "a number > 0")
         check(isinstance(adaptive, bool), "adaptive", adaptive, "true or false")
-        check(
-            number(target_quantile) and 0 <= target_quantile <= 1,
-            "target_quantile",
-            target_quantile,
-            "a number in [0, 1]",
-        )
-        check(number(clip_lr) and clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
+        check_clip_rule(target_quantile, clip_lr)
         self.max_norm, self.adaptive, self.target_quantile, self.clip_lr = (
             float(max_norm),
             adaptive,

@@ -58,7 +58,7 @@ from dp_accounting import pld, rdp
 from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
 
 from fedrun.errors import ConfigError, check
-from fedrun.pipeline import clip_rows, geometric_clip_step, number
+from fedrun.pipeline import check_clip_rule, clip_rows, geometric_clip_step, number
 from fedrun.seeding import torch_generator
 from fedrun.state import Stateful
 
@@ -472,13 +472,7 @@ class Privacy(Stateful):
         )
         check(isinstance(adaptive, bool), "adaptive", adaptive, "true or false")
         check(not adaptive or mechanism == "central", "adaptive", adaptive, "false with mechanism=local")
-        check(
-            number(target_quantile) and 0 <= target_quantile <= 1,
-            "target_quantile",
-            target_quantile,
-            "a number in [0, 1]",
-        )
-        check(number(clip_lr) and clip_lr > 0, "clip_lr", clip_lr, "a number > 0")
+        check_clip_rule(target_quantile, clip_lr)
         check(
             clip_count_noise is None or (number(clip_count_noise) and clip_count_noise >= 0),
             "clip_count_noise",
