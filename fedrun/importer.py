@@ -51,6 +51,11 @@ MAX_STEP = 2**63 - 1  # MLflow's steps are 64-bit integers
 MAX_EXPERIMENT_NAME = 500  # mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH
 
 
+def shown(text: str) -> str:
+    """``text`` as a refusal quotes it: its first 80 characters (a name of 1,000 is not one line)."""
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 def metric_name(name: str, where: str) -> str:
     """``name`` when MLflow accepts it as a metric, param or tag name (``NAME``), else a ConfigError for ``where``."""
     normal = posixpath.normpath(name)
@@ -63,7 +68,7 @@ def metric_name(name: str, where: str) -> str:
     ):
         raise ConfigError(
             where,
-            name if len(name) <= 80 else name[:80] + "...",
+            shown(name),
             f"a name MLflow accepts (at most {MAX_NAME} letters, digits, _ - . : / or spaces, not a path that "
             "resolves elsewhere)",
         )
@@ -72,13 +77,13 @@ def metric_name(name: str, where: str) -> str:
 
 def number(cell: str, where: str) -> float:
     if not NUMBER.fullmatch(cell):
-        raise ConfigError(where, cell if len(cell) <= 80 else cell[:80] + "...", "a number")
+        raise ConfigError(where, shown(cell), "a number")
     return float(cell)
 
 
 def step(cell: str, where: str) -> int:
     if not (cell.isascii() and cell.isdigit() and int(cell) <= MAX_STEP):
-        raise ConfigError(where, cell if len(cell) <= 80 else cell[:80] + "...", f"a round: an integer 0 to {MAX_STEP}")
+        raise ConfigError(where, shown(cell), f"a round: an integer 0 to {MAX_STEP}")
     return int(cell)
 
 
