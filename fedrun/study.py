@@ -273,7 +273,7 @@ def paired_curve(system_attrs: dict, seeds: list[int], up_to: int | None = None)
     }
 
 
-def paired_view(study, trial, round_: int):
+def paired_view(study, trial, round_: int, finished: dict | None = None):
     """The study as the pruner must see it when ``trial`` (a FrozenTrial, running) is judged at ``round_``: an
     in-memory copy in which the running trial and every finished trial are each their mean over the same seeds,
     those of the running trial that reached ``round_``. Returns (the copy, the running trial's view, those seeds).
@@ -287,17 +287,22 @@ def paired_view(study, trial, round_: int):
     means over those same seeds (paired by seed), so each finished trial's intermediate values in the copy are its
     mean over those seeds, round by round. Every finished trial is in the copy (a trial without those seeds' values
     has no value at the step: the pruner leaves it out, as Optuna leaves out a trial that stopped before the step),
-    so ``n_startup_trials`` counts as in the study."""
+    so ``n_startup_trials`` counts as in the study.
+
+    ``finished`` caches each finished trial's paired curve by (trial number, seeds) across a job's rounds: a finished
+    trial's values no longer change, and parsing every one of its attributes each round is O(trials x rounds)."""
     import optuna
 
+    finished = {} if finished is None else finished
     seeds = sorted(seed_values(trial.system_attrs).get(round_, {}))
     copy = optuna.create_study(direction=study.direction, sampler=optuna.samplers.RandomSampler(seed=0))
     for done in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        key = (done.number, tuple(seeds))
+        if key not in finished:
+            finished[key] = paired_curve(done.system_attrs, seeds)
         copy.add_trial(
             optuna.trial.create_trial(
-                state=optuna.trial.TrialState.COMPLETE,
-                value=done.value,
-                intermediate_values=paired_curve(done.system_attrs, seeds),
+                state=optuna.trial.TrialState.COMPLETE, value=done.value, intermediate_values=finished[key]
             )
         )
     view = optuna.trial.FrozenTrial(
@@ -351,6 +356,7 @@ class SeedReport:
         # NopPruner (pruner: none) prunes no trial, this one's other seeds included: nothing to read back each round
         self.judged = self.column is not None and not isinstance(pruner, optuna.pruners.NopPruner)
         self.so_far: tuple[int, float] | None = None  # (round, this seed's value there): what "max" and "mean" carry
+        self.finished: dict = {}  # the finished trials' paired curves (``paired_view``)
 
     def pruned(self) -> str | None:
         """Why the trial was pruned (by this or another of its seeds), or None."""
@@ -390,7 +396,7 @@ class SeedReport:
         trial = self.storage.get_trial(self.trial_id)
         if PRUNED_ATTR in trial.system_attrs:
             return describe_pruned(trial.system_attrs[PRUNED_ATTR])
-        copy, view, seeds = paired_view(self.study, trial, round_)
+        copy, view, seeds = paired_view(self.study, trial, round_, self.finished)
         if not self.study.pruner.prune(copy, view):
             return None
         mark = {
