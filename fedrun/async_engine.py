@@ -35,7 +35,7 @@ from fedrun.pipeline import Pipeline, upload_message_mb
 from fedrun.rounds import RunResult, record
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
-from fedrun.state import Stateful
+from fedrun.state import Context, Stateful
 
 FAIRNESS_PIECE = 8192  # samples per piece of the end-of-run per-client accuracy pass
 DISTRIBUTIONS = {
@@ -197,7 +197,7 @@ class AsyncEngine:
         """
         self.check(aggregator, heterogeneity, pipeline)
         pipeline = pipeline or Pipeline()
-        pipeline.bind(seed)
+        pipeline.bind(Context(schedule, client_sizes(clients), seed, asynchronous=True))
         group_of = self.assign(len(clients))
         server = server or ServerOptimizer()
         device = as_device(device)

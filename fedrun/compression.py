@@ -61,8 +61,8 @@ class Compressor(Stage):
         self.residuals: dict[int, torch.Tensor] = {}  # client -> e_i (error feedback)
         self.seed = 0
 
-    def bind(self, seed: int) -> None:
-        self.seed = seed
+    def bind(self, context) -> None:
+        self.seed = context.seed
 
     def compress(self, row: torch.Tensor, client: int, round_: int) -> torch.Tensor:
         raise NotImplementedError

@@ -26,6 +26,7 @@ from fedrun.rounds import RunResult, Schedule, record
 from fedrun.sampling import LOSS_BYTES, Sampler, Uniform
 from fedrun.seeding import numpy_rng
 from fedrun.servers import ServerOptimizer
+from fedrun.state import Context
 
 
 def run(
@@ -87,7 +88,6 @@ def run(
     server = server or ServerOptimizer()
     heterogeneity = heterogeneity or EqualWork()
     pipeline = pipeline or Pipeline()
-    pipeline.bind(seed)
     privacy = privacy or Privacy()
     sizes = client_sizes(clients)  # a population's shared array: nothing per client
     first_lr = base_lr(optimizer)
@@ -95,7 +95,9 @@ def run(
     initial = params  # w_0, where the F* estimate starts
     rng = numpy_rng(seed, "sampling")  # the sampler's draws (checkpointed as "sampler")
     sampler = sampler or Uniform()
-    sampler.bind(schedule, sizes, getattr(aggregator, "weighting", "samples"))
+    context = Context(schedule, sizes, seed, getattr(aggregator, "weighting", "samples"))
+    sampler.bind(context)
+    pipeline.bind(context)
     m = schedule.cohort_size(len(clients))
     accuracy_source = "val_accuracy" if has_val else "test_accuracy"
     previous = None  # the previous global model, for aggregators that need it (MVR)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fedrun.errors import check
-from fedrun.state import Stateful
+from fedrun.state import Context, Stateful
 
 
 def number(value) -> bool:
@@ -45,8 +45,9 @@ class Stage(Stateful):
         makes the update dense again the dense size. The pipeline folds these over its stages (``message_bits``)."""
         return bits
 
-    def bind(self, seed: int) -> None:
-        """Called once before the first round with the run's seed (a randomised stage's streams derive from it)."""
+    def bind(self, context: Context) -> None:
+        """Called once before the first round with the run's ``Context`` (a randomised stage's streams derive from
+        its seed)."""
 
     def end_round(self) -> None:
         """Called once a round's updates have all passed (synchronous: after the cohort; asynchronous: at each
@@ -166,9 +167,9 @@ class Pipeline(Stateful):
             diagnostics.update(more)
         return deltas, diagnostics
 
-    def bind(self, seed: int) -> None:
+    def bind(self, context: Context) -> None:
         for stage in self.stages:
-            stage.bind(seed)
+            stage.bind(context)
 
     def end_round(self) -> None:
         for stage in self.stages:

@@ -580,10 +580,11 @@ class Privacy(Stateful):
                 "data: stopping on it would release it)",
             )
 
-    def bind(self, schedule, num_clients: int, seed: int) -> None:
+    def bind(self, context) -> None:
         """Set the accounting for this run's sampling and rounds (and calibrate z for ``target_epsilon``)."""
         if not self:
             return
+        schedule, num_clients, seed = context.schedule, context.num_clients, context.seed
         self.noise_multiplier, self.count_noise = self._given
         poisson = schedule.sampling == "poisson"
         cohort = None if poisson else schedule.cohort_size(num_clients)

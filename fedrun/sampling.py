@@ -59,7 +59,7 @@ import torch
 from fedrun.cohort import ClientLosses
 from fedrun.errors import ConfigError, check
 from fedrun.rounds import Schedule
-from fedrun.state import Stateful
+from fedrun.state import Context, Stateful
 
 LOSS_BYTES = 4  # a candidate's loss, sent up as one float32
 
@@ -125,10 +125,11 @@ class Sampler(Stateful):
         self.sizes = np.zeros(0)
         self.weighting = "samples"
 
-    def bind(self, schedule: Schedule, sizes: np.ndarray, weighting: str = "samples") -> None:
+    def bind(self, context: Context) -> None:
         """Attach the run's schedule, the clients' sample counts and the aggregator's weighting (``samples`` or
         ``uniform``: what q_k is); checks the settings that depend on them (ConfigError)."""
-        self.schedule, self.sizes, self.weighting = schedule, np.asarray(sizes), weighting
+        schedule, sizes = context.schedule, np.asarray(context.sizes)
+        self.schedule, self.sizes, self.weighting = schedule, sizes, context.weighting
         self.selected = np.zeros(len(sizes), dtype=np.int64)
         if schedule.cohort is not None and schedule.cohort > len(sizes):
             raise ConfigError("schedule.cohort", schedule.cohort, f"at most the {len(sizes)} clients")
@@ -194,8 +195,9 @@ class PowerOfChoice(Sampler):
         check(candidates_by in ("samples", "uniform"), "candidates_by", candidates_by, "samples or uniform")
         self.candidates, self.candidates_by = candidates, candidates_by
 
-    def bind(self, schedule: Schedule, sizes: np.ndarray, weighting: str = "samples") -> None:
-        super().bind(schedule, sizes, weighting)
+    def bind(self, context: Context) -> None:
+        super().bind(context)
+        schedule, sizes = context.schedule, context.sizes
         if schedule.sampling != "fixed":
             raise ConfigError("schedule.sampling", schedule.sampling, "fixed with sampler=power_of_choice")
         m, n = self.cohort_size, len(sizes)
@@ -263,8 +265,9 @@ class Importance(Sampler):
         self.alpha_informative = signal == "update_norm"  # q_k / (m p_k) with p following the update norms
         self.norms = np.zeros(0)
 
-    def bind(self, schedule: Schedule, sizes: np.ndarray, weighting: str = "samples") -> None:
-        super().bind(schedule, sizes, weighting)
+    def bind(self, context: Context) -> None:
+        super().bind(context)
+        schedule, sizes = context.schedule, context.sizes
         if schedule.sampling != "fixed":
             raise ConfigError("schedule.sampling", schedule.sampling, "fixed with sampler=importance")
         self.norms = np.full(len(sizes), np.nan)  # the last norm each client sent; NaN: never trained

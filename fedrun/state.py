@@ -16,6 +16,8 @@ and takes it back with ``load_state_dict()`` (``Stateful``); the objects themsel
 """
 
 from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,10 +83,41 @@ def decode(value):
     return value
 
 
+@dataclass(frozen=True)
+class Context:
+    """What every part of a run is bound to, once, before round 1 (``bind``): settings that depend on the run, not
+    on the part's own config. A part checks them there, so that a bad combination fails before any training.
+
+    Attributes:
+        schedule: The run's ``fedrun.rounds.Schedule`` (rounds, sampling, cohort, local work).
+        sizes: Each client's number of training samples (a population's shared array: nothing per client).
+        seed: The run's seed (a randomised part derives its streams from it).
+        weighting: The aggregator's p_i, ``samples`` or ``uniform`` (what a sampler's q_k is).
+        asynchronous: Whether the engine aggregates buffered updates as they arrive (no synchronous rounds).
+        layout: The flat model's parameters, ``(name, start, end)`` each, in order (a part that keeps some layers
+            per client finds them here).
+    """
+
+    schedule: Any
+    sizes: np.ndarray
+    seed: int = 0
+    weighting: str = "samples"
+    asynchronous: bool = False
+    layout: tuple = ()
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.sizes)
+
+
 class Stateful:
     """``state_dict()`` / ``load_state_dict()`` for the parts of a run built from its config (aggregators, server
     optimizers, pipeline stages). The default state is every attribute (settings included: the same config gives
     the same values, and restoring them is harmless); a part that holds other parts overrides both."""
+
+    def bind(self, context: Context) -> None:
+        """Called once before round 1 with the run's ``Context``; a setting that cannot run with it is a ConfigError
+        here. Nothing to bind by default."""
 
     def state_dict(self) -> dict:
         """What this part carries between rounds: data that ``encode`` takes (no objects)."""

@@ -29,6 +29,7 @@ from fedrun.privacy import (
     without_replacement,
 )
 from fedrun.rounds import Schedule
+from fedrun.state import Context
 
 
 def test_epsilon_matches_the_published_values():
@@ -149,7 +150,7 @@ def train(privacy=None, backend="loop", rounds=4, sampling="fixed", q=0.5, seed=
     torch.manual_seed(0)
     schedule = Schedule(rounds=rounds, local_steps=2, batch_size=4, clients_per_round=q, sampling=sampling)
     if privacy is not None:
-        privacy.bind(schedule, len(CLIENTS), seed)
+        privacy.bind(Context(schedule, np.ones(len(CLIENTS)), seed))
     return run(
         Logistic((4,), 3).double(),
         DATA,
@@ -172,7 +173,7 @@ def test_no_noise_and_a_bound_no_update_reaches_equal_the_non_private_run_exactl
 
 def test_clipping_and_the_fixed_denominator_by_hand():
     privacy = private(noise_multiplier=0.0, clip_norm=2.0)
-    privacy.bind(Schedule(rounds=3, clients_per_round=0.5), 8, 0)  # fixed sampling: m = 4 of 8, D = 4
+    privacy.bind(Context(Schedule(rounds=3, clients_per_round=0.5), np.ones(8), 0))  # fixed sampling: m = 4 of 8, D = 4
     deltas = torch.tensor([[3.0, 4.0], [0.6, 0.8], [0.0, 0.0]], dtype=torch.float64)  # norms 5, 1, 0
     update, alpha, numbers = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1)
     # clip: [3, 4] * 2 / 5 = [1.2, 1.6]; the others within C, unchanged. Sum [1.8, 2.4] over D = 4 (not the 3 here).
@@ -186,7 +187,7 @@ def test_the_noise_has_the_calibrated_law_and_follows_the_seed():
     def noise(seed, round_=1, poisson=True):
         privacy = private(noise_multiplier=1.3, clip_norm=0.5)
         sampling = "poisson" if poisson else "fixed"
-        privacy.bind(Schedule(rounds=5, clients_per_round=0.1, sampling=sampling), 200, seed)
+        privacy.bind(Context(Schedule(rounds=5, clients_per_round=0.1, sampling=sampling), np.ones(200), seed))
         empty = torch.zeros(0, 400_000, dtype=torch.float64)  # nobody sampled: the update is the noise alone
         return privacy.aggregate(empty, torch.zeros(400_000, dtype=torch.float64), round_).update
 
@@ -217,7 +218,9 @@ def test_max_epsilon_stops_before_the_round_that_would_exceed_it_and_target_epsi
     train(calibrated, rounds=5, sampling="poisson", q=0.5, rows=rows)
     assert rows[-1]["epsilon"] <= 4.0 and rows[-1]["epsilon"] == pytest.approx(4.0, rel=1e-3)
     with pytest.raises(ConfigError, match="privacy.max_epsilon"):
-        private(max_epsilon=0.01).bind(Schedule(rounds=5, clients_per_round=0.5, sampling="poisson"), 6, 0)
+        private(max_epsilon=0.01).bind(
+            Context(Schedule(rounds=5, clients_per_round=0.5, sampling="poisson"), np.ones(6), 0)
+        )
 
 
 @pytest.mark.parametrize(
@@ -299,7 +302,7 @@ def test_calibration_of_a_fixed_sample_follows_the_smaller_bound():
 def test_the_sensitivity_of_the_released_sum_is_c_for_zero_out_and_2c_for_replace_one():
     c, d = 0.5, 3  # fixed sample of m = 4: D = 4
     privacy = private(noise_multiplier=0.0, clip_norm=c)
-    privacy.bind(Schedule(rounds=2, clients_per_round=0.5), 8, 0)
+    privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.5), np.ones(8), 0))
     base = torch.tensor([[0.1, 0.2, -0.1], [0.3, 0.0, 0.2], [-0.2, 0.1, 0.4], [0.0, 0.3, 0.1]], dtype=torch.float64)
     released = privacy.aggregate(base, torch.zeros(d, dtype=torch.float64), 1).update
     huge, zero = base.clone(), base.clone()
@@ -312,7 +315,7 @@ def test_the_sensitivity_of_the_released_sum_is_c_for_zero_out_and_2c_for_replac
 
 def test_the_poisson_denominator_is_the_expected_cohort_size():
     privacy = private(noise_multiplier=0.0, clip_norm=10.0)
-    privacy.bind(Schedule(rounds=2, clients_per_round=0.25, sampling="poisson"), 8, 0)  # D = q N = 2
+    privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.25, sampling="poisson"), np.ones(8), 0))  # D = q N = 2
     deltas = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]], dtype=torch.float64)  # 3 drawn this round, not 2
     update = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1).update
     torch.testing.assert_close(update, torch.tensor([4.5, 3.0], dtype=torch.float64), rtol=0, atol=1e-15)
@@ -320,7 +323,7 @@ def test_the_poisson_denominator_is_the_expected_cohort_size():
 
 def test_a_non_finite_client_update_is_sent_as_zero():
     privacy = private(noise_multiplier=0.0, clip_norm=10.0)
-    privacy.bind(Schedule(rounds=2, clients_per_round=0.25), 8, 0)  # fixed, m = D = 2
+    privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.25), np.ones(8), 0))  # fixed, m = D = 2
     deltas = torch.tensor([[1.0, 2.0], [math.nan, 1.0]], dtype=torch.float64)
     update, _, numbers = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1)
     torch.testing.assert_close(update, torch.tensor([0.5, 1.0], dtype=torch.float64))
@@ -352,7 +355,7 @@ def adaptive(clip_norm=1.0, count_noise=0.0, noise_multiplier=0.0, clients=8, co
     privacy = private(
         noise_multiplier=noise_multiplier, clip_norm=clip_norm, adaptive=True, clip_count_noise=count_noise, **kwargs
     )
-    privacy.bind(Schedule(rounds=10, clients_per_round=cohort), clients, 0)
+    privacy.bind(Context(Schedule(rounds=10, clients_per_round=cohort), np.ones(clients), 0))
     return privacy
 
 
@@ -417,9 +420,13 @@ def test_adaptive_noise_uses_the_round_s_clip_norm_and_the_count_noise_has_its_l
 
 def test_binding_again_starts_from_the_config_not_from_the_last_bind():
     privacy = private(noise_multiplier=None, target_epsilon=4.0, adaptive=True)
-    privacy.bind(Schedule(rounds=5, clients_per_round=1.0), 200, 0)  # every client: sigma_b = 200 / 20 = 10
+    privacy.bind(
+        Context(Schedule(rounds=5, clients_per_round=1.0), np.ones(200), 0)
+    )  # every client: sigma_b = 200 / 20 = 10
     first = (privacy.noise_multiplier, privacy.count_noise)
-    privacy.bind(Schedule(rounds=50, clients_per_round=0.1, sampling="poisson"), 200, 0)  # 20 a round: sigma_b = 1
+    privacy.bind(
+        Context(Schedule(rounds=50, clients_per_round=0.1, sampling="poisson"), np.ones(200), 0)
+    )  # 20 a round: sigma_b = 1
     assert privacy.count_noise == 1.0 and first[1] == 10.0 and privacy.noise_multiplier != first[0]
 
 
@@ -472,14 +479,14 @@ def test_local_epsilon_is_the_worst_client_s_gaussian_composed_over_its_rounds()
 
 def test_local_noise_is_each_client_s_own_and_the_server_averages_what_arrives():
     privacy = local(noise_multiplier=0.0, clip_norm=1.0)
-    privacy.bind(Schedule(rounds=2, clients_per_round=0.5), 8, 0)
+    privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.5), np.ones(8), 0))
     deltas = torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]], dtype=torch.float64)  # norms 5, 0.5, 0
     # clipped: (0.6, 0.8), (0.3, 0.4), (0, 0); the mean over the 3 that arrived: (0.3, 0.4)
     update = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1, np.array([2, 5, 7])).update
     torch.testing.assert_close(update, torch.tensor([0.3, 0.4], dtype=torch.float64), rtol=0, atol=1e-15)
     assert privacy.ledger.counts.tolist() == [0, 0, 1, 0, 0, 1, 0, 1]
     noisy = local(noise_multiplier=2.0, clip_norm=0.5)
-    noisy.bind(Schedule(rounds=2, clients_per_round=0.5), 8, 3)
+    noisy.bind(Context(Schedule(rounds=2, clients_per_round=0.5), np.ones(8), 3))
     d = 200_000
     one = noisy.aggregate(torch.zeros(1, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 1, [4]).update
     assert float(one.mean()) == pytest.approx(0.0, abs=0.01 * 1.0) and float(one.var()) == pytest.approx(1.0, rel=0.02)
@@ -503,7 +510,7 @@ def test_a_local_run_without_noise_equals_the_non_private_run_and_logs_the_worst
 
 def test_local_calibration_covers_a_client_drawn_every_round_and_max_epsilon_stops_before_any_could_pass_it():
     privacy = local(noise_multiplier=None, target_epsilon=3.0)
-    privacy.bind(Schedule(rounds=20, clients_per_round=0.5, sampling="poisson"), 6, 0)
+    privacy.bind(Context(Schedule(rounds=20, clients_per_round=0.5, sampling="poisson"), np.ones(6), 0))
     assert privacy.ledger.epsilon(20) == pytest.approx(3.0, rel=1e-3) and privacy.ledger.epsilon(20) <= 3.0
     ledger = LocalAccountant(1.5, 1e-5, 6)
     limit = (ledger.epsilon(2) + ledger.epsilon(3)) / 2
@@ -671,7 +678,7 @@ def test_true_is_not_a_number_for_privacy(compose_config, key):
 
 def test_the_run_says_what_its_epsilon_covers():
     privacy = private()
-    privacy.bind(Schedule(rounds=2, clients_per_round=0.5), 6, 0)
+    privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.5), np.ones(6), 0))
     covers = privacy.run_tags()["privacy_epsilon_covers"]
     for said in ("selected.csv", "alpha.csv", "cohort_size", "upload_mb", "seed", "partition=population"):
         assert said in covers, said

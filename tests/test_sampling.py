@@ -20,7 +20,7 @@ from fedrun.errors import ConfigError
 from fedrun.models import Logistic
 from fedrun.rounds import Schedule
 from fedrun.sampling import Importance, PowerOfChoice, Uniform
-from fedrun.state import decode, encode
+from fedrun.state import Context, decode, encode
 
 
 def schedule(m: int, n: int, **kwargs) -> Schedule:
@@ -34,7 +34,7 @@ def by_table(table):
 
 def test_power_of_choice_keeps_the_two_largest_losses_of_four_candidates():
     poc = PowerOfChoice(candidates=4)
-    poc.bind(schedule(2, 6), np.full(6, 10))
+    poc.bind(Context(schedule(2, 6), np.full(6, 10)))
     losses = [0.5, 2.0, 0.1, 3.0, 1.0, 0.7]
     candidates = np.sort(np.random.default_rng(0).choice(6, size=4, replace=False))  # the same draw: equal sizes
     picked = poc.draw(np.random.default_rng(0), by_table(losses))
@@ -42,7 +42,7 @@ def test_power_of_choice_keeps_the_two_largest_losses_of_four_candidates():
     assert picked.cohort.tolist() == [1, 3] and picked.probed == 4 and picked.counts.tolist() == [1, 1]
     assert picked.losses.mean.tolist() == [2.0, 3.0]  # F_k(w_t) of the cohort, for the loss-weighted aggregators
     tied = PowerOfChoice(candidates=4)
-    tied.bind(schedule(2, 6), np.full(6, 10))
+    tied.bind(Context(schedule(2, 6), np.full(6, 10)))
     # All losses equal: the two smaller ids of the candidates 1, 2, 3, 4.
     assert tied.draw(np.random.default_rng(0), by_table([1.0] * 6)).cohort.tolist() == [1, 2]
 
@@ -50,14 +50,14 @@ def test_power_of_choice_keeps_the_two_largest_losses_of_four_candidates():
 def test_power_of_choice_with_d_equal_m_and_uniform_candidates_is_uniform_whatever_the_sizes():
     uniform, poc = Uniform(), PowerOfChoice(candidates=2, candidates_by="uniform")
     for sampler in (uniform, poc):
-        sampler.bind(schedule(2, 5), np.array([1, 2, 3, 4, 50]))
+        sampler.bind(Context(schedule(2, 5), np.array([1, 2, 3, 4, 50])))
     one, two = np.random.default_rng(1), np.random.default_rng(1)
     assert all(uniform.draw(one, None).cohort.tolist() == poc.draw(two, None).cohort.tolist() for _ in range(20))
 
 
 def test_power_of_choice_draws_candidates_in_proportion_to_data():
     poc = PowerOfChoice(candidates=1)  # d = m = 1: the cohort is the candidate
-    poc.bind(schedule(1, 3), np.array([10, 30, 60]))
+    poc.bind(Context(schedule(1, 3), np.array([10, 30, 60])))
     rng = np.random.default_rng(0)
     counts = np.bincount([poc.draw(rng, None).cohort[0] for _ in range(6000)], minlength=3)
     assert np.allclose(counts / 6000, [0.1, 0.3, 0.6], atol=0.02)  # p_k = n_k / n; 3 sigma of 6000 draws < 0.02
@@ -67,7 +67,7 @@ def test_power_of_choice_draws_candidates_in_proportion_to_data():
 def test_power_of_choice_with_d_equal_m_is_uniform_selection():
     uniform, poc = Uniform(), PowerOfChoice(candidates=3)
     for sampler in (uniform, poc):
-        sampler.bind(schedule(3, 10), np.full(10, 5))
+        sampler.bind(Context(schedule(3, 10), np.full(10, 5)))
     one, two = np.random.default_rng(4), np.random.default_rng(4)
     for _ in range(20):
         assert uniform.draw(one, None).cohort.tolist() == poc.draw(two, None).cohort.tolist()
@@ -76,7 +76,7 @@ def test_power_of_choice_with_d_equal_m_is_uniform_selection():
 
 def test_importance_probabilities_and_weights_by_hand():
     sampler = Importance(uniform_mix=0.1)
-    sampler.bind(schedule(2, 3), np.array([1, 1, 2]))  # q = (1/4, 1/4, 1/2)
+    sampler.bind(Context(schedule(2, 3), np.array([1, 1, 2])))  # q = (1/4, 1/4, 1/2)
     sampler.norms = np.array([1.0, 3.0, 1.0])
     # q * norm = (1/4, 3/4, 1/2), sum 3/2 -> (1/6, 1/2, 1/3); p = 0.9 * that + 0.1 / 3
     assert np.allclose(sampler.probabilities(), [0.15 + 0.1 / 3, 0.45 + 0.1 / 3, 0.3 + 0.1 / 3])
@@ -92,7 +92,7 @@ def test_importance_probabilities_and_weights_by_hand():
 
 def test_importance_by_size_weighs_every_draw_one_over_m():
     sampler = Importance(signal="size", uniform_mix=0.0)
-    sampler.bind(schedule(4, 8), np.arange(1, 9))
+    sampler.bind(Context(schedule(4, 8), np.arange(1, 9)))
     picked = sampler.draw(np.random.default_rng(2), None)
     assert np.allclose(picked.weights, picked.counts / 4)  # p = q: Li et al.'s scheme I
 
@@ -104,7 +104,7 @@ def test_importance_sampling_makes_fedavg_unbiased(signal, weighting):
     sizes = np.array([5, 1, 2, 8, 4])
     deltas = np.random.default_rng(0).normal(size=(5, 3))
     sampler = Importance(signal=signal, uniform_mix=0.2)
-    sampler.bind(schedule(2, 5), sizes, weighting)
+    sampler.bind(Context(schedule(2, 5), sizes, weighting=weighting))
     # Clients 0 and 3 sent updates of norm 5 and 1; the rest were never seen.
     sampler.observe(np.array([0, 3]), torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 1.0]]))
     assert np.allclose(sampler.norms[[0, 3]], [5.0, 1.0]) and np.isnan(sampler.norms[[1, 2, 4]]).all()
@@ -120,11 +120,11 @@ def test_importance_sampling_makes_fedavg_unbiased(signal, weighting):
 
 def test_sampler_state_survives_a_checkpoint():
     sampler = Importance()
-    sampler.bind(schedule(2, 4), np.full(4, 3))
+    sampler.bind(Context(schedule(2, 4), np.full(4, 3)))
     sampler.observe(np.array([1]), torch.tensor([[2.0, 0.0]]))
     sampler.draw(np.random.default_rng(0), None)
     again = Importance()
-    again.bind(schedule(2, 4), np.full(4, 3))
+    again.bind(Context(schedule(2, 4), np.full(4, 3)))
     again.load_state_dict(decode(encode(sampler.state_dict())))
     assert np.array_equal(again.norms, sampler.norms, equal_nan=True) and (again.selected == sampler.selected).all()
     assert np.allclose(again.probabilities(), sampler.probabilities())
@@ -132,11 +132,11 @@ def test_sampler_state_survives_a_checkpoint():
 
 def test_bad_settings_are_refused_in_one_line():
     with pytest.raises(ConfigError, match="sampler.candidates=2.*from m = 3"):
-        PowerOfChoice(candidates=2).bind(schedule(3, 10), np.full(10, 5))
+        PowerOfChoice(candidates=2).bind(Context(schedule(3, 10), np.full(10, 5)))
     with pytest.raises(ConfigError, match="sampler.candidates=11.*to N = 10"):
-        PowerOfChoice(candidates=11).bind(schedule(3, 10), np.full(10, 5))
+        PowerOfChoice(candidates=11).bind(Context(schedule(3, 10), np.full(10, 5)))
     with pytest.raises(ConfigError, match="schedule.sampling='poisson'.*fixed with sampler=importance"):
-        Importance().bind(Schedule(clients_per_round=0.5, sampling="poisson"), np.full(4, 3))
+        Importance().bind(Context(Schedule(clients_per_round=0.5, sampling="poisson"), np.full(4, 3)))
     with pytest.raises(ConfigError, match="uniform_mix=1.5"):
         Importance(uniform_mix=1.5)
     with pytest.raises(ConfigError, match="uniform_mix=0.0.*> 0 with signal=update_norm"):
@@ -234,7 +234,7 @@ def test_importance_sampling_stays_unbiased_with_partial_stragglers():
     # 1/2 F + 1/2 (F / 2 + (F + 1) / 4) = 87.625, 12 points above.
     sizes, work, full = np.array([10, 10]), LocalWork(batch_size=1, local_steps=100), 100
     sampler, stragglers = Importance(signal="size", uniform_mix=0.0), Stragglers(fraction=0.5, mode="partial")
-    sampler.bind(schedule(2, 2), sizes)
+    sampler.bind(Context(schedule(2, 2), sizes))
     rng, n = np.random.default_rng(0), 4000
     estimates = np.empty(n)
     for t in range(n):

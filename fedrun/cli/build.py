@@ -18,7 +18,7 @@ from fedrun.privacy import Privacy
 from fedrun.rounds import STOP_ON
 from fedrun.sampling import Uniform
 from fedrun.seeding import numpy_rng, torch_seed
-from fedrun.state import encode
+from fedrun.state import Context, encode
 
 
 def build(group: str, node: DictConfig, **runtime):
@@ -156,10 +156,15 @@ def setup(cfg: DictConfig) -> dict:
         except ConfigError as exc:
             raise exc.within("dataset") from None
     # Settings that depend on the population (candidates <= N) fail now; its errors name their full keys.
-    objects["sampler"].bind(
-        objects["schedule"], client_sizes(clients), getattr(objects["aggregator"], "weighting", "samples")
+    context = Context(
+        objects["schedule"],
+        client_sizes(clients),
+        seed,
+        getattr(objects["aggregator"], "weighting", "samples"),
+        objects["engine"].asynchronous,
     )
-    objects["privacy"].bind(objects["schedule"], len(clients), seed)  # its errors name their full keys
+    objects["sampler"].bind(context)
+    objects["privacy"].bind(context)  # its errors name their full keys
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
