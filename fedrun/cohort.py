@@ -104,6 +104,8 @@ class RoundView:
         accuracy: The latest evaluated accuracy before this round (validation when the run has a validation
             split, else test); NaN before the first evaluation.
         accuracy_source: ``val_accuracy`` or ``test_accuracy``: which one ``accuracy`` is.
+        sampled_weights: The sampler's unbiased weights of the cohort (importance sampling's q_k / (m p_k)), or
+            None: an aggregator that follows the sampler (FedAvg) takes them as its alpha.
         measure: ``measure(signal)`` runs a per-client signal (``fedrun.trainer``) on the cohort at the round's
             global model with the run's backend; ``per_client`` calls it.
         **signals: Further signals by name.
@@ -123,9 +125,11 @@ class RoundView:
         coefficient_norms=None,
         previous_deltas=None,
         measure=None,
+        sampled_weights=None,
         **signals,
     ):
         self.clients, self.sizes, self.round = clients, sizes, round
+        self.sampled_weights = sampled_weights
         self.accuracy, self.accuracy_source = accuracy, accuracy_source
         self._signals = dict(
             losses=losses,
