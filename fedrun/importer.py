@@ -28,7 +28,6 @@ import posixpath
 import re
 import stat
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,9 +35,22 @@ import yaml
 
 from fedrun.checkpoint import FILE, LOCK_FILE, diverged, read
 from fedrun.errors import ConfigError
-from fedrun.tracking import DEFAULT_URI, flatten, mlflow_name, preflight, resolve_uri
+from fedrun.tracking import (
+    DEFAULT_URI,
+    create_experiment,
+    create_run,
+    end_run,
+    find_experiment,
+    flatten,
+    log_artifact,
+    log_batch,
+    mlflow_name,
+    open_client,
+    preflight,
+    resolve_uri,
+    set_tag,
+)
 
-BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics per call
 # MLflow's rule for metric, param and tag names (mlflow.utils.validation: validate_param_and_metric_name, whose
 # ``^...$`` would also let a trailing newline through, path_not_unique, MAX_ENTITY_KEY_LENGTH): letters, digits,
 # _ - . : / and spaces, at most 250 characters, and not a path that resolves to another name (``../../x``).
@@ -219,9 +231,6 @@ def checked(directory: Path, experiment: str | None) -> Checked:
 def import_run(directory: Path, uri: str, experiment: str | None) -> str:
     """Log one run directory into MLflow at ``uri``; returns the new run's id. Everything is checked first
     (``checked``: a ConfigError creates nothing); a failure once the run exists marks it FAILED."""
-    import mlflow
-    from mlflow.entities import Metric, Param, RunTag
-
     found = checked(directory, experiment)
     if found.links:
         print(
@@ -231,34 +240,28 @@ def import_run(directory: Path, uri: str, experiment: str | None) -> str:
         )
     uri = resolve_uri(uri, Path.cwd())
     preflight(uri)
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    existing = client.get_experiment_by_name(found.experiment)
-    experiment_id = existing.experiment_id if existing else client.create_experiment(found.experiment)
-    run = client.create_run(
+    client = open_client(uri)
+    experiment_id = find_experiment(client, found.experiment)
+    if experiment_id is None:
+        experiment_id = create_experiment(client, found.experiment)
+    run_id = create_run(
+        client,
         experiment_id,
-        run_name=directory.name,
-        tags={"imported_from": str(directory.resolve()), "output_dir": str(directory.resolve())},
+        directory.name,
+        {"imported_from": str(directory.resolve()), "output_dir": str(directory.resolve())},
     )
-    run_id = run.info.run_id
     try:
-        items = list(found.params.items())
-        for start in range(0, len(items), 100):
-            client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in items[start : start + 100]])
-        now = int(time.time() * 1000)
-        series = [Metric(name, value, now, round_) for name, value, round_ in found.series]
-        series += [Metric(name, value, now, 0) for name, value in found.summary_metrics]
-        for start in range(0, len(series), BATCH):
-            client.log_batch(run_id, metrics=series[start : start + BATCH])
-        if found.summary_tags:
-            client.log_batch(run_id, tags=[RunTag(k, v) for k, v in found.summary_tags])
+        log_batch(client, run_id, params=[(k, str(v)[:6000]) for k, v in found.params.items()])
+        log_batch(client, run_id, metrics=found.series + [(name, value, 0) for name, value in found.summary_metrics])
+        log_batch(client, run_id, tags=found.summary_tags)
         for path, folder in found.artifacts:
-            client.log_artifact(run_id, str(path), folder)
+            log_artifact(client, run_id, path, folder)
         if found.reason is not None:
-            client.set_tag(run_id, "failure_reason", f"DivergenceError: {found.reason}"[:5000])
-        client.set_terminated(run_id, found.status)
+            set_tag(client, run_id, "failure_reason", f"DivergenceError: {found.reason}"[:5000])
+        end_run(client, run_id, found.status)
     except BaseException as exc:
         try:
-            client.set_terminated(run_id, "FAILED")
+            end_run(client, run_id, "FAILED")
         except Exception:  # the store itself is what failed: the run stays as the store has it
             pass
         if isinstance(exc, Exception):

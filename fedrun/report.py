@@ -20,7 +20,20 @@ import numpy as np
 import pandas as pd
 
 from fedrun.metrics import mean_ci
-from fedrun.tracking import CONFIG_GROUPS, DEFAULT_URI, MAIN_SECTION, R_INDEX_SECTION, mlflow_name, plain_name
+from fedrun.tracking import (
+    CONFIG_GROUPS,
+    DEFAULT_URI,
+    MAIN_SECTION,
+    R_INDEX_SECTION,
+    experiment_names,
+    find_experiment,
+    metric_history,
+    mlflow_name,
+    open_client,
+    plain_name,
+    resolve_uri,
+    search_runs,
+)
 
 IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
 META_GROUPS = ("experiment", "method")  # config groups whose options choose options of other groups
@@ -319,7 +332,7 @@ def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accu
 def history(client, run_id: str, metric: str) -> list:
     """A metric's series by its plain name, under its MLflow name (``0_main/test_accuracy``) or, for a run stored
     before the main metrics had a section, the plain one."""
-    return client.get_metric_history(run_id, mlflow_name(metric)) or client.get_metric_history(run_id, metric)
+    return metric_history(client, run_id, mlflow_name(metric)) or metric_history(client, run_id, metric)
 
 
 def per_megabyte(accuracy: dict[str, pd.DataFrame], uploads: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
@@ -483,18 +496,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
     args = parser.parse_args(argv)
 
-    import mlflow
-
-    from fedrun.tracking import resolve_uri
-
     uri = resolve_uri(args.tracking_uri, Path.cwd())
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name(args.experiment)
-    if experiment is None:
-        names = ", ".join(e.name for e in client.search_experiments()) or "none"
+    client = open_client(uri)
+    experiment_id = find_experiment(client, args.experiment)
+    if experiment_id is None:
+        names = ", ".join(experiment_names(client)) or "none"
         raise SystemExit(f"fedrun-report: error: no experiment {args.experiment!r} in {uri} (there: {names})")
-    mlflow.set_tracking_uri(uri)
-    runs = mlflow.search_runs([experiment.experiment_id], filter_string=args.filter or "", output_format="pandas")
+    runs = search_runs(uri, experiment_id, args.filter or "")
     if SWEEP_TAG in runs:  # a sweep's parent run and a study's trials group jobs in the UI; they are not runs
         runs = runs[runs[SWEEP_TAG].isna()]
     runs = without_switched_off_keys(with_group_defaults(with_plain_names(runs)))

@@ -23,7 +23,6 @@ A job finds its trial by its number: trial ``n``'s seed ``i`` (of S) is job ``n 
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -438,23 +437,21 @@ class TrialRecord:
         self.seeds, self.objective = list(seeds), objective
         self.client = None
         if uri is not None:
-            import mlflow
+            from fedrun.tracking import open_client
 
-            self.client = mlflow.MlflowClient(tracking_uri=uri)
+            self.client = open_client(uri)
 
     def open(self, study, trial) -> None:
         """Create (or, for a resumed trial, reopen) the trial's MLflow run, and point its seed jobs at it: each job
         dir gets the run's id (``fedrun.sweepdir.write_parent``), which the job reads as its MLflow parent."""
-        from fedrun.tracking import retried
+        from fedrun.tracking import Tracker, create_run, log_batch, reopen_run, retried
 
         if self.client is None:
             return
         run_id = study._storage.get_trial_system_attrs(trial._trial_id).get(RUN_ATTR)
         if run_id is not None:
-            retried(lambda: self.client.update_run(run_id, status="RUNNING"))
+            retried(lambda: reopen_run(self.client, run_id))
         else:
-            from fedrun.tracking import Tracker
-
             experiment = Tracker.experiment_id(self.uri, self.experiment)
             tags = {
                 "fedrun.role": "trial",
@@ -466,10 +463,8 @@ class TrialRecord:
             if self.parent:
                 tags["mlflow.parentRunId"] = self.parent
             name = f"trial {trial.number} " + " ".join(f"{k}={v}" for k, v in trial.params.items())
-            run = retried(lambda: self.client.create_run(experiment, run_name=name[:250], tags=tags))
-            run_id = run.info.run_id
-            for key, value in trial.params.items():
-                retried(lambda: self.client.log_param(run_id, key, value))
+            run_id = retried(lambda: create_run(self.client, experiment, name[:250], tags))
+            retried(lambda: log_batch(self.client, run_id, params=trial.params.items()))
             study._storage.set_trial_system_attr(trial._trial_id, RUN_ATTR, run_id)
         for job_dir in job_dirs(self.sweep_dir, trial.number, len(self.seeds)):
             write_parent(job_dir, run_id)
@@ -525,14 +520,11 @@ class TrialRecord:
         return f"trial {trial.number} ({params}): {ended}"
 
     def _close_run(self, frozen, attrs: dict) -> None:
-        import mlflow
-
-        from fedrun.tracking import retried
+        from fedrun.tracking import end_run, log_batch, retried
 
         run_id = attrs.get(RUN_ATTR)
         if self.client is None or run_id is None:
             return
-        now = int(time.time() * 1000)
         metrics = {}
         if frozen.state.name == "COMPLETE":
             extra = frozen.user_attrs
@@ -547,23 +539,18 @@ class TrialRecord:
             tags["failure_reason"] = describe_pruned(attrs[PRUNED_ATTR])
         elif "failure" in frozen.user_attrs:
             tags["failure_reason"] = frozen.user_attrs["failure"]
-        finite = [mlflow.entities.Metric(k, float(v), now, 0) for k, v in metrics.items() if not math.isnan(v)]
-        retried(
-            lambda: self.client.log_batch(
-                run_id, metrics=finite, tags=[mlflow.entities.RunTag(k, v) for k, v in tags.items()]
-            )
-        )
+        finite = [(k, float(v), 0) for k, v in metrics.items() if not math.isnan(v)]
+        retried(lambda: log_batch(self.client, run_id, metrics=finite, tags=tags.items()))
         status = {"COMPLETE": "FINISHED", "PRUNED": "KILLED"}.get(frozen.state.name, "FAILED")
-        retried(lambda: self.client.set_terminated(run_id, status))
+        retried(lambda: end_run(self.client, run_id, status))
 
     def results(self, study, settings: dict, n_trials: int) -> dict:
         """The study's outcome, written to ``optimization_results.yaml`` and put on the sweep's MLflow run: the best
         trial (number, parameters, mean over seeds with its 95% interval, each seed's value) and the count of
         trials in each state."""
-        import mlflow
         import yaml
 
-        from fedrun.tracking import retried
+        from fedrun.tracking import log_batch, retried
 
         trials = study.get_trials(deepcopy=False)
         counts = {}
@@ -596,24 +583,16 @@ class TrialRecord:
             yaml.safe_dump(json.loads(json.dumps(out, default=float)), sort_keys=False)
         )
         if self.client is not None and self.parent:
-            now = int(time.time() * 1000)
-            metrics = [mlflow.entities.Metric(f"trials_{k}", float(v), now, 0) for k, v in counts.items()]
+            metrics = [(f"trials_{k}", float(v), 0) for k, v in counts.items()]
             tags = {
                 "fedrun.study": study.study_name,
                 "fedrun.objective": f"{settings['direction']} {settings['objective']}",
             }
             if complete:
                 best = out["best_trial"]
-                metrics += [
-                    mlflow.entities.Metric("best_objective", float(best["mean"]), now, 0),
-                    mlflow.entities.Metric("best_trial", float(best["number"]), now, 0),
-                ]
+                metrics += [("best_objective", float(best["mean"]), 0), ("best_trial", float(best["number"]), 0)]
                 if not math.isnan(half):
-                    metrics.append(mlflow.entities.Metric("best_objective_ci95", float(half), now, 0))
+                    metrics.append(("best_objective_ci95", float(half), 0))
                 tags.update({f"best.{k}": str(v) for k, v in best["params"].items()})
-            retried(
-                lambda: self.client.log_batch(
-                    self.parent, metrics=metrics, tags=[mlflow.entities.RunTag(k, v) for k, v in tags.items()]
-                )
-            )
+            retried(lambda: log_batch(self.client, self.parent, metrics=metrics, tags=tags.items()))
         return out

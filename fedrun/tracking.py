@@ -16,6 +16,7 @@ import re
 import sys
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -104,10 +105,8 @@ def preflight(uri: str) -> None:
                 "or tracking.enabled=false and fedrun-import later",
             ) from None
         return
-    import mlflow
-
     try:
-        mlflow.MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        open_client(uri).search_experiments(max_results=1)
     except Exception as exc:  # a scheme MLflow does not know, a database it cannot open
         raise ConfigError(
             "tracking.uri", uri, f"a tracking URI MLflow can open ({str(exc).splitlines()[0][:200]})"
@@ -124,6 +123,115 @@ def retried(call, attempts: int = 8):
             if "database is locked" not in str(exc) or attempt == attempts - 1:
                 raise
             time.sleep(0.05 * 2**attempt)
+
+
+# The store, for the code around the runs (sweeps' and trials' parent runs, fedrun-import, fedrun-report): these
+# functions are its only way to MLflow, so MLflow is imported here alone. A client is an opaque handle to pass back.
+# Retrying stays with the callers: a parallel sweep's writes retry, a one-off import or report fails at once.
+MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100  # what one MLflow log_batch takes (metrics + params + tags <= 1000)
+
+
+def open_client(uri: str):
+    """An MLflow client of the store at ``uri``."""
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=uri)
+
+
+def find_experiment(client, name: str) -> str | None:
+    """The id of the experiment called ``name``, or None when there is none."""
+    experiment = client.get_experiment_by_name(name)
+    return None if experiment is None else experiment.experiment_id
+
+
+def experiment_names(client) -> list[str]:
+    """The names of the store's experiments."""
+    return [experiment.name for experiment in client.search_experiments()]
+
+
+def create_experiment(client, name: str) -> str:
+    """Create the experiment ``name`` with MLflow's defaults (see ``Tracker.experiment_id`` for a run's own); its id."""
+    return client.create_experiment(name)
+
+
+def create_run(client, experiment_id: str, name: str, tags: dict[str, str]) -> str:
+    """Create a RUNNING run called ``name`` with ``tags`` (``mlflow.parentRunId`` makes it a child); its id."""
+    return client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+
+
+def reopen_run(client, run_id: str) -> None:
+    """Mark an ended run RUNNING again (a resumed sweep's or trial's parent run)."""
+    client.update_run(run_id, status="RUNNING")
+
+
+def end_run(client, run_id: str, status: str) -> None:
+    """End the run with ``status`` (``FINISHED``, ``FAILED`` or ``KILLED``)."""
+    client.set_terminated(run_id, status)
+
+
+def child_runs(client, run_id: str) -> list[tuple[str, dict[str, str]]]:
+    """The status and tags of each run whose ``mlflow.parentRunId`` is ``run_id`` (up to 50,000: MLflow's largest
+    page)."""
+    experiment_id = client.get_run(run_id).info.experiment_id
+    children = client.search_runs(
+        [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=50_000
+    )
+    return [(child.info.status, child.data.tags) for child in children]
+
+
+def search_runs(uri: str, experiment_id: str, filter_string: str = "") -> pd.DataFrame:
+    """The experiment's runs matching the MLflow filter, a row each (``run_id``, ``status``, ``params.<key>``,
+    ``tags.<key>``, ``metrics.<name>`` with the last value: ``mlflow.search_runs``'s columns)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)  # mlflow.search_runs reads the process's store, not a client's
+    return mlflow.search_runs([experiment_id], filter_string=filter_string, output_format="pandas")
+
+
+def metric_history(client, run_id: str, name: str) -> list:
+    """Every value the run logged for metric ``name``, each with its ``step`` and ``value``; empty if none."""
+    return client.get_metric_history(run_id, name)
+
+
+def log_batch(
+    client,
+    run_id: str,
+    metrics: Iterable[tuple[str, float, int]] = (),
+    params: Iterable[tuple[str, object]] = (),
+    tags: Iterable[tuple[str, str]] = (),
+) -> None:
+    """Log metrics ``(name, value, step)``, params and tags ``(key, value)`` to the run, in as few MLflow calls as its
+    batch limits allow (one for the usual handful).
+
+    Args:
+        client: From ``open_client``.
+        run_id: The run.
+        metrics: ``(name, value, step)`` each.
+        params: ``(key, value)`` each; a value is logged as ``str(value)``.
+        tags: ``(key, value)`` each.
+    """
+    from mlflow.entities import Metric, Param, RunTag
+
+    now = int(time.time() * 1000)  # one time for the whole batch, as one MLflow call would have
+    metrics = [Metric(name, value, now, step) for name, value, step in metrics]
+    params = [Param(key, str(value)) for key, value in params]
+    tags = [RunTag(key, value) for key, value in tags]
+    while metrics or params or tags:
+        some_params, params = params[:MAX_PARAMS], params[MAX_PARAMS:]
+        some_tags, tags = tags[:MAX_TAGS], tags[MAX_TAGS:]
+        room = MAX_METRICS - len(some_params) - len(some_tags)
+        some_metrics, metrics = metrics[:room], metrics[room:]
+        client.log_batch(run_id, metrics=some_metrics, params=some_params, tags=some_tags)
+
+
+def log_artifact(client, run_id: str, path: Path, folder: str | None = None) -> None:
+    """Copy the file at ``path`` into the run's artifacts, under ``folder`` (None: at their top)."""
+    client.log_artifact(run_id, str(path), folder)
+
+
+def set_tag(client, run_id: str, key: str, value: str) -> None:
+    """Set one tag on the run."""
+    client.set_tag(run_id, key, value)
 
 
 # MLflow's run page draws one section of charts per prefix before the last "/" (``alpha/client_3`` is in ``alpha``),
@@ -225,9 +333,7 @@ class Tracker:
     @staticmethod
     def experiment_id(uri: str, name: str) -> str:
         """The experiment's id, created if needed (by whichever parallel job gets there first)."""
-        import mlflow
-
-        client = mlflow.MlflowClient(tracking_uri=uri)
+        client = open_client(uri)
         for _ in range(2):
             experiment = retried(lambda: client.get_experiment_by_name(name))
             if experiment is not None:

@@ -83,3 +83,39 @@ def test_nothing_below_the_cli_imports_the_cli_the_sweeper_or_an_engine():
         if not within(module, TOP) and (within(target, TOP) or (target in ENGINES and module not in ENGINES))
     )
     assert upward == []
+
+
+def mlflow_importers(root: Path = ROOT) -> list[str]:
+    """The modules of fedrun and hydra_plugins under ``root`` that import MLflow anywhere in their code (inside
+    functions too)."""
+    found = []
+    for path in sorted([*(root / "fedrun").rglob("*.py"), *(root / "hydra_plugins").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            if any(name == "mlflow" or name.startswith("mlflow.") for name in names):
+                found.append(".".join(path.relative_to(root).with_suffix("").parts))
+                break
+    return found
+
+
+def test_the_mlflow_finder_sees_imports_at_any_depth(tmp_path):
+    package = tmp_path / "fedrun"
+    package.mkdir()
+    (tmp_path / "hydra_plugins").mkdir()
+    (package / "tracking.py").write_text("import mlflow\n")
+    (package / "deep.py").write_text("def f():\n    if True:\n        from mlflow.entities import Metric\n")
+    (package / "aliased.py").write_text("import os, mlflow.tracking as t\n")
+    (package / "clean.py").write_text("import mlflow_like\nfrom fedrun.tracking import retried\n")
+    (tmp_path / "hydra_plugins" / "plugin.py").write_text("class P:\n    def m(self):\n        import mlflow\n")
+    assert mlflow_importers(tmp_path) == ["fedrun.aliased", "fedrun.deep", "fedrun.tracking", "hydra_plugins.plugin"]
+
+
+def test_only_the_tracking_layer_imports_mlflow():
+    importers = mlflow_importers()
+    assert "fedrun.tracking" in importers  # the finder still sees the one module that does
+    assert [module for module in importers if module != "fedrun.tracking"] == []

@@ -1,4 +1,5 @@
-"""The tracker's files: wide and long per-client series, columns that appear mid-run (no MLflow here)."""
+"""The tracker's files: wide and long per-client series, columns that appear mid-run; how a batch is split for
+MLflow (no MLflow store here: a client that records its calls)."""
 
 import numpy as np
 import pandas as pd
@@ -48,3 +49,39 @@ def test_a_column_that_appears_mid_run_rewrites_the_file_with_every_earlier_row(
     metrics = pd.read_csv(tmp_path / "metrics.csv")
     assert list(metrics.columns) == ["round", "loss", "phase"]
     assert metrics["loss"].tolist() == [0.5, 0.4, 0.3] and metrics["phase"].fillna(-1).tolist() == [-1, 1.0, 2.0]
+
+
+class RecordingClient:
+    """Stands in for an MLflow client: keeps each log_batch call's entities."""
+
+    def __init__(self):
+        self.calls = []
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=()):
+        self.calls.append((run_id, list(metrics), list(params), list(tags)))
+
+
+def test_a_batch_is_split_at_mlflow_s_limits_and_a_small_one_is_one_call():
+    client = RecordingClient()
+    tracking.log_batch(client, "r", metrics=[("m", 0.5, 3)], params={"lr": 0.1}.items(), tags=[("t", "x")])
+    [(run_id, metrics, params, tags)] = client.calls
+    assert run_id == "r" and [(m.key, m.value, m.step) for m in metrics] == [("m", 0.5, 3)]
+    assert [(p.key, p.value) for p in params] == [("lr", "0.1")] and [(t.key, t.value) for t in tags] == [("t", "x")]
+
+    client = RecordingClient()
+    tracking.log_batch(client, "r", params=[(f"p{i}", i) for i in range(250)])
+    assert [len(params) for _, _, params, _ in client.calls] == [100, 100, 50]
+
+    # 1200 metrics and 3 tags: the first call holds the tags and 997 metrics (1000 entities), the second the rest
+    client = RecordingClient()
+    tracking.log_batch(
+        client, "r", metrics=[("m", float(i), i) for i in range(1200)], tags=[("a", "1"), ("b", "2"), ("c", "3")]
+    )
+    assert [(len(metrics), len(tags)) for _, metrics, _, tags in client.calls] == [(997, 3), (203, 0)]
+    steps = [m.step for _, metrics, _, _ in client.calls for m in metrics]
+    assert steps == list(range(1200))
+    assert len({m.timestamp for _, metrics, _, _ in client.calls for m in metrics}) == 1
+
+    client = RecordingClient()
+    tracking.log_batch(client, "r")
+    assert client.calls == []

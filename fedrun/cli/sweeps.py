@@ -4,7 +4,6 @@ does with each of its jobs."""
 
 import atexit
 import sys
-import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
@@ -16,24 +15,33 @@ from fedrun.checkpoint import lock
 from fedrun.cli.runinfo import git_commit
 from fedrun.errors import ConfigError
 from fedrun.sweepdir import sweep_parent, trial_of, write_parent
-from fedrun.tracking import Tracker, preflight, resolve_uri, retried
+from fedrun.tracking import (
+    Tracker,
+    child_runs,
+    create_run,
+    end_run,
+    log_batch,
+    open_client,
+    preflight,
+    reopen_run,
+    resolve_uri,
+    retried,
+)
 
 
 def open_sweep_run(uri: str, experiment: str, sweep_dir: Path, name: str, tags: dict) -> str:
     """The MLflow run that groups a sweep's jobs as its children (the UI shows them under it): created on the
     sweep's first launch, reopened when the sweep is resumed. Its id goes to the sweep dir (``fedrun.sweepdir``), where
     every job reads it (``sweep_parent``), on this machine or on a cluster node sharing the dir."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=uri)
+    client = open_client(uri)
     run_id = sweep_parent(sweep_dir)
     if run_id is not None:
-        retried(lambda: client.update_run(run_id, status="RUNNING"))
+        retried(lambda: reopen_run(client, run_id))
         return run_id
     experiment_id = Tracker.experiment_id(uri, experiment)
-    run = retried(lambda: client.create_run(experiment_id, run_name=name, tags=tags))
-    write_parent(sweep_dir, run.info.run_id)
-    return run.info.run_id
+    run_id = retried(lambda: create_run(client, experiment_id, name, tags))
+    write_parent(sweep_dir, run_id)
+    return run_id
 
 
 def seed_report(cfg: DictConfig, hydra_cfg):
@@ -64,18 +72,11 @@ def close_sweep_run(uri: str, run_id: str) -> str:
     (one failed, or none ran: the sweep stopped before its jobs, at a config error) or KILLED (one was stopped),
     with the count of children in each state as metrics (``jobs_finished`` ..., ``jobs_pruned``). Returns the
     status."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    run = retried(lambda: client.get_run(run_id))
-    children = retried(
-        lambda: client.search_runs(
-            [run.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=50_000
-        )
-    )
-    pruned = [c.info.status == "KILLED" and c.data.tags.get("optuna.state") == "PRUNED" for c in children]
+    client = open_client(uri)
+    children = retried(lambda: child_runs(client, run_id))
+    pruned = [status == "KILLED" and tags.get("optuna.state") == "PRUNED" for status, tags in children]
     counts = {
-        state: sum(child.info.status == state and not p for child, p in zip(children, pruned))
+        state: sum(status == state and not p for (status, _), p in zip(children, pruned))
         for state in ("FINISHED", "FAILED", "KILLED", "RUNNING")
     }
     counts["PRUNED"] = sum(pruned)
@@ -86,16 +87,8 @@ def close_sweep_run(uri: str, run_id: str) -> str:
         if counts["KILLED"] or counts["RUNNING"]
         else "FINISHED"
     )
-    retried(
-        lambda: client.log_batch(
-            run_id,
-            metrics=[
-                mlflow.entities.Metric(f"jobs_{state.lower()}", n, int(time.time() * 1000), 0)
-                for state, n in counts.items()
-            ],
-        )
-    )
-    retried(lambda: client.set_terminated(run_id, status))
+    retried(lambda: log_batch(client, run_id, metrics=[(f"jobs_{state.lower()}", n, 0) for state, n in counts.items()]))
+    retried(lambda: end_run(client, run_id, status))
     return status
 
 
