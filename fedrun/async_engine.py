@@ -14,6 +14,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 
 from fedrun.aggregators.buffered import AsyncAggregator, BufferReport
 from fedrun.backends import as_device, passes
-from fedrun.checkpoint import Checkpoint
+from fedrun.checkpoint import Checkpoint, snapshot
 from fedrun.clients import per_sample_loss
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, check
@@ -31,10 +32,9 @@ from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import LazyClients, client_sizes
-from fedrun.pipeline import Pipeline, upload_message_mb
-from fedrun.rounds import RunResult, record
+from fedrun.parts import Parts, layout
+from fedrun.rounds import Bits, RunResult, record
 from fedrun.seeding import numpy_rng
-from fedrun.servers import ServerOptimizer
 from fedrun.state import Context, Stateful
 
 FAIRNESS_PIECE = 8192  # samples per piece of the end-of-run per-client accuracy pass
@@ -174,138 +174,67 @@ class AsyncEngine:
         model: nn.Module,
         data: FederatedData,
         clients: list[np.ndarray],
-        aggregator: AsyncAggregator,
+        parts: Parts,
         optimizer: Callable[..., torch.optim.Optimizer],
         schedule,
         device,
         seed: int,
-        server: ServerOptimizer | None = None,
         on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
         client_tests: list[np.ndarray] | None = None,
-        heterogeneity=None,
         checkpoint: Checkpoint | None = None,
-        pipeline: Pipeline | None = None,
-        privacy=None,  # refused by ``fedrun.privacy.Privacy.check`` (not accounted here)
-        sampler=None,  # uniform only (``check``): who trains next is who finished
     ):
         """Simulate until ``schedule.rounds`` aggregations (server versions) or ``max_time``.
 
-        Same arguments as ``fedrun.engine.run``; each metrics row is one aggregation. Compute
-        heterogeneity comes from the speed groups here (``heterogeneity`` must be the equal-work default). Each
-        arriving update passes the ``pipeline`` alone, as its client would send it; an aggregation's row logs the
-        mean of its buffered updates' stage diagnostics.
+        Same arguments as ``fedrun.engine.run``; each metrics row is one aggregation. Compute heterogeneity comes
+        from the speed groups here (the parts' heterogeneity is the equal-work default, ``fedrun.compat``); who
+        trains next is who finished (the sampler is uniform). Each arriving update passes the stages alone, as its
+        client would send it; an aggregation's row logs the mean of its buffered updates' stage diagnostics.
         """
-        self.check(aggregator, heterogeneity, pipeline)
-        pipeline = pipeline or Pipeline()
-        pipeline.bind(Context(schedule, client_sizes(clients), seed, asynchronous=True))
         group_of = self.assign(len(clients))
-        server = server or ServerOptimizer()
         device = as_device(device)
         x, y, x_test, y_test = device.prepare(model, data.x_train, data.y_train, data.x_test, data.y_test)
         model.eval()
-        population = isinstance(clients, LazyClients)
-        if population and self.concurrency is None:
+        if isinstance(clients, LazyClients) and self.concurrency is None:
             raise ConfigError(
                 "engine.concurrency", None, "the clients training at once with partition=population (not all of them)"
             )
         # A population's clients are drawn when they train: the groups' label sets are alike, and none is computed.
-        label_sets = {} if population else self._label_sets(data, clients, group_of)
+        label_sets = {} if isinstance(clients, LazyClients) else self._label_sets(data, clients, group_of)
         sizes = client_sizes(clients)
+        weighting = getattr(parts.aggregator, "weighting", "samples")
+        parts.bind(Context(schedule, sizes, seed, weighting, asynchronous=True, layout=layout(model)))
         # The clients that arrive at one instant train together (each from the model it pulled), on the device's
         # backend. Drawn speeds make them arrive one at a time, so ``auto`` keeps the loop; with equal speeds a
         # whole wave arrives together, and ``device.backend=processes`` (CPU) or ``vmap`` (GPU) trains it at once.
         trainer = device.trainer(model, x, y, optimizer, passes(int(sizes.mean()), schedule.work), together=1)
-        first_lr = base_lr(optimizer)
-        speed_rng = _Streams(seed, "speed")  # a client's stream is made when it first trains
-
-        w = flat_parameters(model)
-        message_mb = w.numel() * w.element_size() / 1e6
-        upload_mb = upload_message_mb(pipeline, w)
-        version, jobs, buffer = 0, np.zeros(len(clients), dtype=int), []
-        sampler = numpy_rng(seed, "concurrency")  # who trains next, when concurrency limits it
-        active = self._first(len(clients), sampler)
-        pulled = {c: (0, w) for c in active}  # model version and weights each training client started from
-        events = []
-        for c in active:
-            self._start(events, c, 0.0, speed_rng, group_of)
-        applied = np.zeros(len(clients))  # total alpha each client received
-        result = RunResult(w)
-        saved = checkpoint.restored() if checkpoint else None
-        if saved is not None:  # the whole simulation as it was at the end of the instant of aggregation saved["round"]
-            w, version, jobs, buffer, pulled, events = (
-                saved["w"],
-                saved["version"],
-                saved["jobs"],
-                saved["buffer"],
-                saved["pulled"],
-                saved["events"],
-            )
-            sampler, applied = saved["sampler"], saved["applied"]
-            speed_rng.load_state_dict(saved["speed_rng"])
-            aggregator.load_state_dict(saved["aggregator"])
-            server.load_state_dict(saved["server"])
-            pipeline.load_state_dict(saved["pipeline"])
-            result = RunResult(w, rows=saved["rows"])
+        first_lr, w = base_lr(optimizer), flat_parameters(model)
+        loop, result, bits = self._start_all(w, seed, group_of), RunResult(w), Bits.of(parts.stages, w)
+        if (saved := parts.restore(checkpoint)) is not None:  # the simulation after the instant of saved["round"]
+            loop = AsyncLoop.of(saved["loop"], seed)
+            result = RunResult(loop.params, rows=saved["rows"])
+        evaluate = lambda p: self._evaluate(model, p, x_test, y_test, label_sets)  # noqa: E731
         try:
-            bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True, initial=version)
+            bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True, initial=loop.version)
             start, done = time.perf_counter(), False
-            while events and not done:
-                now = events[0][0]
+            while loop.events and not done:
+                now = loop.events[0][0]
                 if self.max_time is not None and now > self.max_time:
                     break
-                arrived = []  # every arrival at this instant, in client-id order (the heap's tie-break)
-                while events and events[0][0] == now:
-                    arrived.append(heapq.heappop(events)[1])
-                trained = self._train(
-                    trainer, arrived, pulled, jobs, clients, schedule, first_lr, version, len(buffer), aggregator, seed
-                )
+                arrived = loop.arrivals(now)  # in client-id order (the heap's tie-break)
+                trained = self._train(trainer, arrived, loop, clients, schedule, first_lr, parts.aggregator, seed)
                 for c in arrived:
-                    jobs[c] += 1
-                    from_version, w_pulled = pulled[c]
-                    lr = schedule.lr(first_lr, version + 1)
-                    delta = trained[c]
-                    delta, stage_diagnostics = (
-                        pipeline(delta[None], np.array([c]), version + 1) if pipeline else (delta[None], {})
-                    )
-                    aggregator.observe(c, version - from_version)
-                    buffer.append((c, delta[0], version - from_version, w_pulled, stage_diagnostics))
-                    if len(buffer) < aggregator.buffer_size:
+                    loop.jobs[c] += 1
+                    from_version, w_pulled = loop.pulled[c]
+                    sent, stage_diagnostics = parts.stages(trained[c][None], np.array([c]), loop.version + 1)
+                    parts.aggregator.observe(c, loop.version - from_version)
+                    loop.buffer.append((c, sent[0], loop.version - from_version, w_pulled, stage_diagnostics))
+                    if len(loop.buffer) < parts.aggregator.buffer_size:
                         continue
-                    ids = np.array([b[0] for b in buffer])
-                    staleness = np.array([b[2] for b in buffer], dtype=np.float64)
-                    report = BufferReport(ids, sizes[ids], staleness, version, [b[3] for b in buffer])
-                    update, alpha, diagnostics = aggregator.aggregate(w, torch.stack([b[1] for b in buffer]), report)
-                    pipeline.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation
-                    w = server.step(w, update)
-                    version, buffer, buffer_done = version + 1, [], buffer
-                    alpha_all = np.bincount(ids, weights=alpha, minlength=len(clients))
-                    applied += alpha_all
-                    row = {
-                        "round": version,
-                        "virtual_time": now,
-                        "staleness_mean": staleness.mean(),
-                        "staleness_max": staleness.max(),
-                        "lr": lr,
-                        "upload_mb": len(ids) * upload_mb,
-                        "download_mb": len(ids) * message_mb,
-                    }
-                    row.update(
-                        dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan)
-                    )
-                    row.update(diagnostics)
-                    row.update({k: float(np.mean([b[4][k] for b in buffer_done])) for k in buffer_done[0][4]})
+                    lr = schedule.lr(first_lr, loop.version + 1)
+                    row, alpha = self._aggregate(loop, parts, sizes, now, lr, bits, label_sets)
+                    diverged = not torch.isfinite(loop.params).all()
                     done = record(
-                        row,
-                        w,
-                        not torch.isfinite(w).all(),
-                        lr,
-                        schedule,
-                        lambda p: self._evaluate(model, p, x_test, y_test, label_sets),
-                        result,
-                        on_round,
-                        {"alpha": alpha_all},
-                        bar,
-                        start,
+                        row, loop.params, diverged, lr, schedule, evaluate, result, on_round, alpha, bar, start
                     )
                     start = time.perf_counter()
                     bar.update()
@@ -313,52 +242,64 @@ class AsyncEngine:
                         break
                 # Restart with the newest model at this instant, this instant's aggregations included: the arrived
                 # clients themselves, or as many clients drawn among those not training.
-                for c in self._next(arrived, pulled, len(clients), sampler):
-                    pulled[c] = (version, w)
-                    self._start(events, c, now, speed_rng, group_of)
-                if (
-                    checkpoint and result.rows and result.rows[-1]["round"] > checkpoint.saved_round
-                ):  # aggregated at this instant
-                    checkpoint.after_round(
-                        version,
-                        result.rows[-1]["round_wall_s"],
-                        done,
-                        lambda: {
-                            "round": version,
-                            "engine": "async",
-                            "finished": done,
-                            "w": w,
-                            "version": version,
-                            "jobs": jobs,
-                            "buffer": buffer,
-                            "pulled": pulled,
-                            "events": events,
-                            "sampler": sampler,
-                            "speed_rng": speed_rng.state_dict(),
-                            "applied": applied,
-                            "aggregator": aggregator.state_dict(),
-                            "server": server.state_dict(),
-                            "pipeline": pipeline.state_dict(),
-                            "rows": result.rows,
-                        },
-                    )
+                for c in self._next(arrived, loop.pulled, len(clients), loop.rng):
+                    loop.pulled[c] = (loop.version, loop.params)
+                    self._start(loop.events, c, now, loop.speed_rng, group_of)
+                if checkpoint and result.rows and result.rows[-1]["round"] > checkpoint.saved_round:  # aggregated now
+                    state = lambda: snapshot("async", loop.version, done, parts, loop.state(), result.rows)  # noqa: E731
+                    checkpoint.after_round(loop.version, result.rows[-1]["round_wall_s"], done, state)
             bar.close()
         finally:
             trainer.close()
         held_x, held_y = data.held_out(x, y, x_test, y_test) if client_tests else (x, y)
         result.summary, result.tables = self._fairness(
-            model, result.params, held_x, held_y, clients, client_tests, group_of, applied
+            model, result.params, held_x, held_y, clients, client_tests, group_of, loop.applied
         )
         return result
 
+    def _start_all(self, w: torch.Tensor, seed: int, group_of: np.ndarray) -> "AsyncLoop":
+        """The simulation at time 0: the first clients training from w_0, their arrivals on the heap."""
+        loop = AsyncLoop(w, numpy_rng(seed, "concurrency"), _Streams(seed, "speed"), len(group_of))
+        for c in self._first(len(group_of), loop.rng):
+            loop.pulled[c] = (0, w)
+            self._start(loop.events, c, 0.0, loop.speed_rng, group_of)
+        return loop
+
+    def _aggregate(self, loop: "AsyncLoop", parts: Parts, sizes, now: float, lr: float, bits: Bits, label_sets):
+        """Aggregate the full buffer and step the server: the aggregation's row (before evaluation) and the
+        per-client series (alpha over all clients)."""
+        buffer, loop.buffer = loop.buffer, []
+        ids = np.array([b[0] for b in buffer])
+        staleness = np.array([b[2] for b in buffer], dtype=np.float64)
+        report = BufferReport(ids, sizes[ids], staleness, loop.version, [b[3] for b in buffer])
+        update, alpha, diagnostics = parts.aggregator.aggregate(
+            loop.params, torch.stack([b[1] for b in buffer]), report
+        )
+        parts.stages.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation
+        loop.params, loop.version = parts.server.step(loop.params, update), loop.version + 1
+        alpha_all = np.bincount(ids, weights=alpha, minlength=len(loop.jobs))
+        loop.applied += alpha_all
+        row = {
+            "round": loop.version,
+            "virtual_time": now,
+            "staleness_mean": staleness.mean(),
+            "staleness_max": staleness.max(),
+            "lr": lr,
+            "upload_mb": len(ids) * bits.upload_mb,
+            "download_mb": len(ids) * bits.dense_mb,
+        }
+        row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
+        row.update(diagnostics)
+        row.update({k: float(np.mean([b[4][k] for b in buffer])) for k in buffer[0][4]})
+        return row, {"alpha": alpha_all}
+
     @staticmethod
-    def _train(
-        trainer, arrived, pulled, jobs, clients, schedule, first_lr, version, buffered, aggregator, seed
-    ) -> dict:
+    def _train(trainer, arrived, loop: "AsyncLoop", clients, schedule, first_lr, aggregator, seed) -> dict:
         """The update of each client arriving at this instant, trained together: each from the model it pulled,
         with its own (job, client) stream and the learning rate of the aggregation it will join. The k-th
         arrival (0-based) joins aggregation ``version + 1 + (buffered + k) // b``, one aggregation each time the
         buffer of b fills. Clients with equal rates train in one call."""
+        version, buffered, pulled, jobs = loop.version, len(loop.buffer), loop.pulled, loop.jobs
         rates = [
             schedule.lr(first_lr, version + 1 + (buffered + k) // aggregator.buffer_size) for k in range(len(arrived))
         ]
@@ -452,11 +393,55 @@ class AsyncEngine:
         return summary, {"fairness.csv": table}
 
 
+@dataclass
+class AsyncLoop:
+    """What the asynchronous simulation carries between instants besides its parts (checkpointed as ``loop``)."""
+
+    params: torch.Tensor  # the newest global model
+    rng: np.random.Generator  # who trains next, when concurrency limits it
+    speed_rng: "_Streams"  # each client's compute times
+    num_clients: int = 0
+    version: int = 0
+    jobs: np.ndarray = None  # each client's jobs so far (the key of its mini-batch stream)
+    buffer: list = field(default_factory=list)  # (client, update, staleness, model it pulled, stage diagnostics)
+    pulled: dict = field(default_factory=dict)  # each training client's (model version, model) it started from
+    events: list = field(default_factory=list)  # the heap of (arrival time, client)
+    applied: np.ndarray = None  # the total alpha each client received
+
+    def __post_init__(self):
+        self.jobs = np.zeros(self.num_clients, dtype=int) if self.jobs is None else self.jobs
+        self.applied = np.zeros(self.num_clients) if self.applied is None else self.applied
+
+    def arrivals(self, now: float) -> list[int]:
+        """Every client arriving at ``now``, taken off the heap in client-id order."""
+        arrived = []
+        while self.events and self.events[0][0] == now:
+            arrived.append(heapq.heappop(self.events)[1])
+        return arrived
+
+    def state(self) -> dict:
+        return {**{k: v for k, v in vars(self).items() if k != "num_clients"}, "speed_rng": self.speed_rng.state_dict()}
+
+    @classmethod
+    def of(cls, state: dict, seed: int) -> "AsyncLoop":
+        speed_rng = _Streams(seed, "speed")
+        speed_rng.load_state_dict(state["speed_rng"])
+        return cls(**{**state, "speed_rng": speed_rng, "num_clients": len(state["jobs"])})
+
+
 class _Streams(Stateful):
     """Each client's random stream under ``seed`` and ``name``, made on first use (a list-like of generators)."""
 
+    STATE = ("made",)  # the streams made so far; seed and name come from the run
+
     def __init__(self, seed: int, name: str):
         self.seed, self.name, self.made = seed, name, {}
+
+    def state_dict(self) -> dict:
+        return {"made": self.made}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.made = dict(state["made"])
 
     def __getitem__(self, client: int) -> np.random.Generator:
         if client not in self.made:

@@ -124,6 +124,23 @@ def _forget_locks_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
+VERSION = 2  # {part: state} + the loop's variables; fedrun.upgrade.migrate reads the unversioned ones before it
+
+
+def snapshot(engine: str, round_: int, finished: bool, parts, loop: dict, rows: list) -> dict:
+    """The state a checkpoint keeps, the same form for both engines: each part's ``state_dict()`` by name
+    (``fedrun.parts.Parts``), the engine's own loop variables and the metrics rows so far."""
+    return {
+        "version": VERSION,
+        "engine": engine,
+        "round": round_,
+        "finished": finished,
+        "parts": parts.state_dict(),
+        "loop": loop,
+        "rows": rows,
+    }
+
+
 SLOW_ROUND_S = 10.0  # the default: a checkpoint every round when rounds take longer than this, else every 10
 
 

@@ -114,11 +114,12 @@ def client_accuracy(
     y: torch.Tensor,
     tests: list[np.ndarray],
 ) -> np.ndarray:
-    """Each local model's (w + Delta_i) accuracy on its client's own held-out samples."""
+    """Each local model's (w + Delta_i) accuracy on its client's own held-out samples; ``global_params`` may hold
+    one start per client (a client state's)."""
     accuracy = []
-    for delta, test in zip(deltas, tests):
+    for row, (delta, test) in enumerate(zip(deltas, tests)):
         index = torch.as_tensor(test, device=x.device)
-        accuracy.append(evaluate(model, global_params + delta, x[index], y[index])[0])
+        accuracy.append(evaluate(model, per_client_start(global_params, row) + delta, x[index], y[index])[0])
     return np.array(accuracy)
 
 

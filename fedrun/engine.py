@@ -1,51 +1,57 @@
-"""The synchronous round loop. No Hydra here: it takes plain objects and reports each round to a callback."""
+"""The synchronous round loop. No Hydra here: it takes plain objects and reports each round to a callback.
+
+A round reads top to bottom as select, each client's start and data, train, stages, aggregate, server step,
+record; each step is a part of ``fedrun.parts.Parts`` (``fedrun.parts`` says what each may do).
+"""
 
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from fedrun.aggregators import MVR, Aggregator, FedAvg
 from fedrun.backends import Device, as_device, passes
-from fedrun.checkpoint import Checkpoint
+from fedrun.checkpoint import Checkpoint, snapshot
 from fedrun.clients import FStarEstimate, client_accuracy, evaluate
 from fedrun.cohort import Lazy, RoundView
 from fedrun.datasets import FederatedData
-from fedrun.errors import ConfigError, DivergenceError
-from fedrun.heterogeneity import EqualWork
+from fedrun.errors import DivergenceError
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import client_sizes
-from fedrun.pipeline import Pipeline, upload_message_mb
-from fedrun.privacy import Privacy
-from fedrun.rounds import RunResult, Schedule, record
-from fedrun.sampling import LOSS_BYTES, Sampler, Uniform
+from fedrun.parts import Parts, layout
+from fedrun.rounds import Bits, RunResult, Schedule, Timer, progress, record
+from fedrun.sampling import LOSS_BYTES
 from fedrun.seeding import numpy_rng
-from fedrun.servers import ServerOptimizer
 from fedrun.state import Context
+
+
+@dataclass
+class Loop:
+    """What the synchronous loop carries between rounds besides its parts (checkpointed as ``loop``)."""
+
+    params: torch.Tensor  # the global model w_t
+    rng: np.random.Generator  # the sampler's draws
+    previous: torch.Tensor | None = None  # w_{t-1}, for aggregators that read it (MVR)
+    latest_accuracy: float = math.nan  # what accuracy-triggered aggregators (hybrid) see
+    fstar: dict = field(default_factory=dict)  # the F* estimate's cache
 
 
 def run(
     model: nn.Module,
     data: FederatedData,
     clients: list[np.ndarray],
-    aggregator: Aggregator,
+    parts: Parts,
     optimizer: Callable[..., torch.optim.Optimizer],
     schedule: Schedule,
     device: Device | torch.device,
     seed: int,
-    server: ServerOptimizer | None = None,
     on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
     client_tests: list[np.ndarray] | None = None,
-    heterogeneity: EqualWork | None = None,
     checkpoint: Checkpoint | None = None,
-    pipeline: Pipeline | None = None,
-    privacy: Privacy | None = None,
-    sampler: Sampler | None = None,
 ) -> RunResult:
     """Run synchronous federated training.
 
@@ -53,282 +59,225 @@ def run(
         model: The global model's architecture, already initialised from the ``init`` stream.
         data: The dataset's tensors.
         clients: One training-index array per client.
-        aggregator: Chooses alpha and combines the updates.
+        parts: The round's parts (``fedrun.parts.Parts``: sampler, client state, heterogeneity, stages, aggregator,
+            server optimizer, privacy); bound here.
         optimizer: ``optimizer(params, lr=...)`` builds a local optimizer; its own ``lr`` is the base rate.
         schedule: Rounds, local work, sampling, evaluation.
         device: Where and how to train (a ``torch.device`` means the plain loop in the contiguous layout).
         seed: Run seed (client sampling and mini-batch streams).
-        server: Applies the combined update (default: w + Delta).
         on_round: Called after each round with the metrics row and per-client series over all clients
-            (``alpha``, ``local_steps``; 0 for clients not in the cohort).
+            (``alpha``, ``local_steps``, ``selected``; 0 for clients not in the cohort).
         client_tests: Each client's own held-out samples (indices into train), or None. When given, the
             mean accuracy of the cohort's local models on them is logged as ``client_accuracy``.
-        heterogeneity: How much local work each cohort client does (default: the schedule's).
         checkpoint: Where and when to checkpoint, and whether to resume from its file (see fedrun.checkpoint).
-        pipeline: The stages each round's updates pass between training and aggregation (default: none).
-        privacy: DP-FedAvg's clipping, noise and accounting in place of the aggregator (default: none; bound to the
-            run's sampling by ``Privacy.bind``).
-        sampler: Who trains each round (default: ``Uniform``, the schedule's sampling); bound here.
 
     Returns:
         The final model and the metrics rows.
     """
     device = as_device(device)
-    has_val = data.x_val is not None and len(data.y_val) > 0
-    x, y, x_test, y_test, x_val, y_val = device.prepare(
-        model,
-        data.x_train,
-        data.y_train,
-        data.x_test,
-        data.y_test,
-        *((data.x_val, data.y_val) if has_val else (None, None)),
-    )
-    model.eval()
-    held_out = data.held_out(x, y, x_test, y_test)  # what client_tests index
-    server = server or ServerOptimizer()
-    heterogeneity = heterogeneity or EqualWork()
-    pipeline = pipeline or Pipeline()
-    privacy = privacy or Privacy()
+    tensors = Tensors.on(device, model, data)
     sizes = client_sizes(clients)  # a population's shared array: nothing per client
-    first_lr = base_lr(optimizer)
-    params = flat_parameters(model)
-    initial = params  # w_0, where the F* estimate starts
-    rng = numpy_rng(seed, "sampling")  # the sampler's draws (checkpointed as "sampler")
-    sampler = sampler or Uniform()
-    context = Context(schedule, sizes, seed, getattr(aggregator, "weighting", "samples"))
-    sampler.bind(context)
-    pipeline.bind(context)
+    weighting = getattr(parts.aggregator, "weighting", "samples")
+    parts.bind(Context(schedule, sizes, seed, weighting, layout=layout(model)))
+    first_lr, initial = base_lr(optimizer), flat_parameters(model)  # w_0, where the F* estimate starts
+    loop, result, first = Loop(initial, numpy_rng(seed, "sampling")), RunResult(initial), 1
+    if (saved := parts.restore(checkpoint)) is not None:  # the loop as it was after round saved["round"]
+        loop, first = Loop(**saved["loop"]), saved["round"] + 1
+        result = RunResult(loop.params, rows=saved["rows"])
     m = schedule.cohort_size(len(clients))
-    accuracy_source = "val_accuracy" if has_val else "test_accuracy"
-    previous = None  # the previous global model, for aggregators that need it (MVR)
-    message_mb = params.numel() * params.element_size() / 1e6
-    upload_mb = upload_message_mb(pipeline, params)  # a compressed update's message, else the dense one
-    latest_accuracy = math.nan  # what accuracy-triggered aggregators (hybrid) see
-    result = RunResult(params)
-    first = 1
-    saved = checkpoint.restored() if checkpoint else None
-    if saved is not None:  # everything the loop carries between rounds, as it was after round saved["round"]
-        first = saved["round"] + 1
-        params, previous, latest_accuracy, rng = (
-            saved["params"],
-            saved["previous"],
-            saved["latest_accuracy"],
-            saved["sampler"],
-        )
-        aggregator.load_state_dict(saved["aggregator"])
-        server.load_state_dict(saved["server"])
-        pipeline.load_state_dict(saved["pipeline"])
-        sampler.load_state_dict(saved.get("selection", {}))  # a checkpoint from before samplers has none
-        privacy.load_state_dict(saved.get("privacy", {}))  # refused if private and the checkpoint has no ledger
-        result = RunResult(params, rows=saved["rows"])
+    x, y = parts.client_state.training_data(tensors.x, tensors.y)
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
     fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)
-    fstar.cache.update(saved["fstar"] if saved is not None else {})
-
-    def measure(w: torch.Tensor) -> dict:
-        columns = dict(zip(("test_accuracy", "test_loss"), evaluate(model, w, x_test, y_test)))
-        if has_val:
-            columns.update(zip(("val_accuracy", "val_loss"), evaluate(model, w, x_val, y_val)))
-        return columns
-
+    fstar.cache.update(loop.fstar)
+    bits = Bits.of(parts.stages, initial)
     try:
-        bar = tqdm(
-            range(first, schedule.rounds + 1),
-            desc="rounds",
-            unit="round",
-            dynamic_ncols=True,
-            initial=first - 1,
-            total=schedule.rounds,
-        )
+        bar = progress(first, schedule.rounds, "rounds", "round")
         for t in bar:
-            if privacy.exceeds():  # the run ends here, FINISHED, its epsilon within max_epsilon (tag stopped_by)
+            if parts.exhausted():  # the run ends here, FINISHED (privacy's max_epsilon: the tag stopped_by)
                 break
-            start = time.perf_counter()
-            clock = time.perf_counter()
-            selection = sampler.draw(
-                rng, lambda ids, w=params: trainer.losses(w, [clients[i] for i in ids], schedule.batch_size)
-            )
-            selection_s = time.perf_counter() - clock
-            selected = np.zeros(len(clients), dtype=np.int64)  # who was picked (before stragglers drop out)
-            selected[selection.cohort] = selection.counts
-            plan = heterogeneity.plan(
-                t, selection.cohort, sizes[selection.cohort], schedule.work, seed, counts=selection.counts
-            )
-            works = [work for work in plan if work is not None]
-            selection = selection.keep(np.array([work is not None for work in plan], dtype=bool))  # stragglers drop out
-            cohort = selection.cohort
-            parts = [clients[i] for i in cohort]
-            lr = schedule.lr(first_lr, t)
-            clock = time.perf_counter()
-            trained = trainer(params, parts, cohort, lr, works, seed, t)
-            train_s = time.perf_counter() - clock
-            deltas = trained.deltas  # as trained: each client's local model (client_accuracy) is params + these
-            clock = time.perf_counter()
-            sent, stage_diagnostics = pipeline(deltas, cohort, t) if pipeline else (deltas, {})
-            pipeline.end_round()
-            pipeline_s = time.perf_counter() - clock
-            # What the aggregator may read; the lazy signals cost nothing unless read. Bound to this round.
-            report = RoundView(
-                cohort,
-                sizes[cohort],
-                round=t,
-                accuracy=latest_accuracy,
-                accuracy_source=accuracy_source,
-                fstar=fstar,
-                local_losses=trained.local_losses,
-                steps=trained.steps,
-                coefficient_norms=trained.coefficient_norms,
-                # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t (or
-                # what Power-of-Choice already measured to choose the cohort).
-                losses=selection.losses
-                if selection.losses is not None
-                else Lazy(lambda w=params, parts=parts: trainer.losses(w, parts, schedule.batch_size)),
-                # From the previous global model on the same mini-batches (same round and client keys); MVR.
-                measure=lambda signal, w=params, parts=parts: trainer.per_client(signal, w, parts),
-                previous_deltas=Lazy(
-                    lambda w=previous, parts=parts, cohort=cohort, works=works, lr=lr: (
-                        None if w is None else trainer(w, parts, cohort, lr, works, seed, t).deltas
-                    )
-                ),
-            )
-            previous = params
-            # The papers' client accuracy: each local model on its own held-out split, before aggregation.
-            local_accuracy = (
-                client_accuracy(model, params, deltas, *held_out, [client_tests[i] for i in cohort])
+            started, timer = time.perf_counter(), Timer()
+            with timer("selection_wall_s"):  # Power-of-Choice's loss pass over its candidates
+                selection = parts.sampler.draw(
+                    loop.rng, lambda ids: trainer.losses(loop.params, [clients[i] for i in ids], schedule.batch_size)
+                )
+            selection, works, selected = who_trains(parts, selection, t, sizes, schedule, seed, len(clients))
+            cohort, lr = selection.cohort, schedule.lr(first_lr, t)
+            own = [clients[i] for i in cohort]
+            trained_on, starts = parts.client_state.data(cohort, own), parts.client_state.starts(loop.params, cohort)
+            with timer("train_wall_s"):
+                trained = trainer(starts, trained_on, cohort, lr, works, seed, t)
+            parts.client_state.keep(cohort, starts, trained.deltas)
+            with timer("pipeline_wall_s"):
+                sent, stage_diagnostics = parts.stages(trained.deltas, cohort, t)
+                parts.stages.end_round()
+            view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes)
+            local_accuracy = (  # the papers' client accuracy: each local model on its own held-out split
+                client_accuracy(model, starts, trained.deltas, *tensors.held_out, [client_tests[i] for i in cohort])
                 if client_tests
                 else None
             )
-            clock = time.perf_counter()
-            if privacy:  # DP-FedAvg: clipped, noised, a fixed denominator (an empty round is noise alone)
-                update, alpha, diagnostics = privacy.aggregate(sent, params, t, cohort)
-            elif len(cohort) and selection.weights is not None:  # importance sampling's unbiased FedAvg
-                update, alpha, diagnostics = aggregator.combine(selection.weights, sent, report)
-            elif len(cohort):
-                update, alpha, diagnostics = aggregator.aggregate(params, sent, report)
-            else:  # nobody sampled (poisson): a zero update, and the server steps on it as Opacus steps on an
-                # empty Poisson batch (a server optimizer with momentum still moves; plain SGD does not)
-                update, alpha, diagnostics = torch.zeros_like(params), np.zeros(0), {}
-            sampler.observe(cohort, sent)
-            params = server.step(params, update)
-            diverged = not torch.isfinite(params).all()
-            signals_s = sum(report.wall_s.values())  # lazy signals read while aggregating have their own columns
-            timings = {"aggregate_wall_s": time.perf_counter() - clock - signals_s + pipeline_s}
-
-            # Every row has every column (NaN when not evaluated) so metrics.csv can be appended to.
-            models = 2 if report.read("previous_deltas") else 1  # the previous model goes down, its update up
-            evaluated = not diverged and schedule.evaluates(t)
-            train_loss = math.nan
-            if len(cohort) and (report.read("losses") or evaluated):
-                if not np.all(np.isfinite(report.losses.mean)):
-                    raise DivergenceError(f"non-finite training loss of the global model at round {t} (lr={lr:g})")
-                train_loss = float(np.average(report.losses.mean, weights=sizes[cohort]))
-            timings["loss_wall_s"] = report.wall_s.get("losses", 0.0)
-            timings["train_wall_s"] = train_s + report.wall_s.get("previous_deltas", 0.0)
-            timings["selection_wall_s"] = selection_s  # Power-of-Choice's loss pass over its candidates
-            unkept = max(selection.probed - int(np.count_nonzero(selected)), 0)  # candidates probed, not kept
-            row = {
-                "round": t,
-                "train_loss": train_loss,
-                "lr": lr,
-                "upload_mb": len(cohort) * (upload_mb + (models - 1) * message_mb)
-                + selection.probed * LOSS_BYTES / 1e6,
-                "download_mb": (models * len(cohort) + unkept) * message_mb,
-                "local_steps_mean": float(trained.steps.mean()) if len(cohort) else 0.0,
-                "cohort_size": len(cohort),
-            }
-            row.update(
-                dict.fromkeys(
-                    ["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if has_val else []), math.nan
-                )
-            )
-            if local_accuracy is not None:
-                # A client without held-out samples (a LEAF user with no test sample) counts in no mean.
-                has = [len(client_tests[i]) > 0 for i in cohort]
-                row["client_accuracy"] = float(local_accuracy[has].mean()) if any(has) else math.nan
-            row.update(diagnostics)
-            row.update(selection.spread or {})
-            row.update(stage_diagnostics)
-            row.update(timings)
-            alpha_all, steps_all = np.zeros(len(clients)), np.zeros(len(clients), dtype=int)
-            alpha_all[cohort], steps_all[cohort] = alpha, trained.steps
+            with timer("aggregate_wall_s"):
+                update, alpha, diagnostics = parts.aggregator.aggregate(loop.params, sent, view)
+                parts.sampler.observe(cohort, sent)
+                loop.previous, loop.params = loop.params, parts.server.step(loop.params, update)
+            diverged = not torch.isfinite(loop.params).all()
+            row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule)
+            row.update(client_accuracy_column(local_accuracy, client_tests, cohort), **diagnostics)
+            row.update(selection.spread or {}, **stage_diagnostics, **timings(timer, view))
+            per_client = {"alpha": spread_over(alpha, cohort, len(clients)), "selected": selected}
+            per_client["local_steps"] = spread_over(trained.steps, cohort, len(clients)).astype(int)
             last = record(
-                row,
-                params,
-                diverged,
-                lr,
-                schedule,
-                measure,
-                result,
-                on_round,
-                {"alpha": alpha_all, "local_steps": steps_all, "selected": selected},
-                bar,
-                start,
+                row, loop.params, diverged, lr, schedule, tensors.measure, result, on_round, per_client, bar, started
             )
             if schedule.evaluates(t):
-                latest_accuracy = row[accuracy_source]
+                loop.latest_accuracy = row[tensors.accuracy_source]
             if checkpoint:
+                loop.fstar = fstar.cache
                 checkpoint.after_round(
-                    t,
-                    row["round_wall_s"],
-                    last,
-                    lambda: {
-                        "round": t,
-                        "engine": "sync",
-                        "finished": last,
-                        "params": params,
-                        "previous": previous,
-                        "latest_accuracy": latest_accuracy,
-                        "sampler": rng,
-                        "selection": sampler.state_dict(),
-                        "aggregator": aggregator.state_dict(),
-                        "server": server.state_dict(),
-                        "pipeline": pipeline.state_dict(),
-                        "privacy": privacy.state_dict(),
-                        "fstar": fstar.cache,
-                        "rows": result.rows,
-                    },
+                    t, row["round_wall_s"], last, lambda: snapshot("sync", t, last, parts, vars(loop), result.rows)
                 )
             if last:
                 break
         bar.close()
-        result.summary.update(sampler.summary())
+        result.summary.update(parts.sampler.summary())
     finally:
         trainer.close()
     return result
 
 
+@dataclass
+class Tensors:
+    """The run's data on its device, and how the global model is measured on it."""
+
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    x_val: torch.Tensor | None
+    y_val: torch.Tensor | None
+    held_out: tuple  # what client_tests index: (x, y)
+
+    @classmethod
+    def on(cls, device: Device, model: nn.Module, data: FederatedData) -> "Tensors":
+        has_val = data.x_val is not None and len(data.y_val) > 0
+        val = (data.x_val, data.y_val) if has_val else (None, None)
+        x, y, x_test, y_test, x_val, y_val = device.prepare(
+            model, data.x_train, data.y_train, data.x_test, data.y_test, *val
+        )
+        model.eval()
+        return cls(model, x, y, x_test, y_test, x_val, y_val, data.held_out(x, y, x_test, y_test))
+
+    @property
+    def has_val(self) -> bool:
+        return self.x_val is not None
+
+    @property
+    def accuracy_source(self) -> str:
+        return "val_accuracy" if self.has_val else "test_accuracy"
+
+    @property
+    def columns(self) -> list[str]:
+        return ["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if self.has_val else [])
+
+    def measure(self, w: torch.Tensor) -> dict:
+        columns = dict(zip(("test_accuracy", "test_loss"), evaluate(self.model, w, self.x_test, self.y_test)))
+        if self.has_val:
+            columns.update(zip(("val_accuracy", "val_loss"), evaluate(self.model, w, self.x_val, self.y_val)))
+        return columns
+
+
+def who_trains(parts: Parts, selection, t: int, sizes, schedule: Schedule, seed: int, num_clients: int):
+    """The round's selection after its stragglers dropped out, each client's work, and who was picked (before
+    they dropped out: ``selected``, the draws of each client)."""
+    selected = np.zeros(num_clients, dtype=np.int64)
+    selected[selection.cohort] = selection.counts
+    cohort = selection.cohort
+    plan = parts.heterogeneity.plan(t, cohort, sizes[cohort], schedule.work, seed, counts=selection.counts)
+    works = [work for work in plan if work is not None]
+    return selection.keep(np.array([work is not None for work in plan], dtype=bool)), works, selected
+
+
+def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fstar, tensors, sizes) -> RoundView:
+    """What the aggregator may read this round; the lazy signals cost nothing unless read."""
+    cohort, w, previous, seed, batch_size = selection.cohort, loop.params, loop.previous, fstar.seed, fstar.batch_size
+    return RoundView(
+        cohort,
+        sizes[cohort],
+        round=t,
+        accuracy=loop.latest_accuracy,
+        accuracy_source=tensors.accuracy_source,
+        fstar=fstar,
+        local_losses=trained.local_losses,
+        steps=trained.steps,
+        coefficient_norms=trained.coefficient_norms,
+        sampled_weights=selection.weights,  # importance sampling's unbiased weights (FedAvg takes them)
+        # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t (or what
+        # Power-of-Choice already measured to choose the cohort).
+        losses=selection.losses if selection.losses is not None else Lazy(lambda: trainer.losses(w, data, batch_size)),
+        # From the previous global model on the same mini-batches (same round and client keys); MVR.
+        measure=lambda signal: trainer.per_client(signal, w, data),
+        previous_deltas=Lazy(
+            lambda: None if previous is None else trainer(previous, data, cohort, lr, works, seed, t).deltas
+        ),
+    )
+
+
+def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule) -> dict:
+    """The round's row before its stages', aggregator's and timing columns (every row has every column, NaN when
+    not evaluated, so that metrics.csv can be appended to)."""
+    cohort = selection.cohort
+    view.signals_s = sum(view.wall_s.values())  # read while aggregating: they have their own columns
+    models = 2 if view.read("previous_deltas") else 1  # the previous model goes down, its update up
+    train_loss = math.nan
+    if len(cohort) and (view.read("losses") or (not diverged and schedule.evaluates(t))):
+        if not np.all(np.isfinite(view.losses.mean)):
+            raise DivergenceError(f"non-finite training loss of the global model at round {t} (lr={lr:g})")
+        train_loss = float(np.average(view.losses.mean, weights=view.sizes))
+    unkept = max(selection.probed - int(np.count_nonzero(selected)), 0)  # candidates probed, not kept
+    row = {
+        "round": t,
+        "train_loss": train_loss,
+        "lr": lr,
+        "upload_mb": len(cohort) * (bits.upload_mb + (models - 1) * bits.dense_mb)
+        + selection.probed * LOSS_BYTES / 1e6,
+        "download_mb": (models * len(cohort) + unkept) * bits.dense_mb,
+        "local_steps_mean": float(trained.steps.mean()) if len(cohort) else 0.0,
+        "cohort_size": len(cohort),
+    }
+    return row | dict.fromkeys(tensors.columns, math.nan)
+
+
+def timings(timer: "Timer", view: RoundView) -> dict:
+    """The round's wall-clock columns: a lazy signal's time in its own column, not in the step that read it."""
+    return {
+        "aggregate_wall_s": timer["aggregate_wall_s"] - view.signals_s + timer["pipeline_wall_s"],
+        "loss_wall_s": view.wall_s.get("losses", 0.0),
+        "train_wall_s": timer["train_wall_s"] + view.wall_s.get("previous_deltas", 0.0),
+        "selection_wall_s": timer["selection_wall_s"],
+    }
+
+
+def client_accuracy_column(local_accuracy, client_tests, cohort) -> dict:
+    """``client_accuracy``: the mean over the cohort clients that have held-out samples (a LEAF user with no test
+    sample counts in no mean), when the run has client tests."""
+    if local_accuracy is None:
+        return {}
+    has = [len(client_tests[i]) > 0 for i in cohort]
+    return {"client_accuracy": float(local_accuracy[has].mean()) if any(has) else math.nan}
+
+
+def spread_over(values: np.ndarray, cohort: np.ndarray, num_clients: int) -> np.ndarray:
+    """A per-client series over all clients: the cohort's ``values``, 0 for the others."""
+    out = np.zeros(num_clients)
+    out[cohort] = values
+    return out
+
+
 class SyncEngine:
     """The ``engine=sync`` option: runs ``run`` (a class, so unknown config keys fail when it is built)."""
 
-    asynchronous = False  # a capability the parts check (privacy accounts synchronous rounds only)
-
-    def check(self, aggregator, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
-        """Refuse, before training, an aggregator this engine cannot run."""
-        if not isinstance(aggregator, Aggregator):
-            raise ConfigError("engine", "sync", f"async for {type(aggregator).__name__}, an asynchronous aggregator")
-        if sampler is not None and sampler.name == "importance" and type(aggregator) is not FedAvg:
-            raise ConfigError(
-                "aggregator",
-                type(aggregator).__name__,
-                "fedavg with sampler=importance (its weights q_k / (m p_k) make FedAvg's update unbiased; other "
-                "aggregators choose their own alpha)",
-            )
-        if sampler is not None and sampler.name == "importance" and getattr(heterogeneity, "mode", None) == "drop":
-            raise ConfigError(
-                "heterogeneity.mode",
-                "drop",
-                "partial with sampler=importance (clients dropping out after the draw would bias its estimate)",
-            )
-        if pipeline and isinstance(aggregator, MVR):  # MVR reads a second update per client, which no stage would see
-            raise ConfigError(
-                "pipeline",
-                [type(s).__name__ for s in pipeline.stages],
-                "none with aggregator=mvr (its second update per "
-                "client, from the previous model, would bypass the stages)",
-            )
+    asynchronous = False  # a capability the compatibility table reads (privacy accounts synchronous rounds only)
 
     def __call__(self, **kwargs) -> RunResult:
-        self.check(
-            kwargs["aggregator"], kwargs.get("heterogeneity"), kwargs.get("pipeline"), None, kwargs.get("sampler")
-        )
         return run(**kwargs)

@@ -5,13 +5,16 @@ and the asynchronous one (``fedrun.async_engine``) import it; neither imports th
 import math
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from fedrun.cohort import LocalWork
 from fedrun.errors import DivergenceError, check
+from fedrun.pipeline import upload_message_mb
 
 STOP_ON = {
     "test": ("test_accuracy",),
@@ -193,3 +196,33 @@ def record(
         raise DivergenceError(f"non-finite global model after aggregation at round {t} (lr={lr:g})")
     result.params = params
     return t == schedule.rounds or schedule.reached(row)
+
+
+class Timer(dict):
+    """Seconds spent in named steps of a round: ``with timer("train_wall_s"): ...`` adds to ``timer[name]``."""
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[name] = self.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class Bits:
+    """Megabytes of one model sent down (dense) and of one client's update sent up (through the stages: a
+    compressed message, or a dense one again after noise)."""
+
+    dense_mb: float
+    upload_mb: float
+
+    @classmethod
+    def of(cls, pipeline, params: torch.Tensor) -> "Bits":
+        return cls(params.numel() * params.element_size() / 1e6, upload_message_mb(pipeline, params))
+
+
+def progress(first: int, rounds: int, desc: str, unit: str) -> tqdm:
+    """The progress bar over rounds ``first`` to ``rounds`` (resumed runs start where they were)."""
+    return tqdm(range(first, rounds + 1), desc=desc, unit=unit, dynamic_ncols=True, initial=first - 1, total=rounds)

@@ -21,8 +21,47 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from fedrun.checkpoint import FILE, Checkpoint, lock, read, unlock
+from fedrun.checkpoint import FILE, VERSION, Checkpoint, lock, read, unlock
 from fedrun.errors import ConfigError
+
+# The loop variables of each engine's checkpoints before VERSION 2, old key -> new key (the rest were parts).
+SYNC_LOOP = {"params": "params", "previous": "previous", "latest_accuracy": "latest_accuracy", "sampler": "rng"}
+ASYNC_LOOP = {
+    "w": "params",
+    "version": "version",
+    "jobs": "jobs",
+    "buffer": "buffer",
+    "pulled": "pulled",
+    "events": "events",
+    "sampler": "rng",
+    "speed_rng": "speed_rng",
+    "applied": "applied",
+}
+
+
+def migrate(state: dict) -> dict:
+    """A checkpoint's state in today's form (``fedrun.checkpoint.snapshot``): a flat dict of the engine's variables
+    and its parts' states (before VERSION 2, 2026-11) becomes ``{"parts": {name: state}, "loop": {...}}``. A part
+    the checkpoint predates gets no entry (``Parts.load_state_dict`` starts it from {}). Plain data in, plain data
+    out: nothing is run."""
+    version = state.get("version", 1)
+    if version == VERSION:
+        return state
+    if not isinstance(version, int) or version > VERSION:
+        raise ConfigError("checkpoint", f"format {version}", f"format {VERSION} or older (written by a newer fedrun)")
+    synchronous = state.get("engine", "sync") != "async"
+    names = SYNC_LOOP if synchronous else ASYNC_LOOP
+    loop = {new: state[old] for old, new in names.items()}
+    if synchronous:
+        loop["fstar"] = state.get("fstar", {})
+    parts = {"aggregator": state["aggregator"], "server": state["server"]}
+    parts["pipeline"] = state.get("pipeline", {"stages": []})  # before the pipeline: no stage
+    if "selection" in state:  # the sampler's own state (its draws' generator was the loop's "sampler")
+        parts["sampler"] = state["selection"]
+    if "privacy" in state:
+        parts["privacy"] = state["privacy"]
+    kept = {k: state[k] for k in ("round", "finished", "rows", "extra") if k in state}
+    return {**kept, "version": VERSION, "engine": "sync" if synchronous else "async", "parts": parts, "loop": loop}
 
 
 def plain_state(value):

@@ -68,6 +68,7 @@ from fedrun.leaf import SEQUENCE
 from fedrun.metrics import run_summary
 from fedrun.models import CNN, CharLSTM, LeafCNN
 from fedrun.partitions import LazyClients
+from fedrun.parts import Parts
 from fedrun.tracking import Tracker
 
 MNIST, CIFAR = (1, 28, 28), (3, 32, 32)
@@ -194,7 +195,7 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
                 model,
                 data,
                 clients,
-                FedBuff(buffer_size=spec["buffer"]),
+                Parts(FedBuff(buffer_size=spec["buffer"])),
                 optimizer,
                 schedule,
                 device,
@@ -202,7 +203,7 @@ def bench_fedrun(spec: dict, data: FederatedData, clients: list[np.ndarray], rou
                 on_round=on_round,
             )
         else:
-            run(model, data, clients, FedAvg(), optimizer, schedule, device, 0, on_round=on_round)
+            run(model, data, clients, Parts(FedAvg()), optimizer, schedule, device, 0, on_round=on_round)
         tracker.finish("FINISHED", *run_summary(tracker.rows, (0.6, 0.9)))  # the summary a run logs, as fedrun does
     parts = {
         k: per_round(spec, [r[f"{k}_wall_s"] for r in rows])

@@ -14,6 +14,7 @@ from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
 from fedrun.errors import ConfigError
 from fedrun.models import Logistic
+from fedrun.parts import Parts
 from fedrun.seeding import torch_seed
 
 g = torch.Generator().manual_seed(0)
@@ -58,7 +59,7 @@ def test_hand_traced_events_for_three_constant_clients():
         model(),
         DATA,
         CLIENTS,
-        agg,
+        Parts(agg),
         SGD,
         Schedule(rounds=5, local_steps=1, batch_size=5),
         torch.device("cpu"),
@@ -84,7 +85,7 @@ def test_fedbuff_with_b_equal_to_clients_and_equal_speeds_is_synchronous_fedavg(
         model(),
         DATA,
         CLIENTS,
-        FedAvg(weighting="uniform"),
+        Parts(FedAvg(weighting="uniform")),
         SGD,
         schedule,
         torch.device("cpu"),
@@ -95,7 +96,7 @@ def test_fedbuff_with_b_equal_to_clients_and_equal_speeds_is_synchronous_fedavg(
         model(),
         DATA,
         CLIENTS,
-        FedBuff(buffer_size=3),
+        Parts(FedBuff(buffer_size=3)),
         SGD,
         schedule,
         torch.device("cpu"),
@@ -200,7 +201,7 @@ def test_same_seed_same_events_and_metrics():
             model(),
             DATA,
             CLIENTS,
-            FedStaleWeight(buffer_size=2),
+            Parts(FedStaleWeight(buffer_size=2)),
             SGD,
             Schedule(rounds=6, local_steps=1, batch_size=5),
             torch.device("cpu"),
@@ -225,7 +226,7 @@ def test_speed_groups_must_cover_the_clients():
         SpeedGroup("g", 1, "gamma", value=1.0)
     with pytest.raises(ConfigError, match="engine"):
         AsyncEngine(constant(1.0, 1.0, 1.0))(
-            model(), DATA, CLIENTS, FedAvg(), SGD, Schedule(rounds=1), torch.device("cpu"), 0
+            model(), DATA, CLIENTS, Parts(FedAvg()), SGD, Schedule(rounds=1), torch.device("cpu"), 0
         )
 
 
@@ -240,7 +241,7 @@ def test_concurrency_keeps_only_that_many_clients_training():
         model(),
         DATA,
         five,
-        agg,
+        Parts(agg),
         SGD,
         Schedule(rounds=6, local_steps=1, batch_size=3),
         torch.device("cpu"),
@@ -257,7 +258,7 @@ def test_concurrency_keeps_only_that_many_clients_training():
         model(),
         DATA,
         five,
-        Recording(buffer_size=2),
+        Parts(Recording(buffer_size=2)),
         SGD,
         Schedule(rounds=2, local_steps=1, batch_size=3),
         torch.device("cpu"),
@@ -274,7 +275,14 @@ def test_concurrency_draws_repeat_with_the_seed_and_cover_every_client_when_larg
     def once(concurrency, seed=0):
         agg = Recording(buffer_size=2)
         AsyncEngine(speeds, concurrency=concurrency)(
-            model(), DATA, five, agg, SGD, Schedule(rounds=5, local_steps=1, batch_size=3), torch.device("cpu"), seed
+            model(),
+            DATA,
+            five,
+            Parts(agg),
+            SGD,
+            Schedule(rounds=5, local_steps=1, batch_size=3),
+            torch.device("cpu"),
+            seed,
         )
         return agg.seen
 
@@ -353,7 +361,7 @@ def async_final(device, lr_decay):
         Logistic((4,), 3).double(),
         DATA64,
         CLIENTS,
-        FedBuff(buffer_size=2),
+        Parts(FedBuff(buffer_size=2)),
         SGD,
         Schedule(rounds=6, local_steps=2, batch_size=4, lr_decay=lr_decay),
         device,

@@ -12,6 +12,7 @@ from torch.nn.functional import cross_entropy
 from fedrun.aggregators import FedAvg, RoundView
 from fedrun.clients import LocalWork, _batches, cohort_losses, train_cohort
 from fedrun.models import MLP, flat_parameters, load_flat
+from fedrun.parts import Parts
 from fedrun.seeding import torch_generator
 
 torch.manual_seed(0)
@@ -131,7 +132,7 @@ def test_a_round_with_nobody_sampled_keeps_the_model_and_is_on_record(backend):
         Logistic((4,), 3),
         data,
         clients,
-        FedAvg(),
+        Parts(FedAvg()),
         functools.partial(torch.optim.SGD, lr=0.1),
         Schedule(rounds=12, local_steps=1, batch_size=5, clients_per_round=0.3, sampling="poisson"),
         Device("cpu", "contiguous", backend, workers=2),

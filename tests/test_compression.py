@@ -17,6 +17,7 @@ from fedrun.compression import QSGD, Sign, TopK, message_bits
 from fedrun.engine import run
 from fedrun.errors import ConfigError
 from fedrun.models import Logistic
+from fedrun.parts import Parts
 from fedrun.pipeline import Clip, Pipeline
 from fedrun.rounds import Schedule
 from fedrun.state import decode, encode
@@ -121,13 +122,12 @@ def train(stages=(), backend="loop", rows=None, rounds=4):
         Logistic((4,), 3).double(),
         DATA,
         CLIENTS,
-        FedAvg(),
+        Parts(FedAvg(), pipeline=Pipeline(list(stages))),
         functools.partial(torch.optim.SGD, lr=0.5),
         Schedule(rounds=rounds, local_steps=2, batch_size=4, clients_per_round=0.5),
         Device("cpu", "contiguous", backend, workers=2),
         0,
         on_round=lambda row, per_client: rows.append(row) if rows is not None else None,
-        pipeline=Pipeline(list(stages)),
     )
 
 

@@ -15,6 +15,7 @@ from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
 from fedrun.models import CNN, MLP
 from fedrun.optimizers import ProxSGD
+from fedrun.parts import Parts
 
 
 def test_cnn_relu_after_pooling_equals_the_papers_order_exactly():
@@ -63,7 +64,7 @@ def engine_rows(aggregator, eval_every):
         model,
         FederatedData(X, Y, X[:8], Y[:8], num_classes=3),
         PARTS,
-        aggregator,
+        Parts(aggregator),
         SGD,
         Schedule(rounds=4, local_steps=2, batch_size=5, eval_every=eval_every),
         torch.device("cpu"),
@@ -213,7 +214,7 @@ def whole_runs(devices: dict, make_model, data, parts, optimizer, schedule) -> d
             make_model(),
             data,
             parts,
-            FedSoftMax(),
+            Parts(FedSoftMax()),
             optimizer,
             schedule,
             device,

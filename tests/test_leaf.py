@@ -13,6 +13,7 @@ from fedrun.backends import Device
 from fedrun.errors import ConfigError
 from fedrun.leaf import ALL_LETTERS, FEMNIST, Shakespeare
 from fedrun.models import CharLSTM, LeafCNN, count_parameters
+from fedrun.parts import Parts
 from fedrun.vmap import vmap_supported
 
 TEXT = (
@@ -247,7 +248,7 @@ def test_vmap_refuses_the_lstm_in_one_line_and_the_other_backends_agree():
         model = CharLSTM((10,), 12, hidden=8).double()
         schedule = Schedule(rounds=2, local_epochs=1, batch_size=5, clients_per_round=0.5)
         device = Device("cpu", backend=backend, workers=2)
-        results.append(run(model, data, clients, FedAvg(), make, schedule, device, seed=0).params)
+        results.append(run(model, data, clients, Parts(FedAvg()), make, schedule, device, seed=0).params)
     assert torch.allclose(results[0], results[1], atol=1e-10)
 
 
@@ -305,7 +306,7 @@ def test_each_users_leaf_test_samples_are_its_held_out_data(tmp_path, compose_co
         model,
         data,
         parts["clients"],
-        FedAvg(),
+        Parts(FedAvg()),
         functools.partial(torch.optim.SGD, lr=0.0),
         Schedule(rounds=1, local_epochs=1, batch_size=5),
         Device("cpu", backend="loop"),
@@ -341,5 +342,5 @@ def test_the_vmap_backend_trains_leafs_cnn_as_the_loop_does():
         schedule = Schedule(rounds=2, local_epochs=1, batch_size=4)
         device = Device("cpu", backend=backend, memory_format="contiguous")
         make = functools.partial(torch.optim.SGD, lr=0.1)
-        results.append(run(model, data, clients, FedAvg(), make, schedule, device, seed=0).params)
+        results.append(run(model, data, clients, Parts(FedAvg()), make, schedule, device, seed=0).params)
     assert torch.allclose(results[0], results[1], atol=1e-10)

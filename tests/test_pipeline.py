@@ -15,6 +15,7 @@ from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, SyncEngine, run
 from fedrun.errors import ConfigError
 from fedrun.models import CNN
+from fedrun.parts import Parts
 from fedrun.pipeline import Clip, Pipeline
 
 
@@ -91,13 +92,12 @@ def whole_run(device, pipeline, rounds=3, aggregator=None):
         CNN((3, 8, 8), 4).double(),
         data,
         parts,
-        aggregator or FedAvg(),
+        Parts(aggregator or FedAvg(), pipeline=pipeline),
         functools.partial(torch.optim.SGD, lr=0.5),
         Schedule(rounds=rounds, local_epochs=2, batch_size=4),
         device,
         0,
         on_round=lambda row, per_client: rows.append(row),
-        pipeline=pipeline,
     )
     return result.params, rows
 
@@ -151,13 +151,12 @@ def test_the_async_engine_clips_each_arriving_update_and_logs_the_buffers_mean()
             model=CNN((3, 8, 8), 4),
             data=data,
             clients=parts,
-            aggregator=FedBuff(buffer_size=2),
+            parts=Parts(FedBuff(buffer_size=2), pipeline=pipeline),
             optimizer=functools.partial(torch.optim.SGD, lr=0.5),
             schedule=Schedule(rounds=4, local_steps=2, batch_size=5),
             device=torch.device("cpu"),
             seed=0,
             on_round=lambda row, per_client: rows.append(row),
-            pipeline=pipeline,
         )
         return result.params, rows
 

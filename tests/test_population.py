@@ -18,6 +18,7 @@ from fedrun.engine import run
 from fedrun.errors import ConfigError
 from fedrun.models import Logistic
 from fedrun.partitions import LazyClients, Population, client_sizes
+from fedrun.parts import Parts
 from fedrun.rounds import Schedule
 
 
@@ -58,7 +59,7 @@ def tiny_run(clients, **kwargs):
         Logistic((4,), 3).double(),
         DATA,
         clients,
-        FedAvg(),
+        Parts(FedAvg()),
         functools.partial(torch.optim.SGD, lr=0.3),
         Schedule(rounds=3, local_epochs=1, batch_size=2, cohort=5),
         Device("cpu", backend="loop"),
@@ -118,7 +119,7 @@ def test_the_asynchronous_engine_takes_a_population_with_a_concurrency():
         Logistic((4,), 3).double(),
         DATA,
         clients,
-        FedBuff(buffer_size=2),
+        Parts(FedBuff(buffer_size=2)),
         functools.partial(torch.optim.SGD, lr=0.3),
         Schedule(rounds=3, local_epochs=1, batch_size=2),
         Device("cpu", backend="loop"),

@@ -17,6 +17,7 @@ from fedrun.backends import Device
 from fedrun.engine import run
 from fedrun.errors import ConfigError
 from fedrun.models import Logistic
+from fedrun.parts import Parts
 from fedrun.privacy import (
     Accountant,
     LocalAccountant,
@@ -155,13 +156,12 @@ def train(privacy=None, backend="loop", rounds=4, sampling="fixed", q=0.5, seed=
         Logistic((4,), 3).double(),
         DATA,
         CLIENTS,
-        FedAvg(weighting="uniform"),
+        Parts(FedAvg(weighting="uniform"), privacy=privacy),
         functools.partial(torch.optim.SGD, lr=0.5),
         schedule,
         Device("cpu", "contiguous", backend, workers=2),
         seed,
         on_round=lambda row, per_client: rows.append(row) if rows is not None else None,
-        privacy=privacy,
     )
 
 

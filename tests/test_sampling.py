@@ -18,6 +18,7 @@ from fedrun.cohort import ClientLosses
 from fedrun.engine import run
 from fedrun.errors import ConfigError
 from fedrun.models import Logistic
+from fedrun.parts import Parts
 from fedrun.rounds import Schedule
 from fedrun.sampling import Importance, PowerOfChoice, Uniform
 from fedrun.state import Context, decode, encode
@@ -151,12 +152,11 @@ def tiny_run(sampler=None, aggregator=None, rounds=4, checkpoint=None, rows=None
         model,
         DATA,
         CLIENTS,
-        aggregator or FedAvg(),
+        Parts(aggregator or FedAvg(), sampler=sampler),
         functools.partial(torch.optim.SGD, lr=0.3),
         Schedule(rounds=rounds, local_epochs=1, batch_size=5, clients_per_round=0.5),
         Device("cpu", backend="loop"),
         seed=1,
-        sampler=sampler,
         checkpoint=checkpoint,
         on_round=(lambda row, per_client: rows.append((row, per_client))) if rows is not None else lambda r, p: None,
     )

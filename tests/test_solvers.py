@@ -12,6 +12,7 @@ from fedrun.clients import LocalWork, train_cohort
 from fedrun.heterogeneity import RandomSteps, Stragglers
 from fedrun.models import MLP, flat_parameters
 from fedrun.optimizers import STORM, ProxSGD, coefficient_norm
+from fedrun.parts import Parts
 from fedrun.servers import ServerOptimizer
 
 torch.manual_seed(0)
@@ -142,7 +143,7 @@ def test_mvr_trajectories_take_the_same_adaptive_steps():
         model,
         data,
         PARTS,
-        MVR(beta=0.5),
+        Parts(MVR(beta=0.5)),
         solver,
         Schedule(rounds=3, local_steps=3, batch_size=5),
         torch.device("cpu"),

@@ -30,6 +30,7 @@ from fedrun.cli.sweeps import SweepRun, job_cores, seed_report
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.metrics import run_summary
 from fedrun.models import load_flat
+from fedrun.parts import Parts
 from fedrun.study import PRUNED
 from fedrun.sweepdir import sweep_parent
 from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
@@ -89,6 +90,12 @@ def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
         fail(hydra_cfg, f"fedrun: error: {exc}", 2)
     tracker, title = open_tracking(job, hydra_cfg, parts, report)
     return train(job, hydra_cfg, parts, tracker, title, report)
+
+
+def round_parts(built: dict) -> Parts:
+    """The parts of a round from the built objects (privacy puts its own stage and aggregation in place)."""
+    parts = {name: built[name] for name in Parts.NAMES if name in built}
+    return Parts(**parts)
 
 
 class JobFailed(Exception):
@@ -185,20 +192,6 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
     status, reason, final, stopped, divergence, measured = "FAILED", None, None, None, None, {}
     on_submitit = os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2")
     submitit_handler = signal.getsignal(signal.SIGUSR2) if on_submitit else None
-    names = (
-        "data",
-        "clients",
-        "aggregator",
-        "optimizer",
-        "schedule",
-        "device",
-        "server",
-        "client_tests",
-        "heterogeneity",
-        "pipeline",
-        "privacy",
-        "sampler",
-    )
     pruned = None
 
     def on_round(row: dict, per_client: dict) -> None:
@@ -213,10 +206,16 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
     try:
         result = parts["engine"](
             model=model,
+            data=parts["data"],
+            clients=parts["clients"],
+            parts=round_parts(parts),
+            optimizer=parts["optimizer"],
+            schedule=parts["schedule"],
+            device=parts["device"],
             seed=job.cfg.seed,
             on_round=on_round,
+            client_tests=parts["client_tests"],
             checkpoint=checkpoint,
-            **{n: parts[n] for n in names},
         )
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()

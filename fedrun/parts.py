@@ -1,0 +1,149 @@
+"""The parts of a round, held together, with one lifecycle.
+
+A round reads: select (``sampler``), each client's start and data (``client_state``), how much each trains
+(``heterogeneity``), train, the stages (``pipeline``: clip, noise, compress), aggregate (``aggregator``: FedAvg, a
+loss-weighted rule, or a privacy mechanism wrapping FedAvg), the server step (``server``), what clients keep
+(``client_state``), record. ``privacy`` is the accountant the private parts report to (its ledger, its stop).
+
+Every part has the same three calls: ``bind(context)`` once before round 1 (``fedrun.state.Context``; a setting
+that cannot run with the run's schedule, clients or seed fails there, before training), its per-round call, and
+``state_dict()`` / ``load_state_dict()`` (explicit state). The engines hold one ``Parts``; a checkpoint stores
+``{part name: its state}`` (``Parts.state_dict``) beside the loop's own variables, written by
+``fedrun.checkpoint.snapshot`` for both engines; ``fedrun.upgrade.migrate`` reads older checkpoints into that form.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedrun.heterogeneity import EqualWork
+from fedrun.pipeline import Pipeline
+from fedrun.privacy import Privacy
+from fedrun.sampling import Uniform
+from fedrun.servers import ServerOptimizer
+from fedrun.state import Context, Stateful
+from fedrun.upgrade import migrate
+
+
+class ClientState(Stateful):
+    """The client-state seam: where a client's round starts, what it trains on, and what it keeps afterwards.
+
+    The default is FedAvg's: every client starts from the global model, trains on its own samples and keeps
+    nothing. A subclass (``client_state=<option>``) may keep per-client tensors, e.g. FedPer's own last layer or
+    Ditto's personal model, and hand them back as each client's start; or give a client a view of its data
+    (``training_data`` adds rows to the training tensors once, ``data`` maps a client's samples into them: a copy
+    with flipped labels for a label-flipping client). It works on every backend: starts are one row per client
+    (``fedrun.trainer.Trainer`` takes them), data are index arrays into the tensors the backend holds.
+
+    State is kept only for the clients that have some (a population of a million holds nothing until its clients
+    train); ``state_dict`` is ``{client id: its state}`` and the checkpoint restores it exactly.
+    """
+
+    keeps = False  # capability: whether it holds anything per client between rounds
+
+    def training_data(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training tensors the backend holds (called once, before the backend is made): ``x``, ``y`` or
+        those with rows appended that ``data`` may index."""
+        return x, y
+
+    def data(self, cohort: np.ndarray, parts: list[np.ndarray]) -> list[np.ndarray]:
+        """The sample indices each cohort client trains on this round (default: its own)."""
+        return parts
+
+    def starts(self, params: torch.Tensor, cohort: np.ndarray) -> torch.Tensor:
+        """Each cohort client's starting model: ``params`` itself (every client from the global model) or one
+        row per cohort client."""
+        return params
+
+    def keep(self, cohort: np.ndarray, starts: torch.Tensor, deltas: torch.Tensor) -> None:
+        """After training: each cohort client's local model is its start plus its row of ``deltas``."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@dataclass
+class Parts:
+    """What one run's rounds are made of (see the module docstring); the defaults are plain FedAvg's."""
+
+    aggregator: Any
+    sampler: Any = None
+    heterogeneity: Any = None
+    client_state: Any = None
+    pipeline: Any = None
+    server: Any = None
+    privacy: Any = None
+
+    NAMES = ("sampler", "heterogeneity", "client_state", "pipeline", "aggregator", "server", "privacy")
+
+    def __post_init__(self):
+        for name, default in DEFAULTS.items():  # None: the default part (plain objects passed through as None)
+            if getattr(self, name) is None:
+                setattr(self, name, default())
+        # The stages an update passes: the run's pipeline, with a private mechanism's own stage in its place (central
+        # DP clips last; local DP noises before compression), and the aggregation the mechanism wraps around
+        # FedAvg. The pipeline's own stages keep their state in ``pipeline``; the mechanism's in ``privacy``.
+        attach = getattr(self.privacy, "attach", None)
+        stages = list(self.pipeline.stages)
+        if attach is not None:
+            self.aggregator, stages = attach(self.aggregator, stages)
+        self.stages = Pipeline(stages)
+
+    def bind(self, context: Context) -> None:
+        """Bind every part to the run, in round order (each part's errors name their keys)."""
+        for name in self.NAMES:
+            part = self.stages if name == "pipeline" else getattr(self, name)  # the mechanism's stage too
+            if hasattr(part, "bind"):
+                part.bind(context)
+
+    def exhausted(self) -> bool:
+        """Whether the run must end before the next round (privacy: it would pass ``max_epsilon``)."""
+        return self.privacy.exceeds()
+
+    def state_dict(self) -> dict:
+        return {name: _state(getattr(self, name)) for name in self.NAMES}
+
+    def load_state_dict(self, state: dict) -> None:
+        # A part a checkpoint predates (the sampler, privacy, client state) starts from {}: privacy refuses that
+        # when the run is private (the rounds run must be counted).
+        for name in self.NAMES:
+            part = getattr(self, name)
+            if hasattr(part, "load_state_dict"):
+                part.load_state_dict(state.get(name, {}))
+
+    def restore(self, checkpoint) -> dict | None:
+        """The saved state when ``checkpoint`` resumes (in today's format, its parts loaded into these), else None."""
+        saved = checkpoint.restored() if checkpoint is not None else None
+        if saved is None:
+            return None
+        saved = migrate(saved)
+        self.load_state_dict(saved["parts"])
+        return saved
+
+
+DEFAULTS = {
+    "sampler": Uniform,
+    "heterogeneity": EqualWork,
+    "client_state": ClientState,
+    "pipeline": Pipeline,
+    "server": ServerOptimizer,
+    "privacy": Privacy,
+}
+
+
+def _state(part) -> dict:
+    return part.state_dict() if hasattr(part, "state_dict") else {}
+
+
+def layout(model: torch.nn.Module) -> tuple:
+    """The flat model's parameters as ``(name, start, end)``, in ``fedrun.models.flat_parameters``' order."""
+    spans, start = [], 0
+    for name, parameter in model.named_parameters():
+        spans.append((name, start, start + parameter.numel()))
+        start += parameter.numel()
+    return tuple(spans)
