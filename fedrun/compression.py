@@ -54,6 +54,7 @@ class Compressor(Stage):
     """
 
     name = "compression"
+    STATE = ("residuals",)  # the seed is the run's, given again by ``bind``
 
     def __init__(self, error_feedback: bool = False):
         check(isinstance(error_feedback, bool), "error_feedback", error_feedback, "true or false")

@@ -29,6 +29,7 @@ class Stage(Stateful):
     """One step of the pipeline. ``name`` prefixes its diagnostics."""
 
     name = "stage"
+    STATE = ()  # a stateless stage; one that adapts or remembers names its attributes
 
     def __call__(self, deltas: torch.Tensor, clients: np.ndarray, round_: int) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
@@ -105,6 +106,8 @@ class Clip(Stage):
     """
 
     name = "clip"
+    # C is a setting that adaptive clipping moves each round, so it is state too; the counts are the round so far.
+    STATE = ("max_norm", "seen", "fit")
 
     def __init__(
         self, max_norm: float = 1.0, adaptive: bool = False, target_quantile: float = 0.5, clip_lr: float = 0.2
@@ -147,6 +150,8 @@ class Pipeline(Stateful):
         stages: Stage objects, applied first to last.
     """
 
+    STATE = ()  # its stages' states, nested (``state_dict``)
+
     def __init__(self, stages: list | tuple = ()):
         for i, stage in enumerate(stages):
             check(
@@ -176,11 +181,12 @@ class Pipeline(Stateful):
             stage.end_round()
 
     def state_dict(self) -> dict:
-        return {"stages": [stage.state_dict() for stage in self.stages]}
+        return {**super().state_dict(), "stages": [stage.state_dict() for stage in self.stages]}
 
     def load_state_dict(self, state: dict) -> None:
         for stage, saved in zip(self.stages, state["stages"], strict=True):
             stage.load_state_dict(saved)
+        super().load_state_dict(state)
 
 
 def message_bits(stages, d: int, bits: float) -> float:

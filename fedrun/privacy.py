@@ -50,6 +50,7 @@ a run was stopped.
 import contextlib
 import logging
 import math
+from dataclasses import dataclass
 
 import dp_accounting
 import numpy as np
@@ -57,8 +58,10 @@ import torch
 from dp_accounting import pld, rdp
 from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
 
+from fedrun.aggregators import Aggregation, Aggregator, FedAvg, RoundView
+from fedrun.compression import dense_bits
 from fedrun.errors import ConfigError, check
-from fedrun.pipeline import check_clip_rule, clip_rows, geometric_clip_step, number
+from fedrun.pipeline import Pipeline, Stage, check_clip_rule, clip_rows, geometric_clip_step, number
 from fedrun.seeding import torch_generator
 from fedrun.state import Stateful
 
@@ -367,6 +370,215 @@ def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> floa
     return (noise_multiplier**-2 - (2 * count_noise) ** -2) ** -0.5
 
 
+def clip_finite(deltas: torch.Tensor, bound: float) -> tuple[torch.Tensor, "Clipped"]:
+    """Each update clipped to l2 norm ``bound`` (``clip_rows``), a non-finite one (its local training diverged) first
+    sent as zero: one client's data must not be able to stop the run, which a non-finite sum would. Returns the
+    clipped rows and the round's clip statistics."""
+    finite = torch.isfinite(deltas).all(dim=1)
+    deltas = torch.where(finite[:, None], deltas, torch.zeros_like(deltas))
+    clipped, norms, over = clip_rows(deltas, bound)
+    return clipped, Clipped(bound, norms, over, finite)
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """One round's clipping: the bound C it used, each update's norm before clipping, which were over C, and which
+    were finite. What the mechanism logs and adaptive clipping counts."""
+
+    bound: float
+    norms: torch.Tensor
+    over: torch.Tensor
+    finite: torch.Tensor
+
+    def diagnostics(self, epsilon: float, noise_std: float) -> dict[str, float]:
+        """The round's numbers, named and ordered as the mechanism has always logged them."""
+        some = len(self.norms) > 0  # an empty round (Poisson) has no clip statistics
+        return {
+            "epsilon": epsilon,
+            "clip_norm": self.bound,
+            "clipped_fraction": float(self.over.double().mean()) if some else math.nan,
+            "update_norm_mean": float(self.norms.double().mean()) if some else math.nan,
+            "noise_std": noise_std,
+            "nonfinite_updates": float((~self.finite).sum()),
+        }
+
+
+class CentralClip(Stage):
+    """Central DP's clipping, the mechanism's stage: each update clipped to this round's C (``clip_finite``). It keeps
+    the round's statistics (``last``) for ``CentralNoise``, which logs them and counts them for adaptive clipping.
+
+    C is the mechanism's (``Privacy.clip_norm``, saved in its state with ``adaptive``); this stage keeps nothing
+    between rounds. It does not cross clients (``crosses_clients``): C moves only through the noised and accounted
+    count of ``CentralNoise``.
+
+    Args:
+        mechanism: The bound ``Privacy`` whose C this stage clips to.
+    """
+
+    name = "privacy"
+    STATE = ()
+
+    def __init__(self, mechanism: "Privacy"):
+        self.mechanism = mechanism
+        self.last: tuple[int, Clipped] | None = None  # (round, its statistics): the round the aggregation reads
+
+    def __call__(self, deltas, clients, round_):
+        clipped, stats = clip_finite(deltas, self.mechanism.clip_norm)
+        self.last = (round_, stats)
+        return clipped, {}  # logged by the aggregation, with the noise they come with
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class CentralNoise(Aggregator):
+    """User-level DP-FedAvg's aggregation (McMahan et al. 2018, Algorithm 1): the clipped updates summed with weight
+    1 / D each, D fixed (``Privacy.denominator``), plus N(0, (z_Delta C)^2 I) / D from the stream (seed, round): an
+    empty round releases the noise alone. Then the ledger's step, adaptive clipping's noised count (Andrew et al.
+    2021), and ``epsilon_deployment``. Its updates must have passed its ``CentralClip`` this round.
+
+    It wraps the run's FedAvg with uniform weighting (every client alike, as the sensitivity needs; the weights are
+    1 / D, not FedAvg's 1 / m): that aggregator's state and tags are this one's, so a checkpoint's ``aggregator``
+    entry is what it was.
+
+    Args:
+        aggregator: The run's FedAvg, ``weighting: uniform``.
+        mechanism: The bound ``Privacy`` (z, C, D, the ledger and the noise streams).
+        clip: The stage that clipped this round's updates.
+    """
+
+    def __init__(self, aggregator: Aggregator, mechanism: "Privacy", clip: CentralClip):
+        check_uniform(aggregator, mechanism.mechanism)
+        super().__init__("uniform")
+        self.inner, self.mechanism, self.clip = aggregator, mechanism, clip
+        self.alpha_informative = aggregator.alpha_informative
+
+    def weights(self, report) -> np.ndarray:
+        return np.full(len(report.clients), 1.0 / self.mechanism.denominator)
+
+    def aggregate(self, global_params, deltas, report) -> Aggregation:
+        mechanism = self.mechanism
+        if getattr(report, "sampled_weights", None) is not None:
+            raise ConfigError(
+                "sampler", "importance", f"uniform with privacy={mechanism.mechanism} (weights of its own change D)"
+            )
+        if self.clip.last is None or self.clip.last[0] != report.round or len(self.clip.last[1].norms) != len(deltas):
+            raise RuntimeError(
+                f"round {report.round}: CentralNoise aggregates updates that its CentralClip did not clip this round "
+                "(give the engine the stages Privacy.attach returned)"
+            )
+        stats = self.clip.last[1]
+        alpha = np.full(len(deltas), 1.0 / mechanism.denominator)
+        total = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ deltas
+        total = total if len(deltas) else torch.zeros_like(global_params)  # nobody sampled: the noise alone
+        std = mechanism.update_noise * stats.bound
+        noise = std * mechanism.noise(global_params.numel(), report.round) / mechanism.denominator
+        update = total + noise.to(global_params)
+        mechanism.ledger.step()
+        more = {}
+        if mechanism.adaptive:
+            more["unclipped_fraction_noised"] = self._adapt(stats.over, report.round)
+        if mechanism.deployment is not None:
+            mechanism.deployment.step()
+            more["epsilon_deployment"] = mechanism.deployment.epsilon()
+        return Aggregation(update, alpha, {**stats.diagnostics(mechanism.ledger.epsilon(), std), **more})
+
+    def combine(self, alpha, deltas, report) -> Aggregation:
+        raise ConfigError(
+            "sampler", "importance", f"uniform with privacy={self.mechanism.mechanism} (weights of its own change D)"
+        )
+
+    def _adapt(self, over: torch.Tensor, round_: int) -> float:
+        """Adaptive clipping's step (Andrew et al. 2021, Algorithm 1): the noised centred count of unclipped
+        updates gives b~, and C <- C exp(-eta (b~ - gamma)) for the next round. Returns b~."""
+        mechanism = self.mechanism
+        # sum_i (b_i - 1/2): sensitivity 1/2 (zero-out; 1 replace-one, as the update's C doubles to 2C: z holds)
+        centred = float((~over).double().sum()) - len(over) / 2
+        noised = centred + mechanism.count_noise * float(mechanism.noise(1, round_, stream="privacy_count")[0])
+        unclipped = noised / mechanism.denominator + 0.5
+        mechanism.clip_norm = geometric_clip_step(
+            mechanism.clip_norm, unclipped, mechanism.target_quantile, mechanism.clip_lr
+        )
+        return unclipped
+
+    def bind(self, context) -> None:
+        self.inner.bind(context)  # the mechanism is a part of the run, bound on its own
+
+    def run_tags(self) -> dict[str, str]:
+        return self.inner.run_tags()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()  # C and the ledger are the mechanism's (``Privacy.state_dict``)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+class LocalNoise(Stage):
+    """Local DP's stage: each client clips its update to C (``clip_finite``) and adds its own N(0, (z C)^2 I), drawn
+    from its stream (seed, round, client) whoever else is in the round; the ledger counts a round for each of them.
+    The server then averages what it receives (the run's FedAvg, uniform): post-processing.
+
+    It comes before the compression stage (``Privacy.attach``): a client compresses its noised update (still
+    post-processing), so what is uploaded is the compressor's message. The noise makes an update dense
+    (``sent_bits``). It logs the mechanism's numbers under their own names (``epsilon``, ``clip_norm``, ...), as
+    before, not under a stage prefix.
+
+    Args:
+        mechanism: The bound ``Privacy`` (z, C, the ledger and the noise streams).
+    """
+
+    name = "privacy"
+    STATE = ()
+
+    def __init__(self, mechanism: "Privacy"):
+        self.mechanism = mechanism
+
+    def __call__(self, deltas, clients, round_):
+        mechanism = self.mechanism
+        check(len(clients) == len(deltas), "clients", len(clients), f"one id per update ({len(deltas)})")
+        clipped, stats = clip_finite(deltas, mechanism.clip_norm)
+        std = mechanism.update_noise * stats.bound
+        if len(deltas):
+            d = deltas.shape[1]
+            noise = torch.stack([std * mechanism.noise(d, round_, int(i)) for i in clients])
+            clipped = clipped + noise.to(clipped)
+        mechanism.ledger.step(clients)
+        return clipped, stats.diagnostics(mechanism.ledger.epsilon(), std)
+
+    def sent_bits(self, d: int, bits: float) -> float:
+        # Noise on every coordinate: a dense message, at least one float32 a coordinate (the dense update as
+        # stored when that came in: float64 parameters send float64 noise).
+        return max(bits, dense_bits(d))
+
+    def state_dict(self) -> dict:
+        return {}  # the ledger is the mechanism's (``Privacy.state_dict``)
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def sets_message(stage: Stage, d: int = 1000) -> bool:
+    """Whether ``stage`` sets its message's size whatever came before (a compressor: ``sent_bits`` ignores the bits
+    it is given), the capability local noise is placed before."""
+    return stage.sent_bits(d, 1.0) == stage.sent_bits(d, 2.0)
+
+
+def check_uniform(aggregator, mechanism: str) -> None:
+    """DP-FedAvg weighs every client alike (sample counts are private, and the sensitivity is per client)."""
+    weighting = getattr(aggregator, "weighting", None)
+    if weighting != "uniform":  # the privacy options choose uniform: this one was set after them
+        raise ConfigError(
+            "aggregator.weighting",
+            weighting,
+            f"uniform with privacy={mechanism}, which privacy={mechanism} sets by itself (DP-FedAvg weighs every "
+            "client alike; sample counts are private)",
+        )
+
+
 class Privacy(Stateful):
     """The ``privacy`` group: none, user-level DP-FedAvg with central noise, or local DP.
 
@@ -528,7 +740,6 @@ class Privacy(Stateful):
 
     def check(self, aggregator, engine, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
         """Refuse, before training, what this mechanism's accounting does not cover."""
-        from fedrun.aggregators import FedAvg
         from fedrun.heterogeneity import EqualWork
 
         if not self:
@@ -549,13 +760,7 @@ class Privacy(Stateful):
                 f"fedavg with {mine} (weights that follow the clients' losses, steps or data would change "
                 "the sensitivity the noise is calibrated to)",
             )
-        if aggregator.weighting != "uniform":  # the privacy options choose uniform: this one was set after them
-            raise ConfigError(
-                "aggregator.weighting",
-                aggregator.weighting,
-                f"uniform with {mine}, which privacy={self.mechanism} sets by itself (DP-FedAvg weighs every client "
-                "alike; sample counts are private)",
-            )
+        check_uniform(aggregator, self.mechanism)
         if heterogeneity is not None and type(heterogeneity) is not EqualWork:
             raise ConfigError(
                 "heterogeneity",
@@ -686,63 +891,42 @@ class Privacy(Stateful):
         """n standard normal draws of ``stream`` under (seed, round, keys), in float64 on the CPU."""
         return torch.randn(n, generator=torch_generator(self.seed, stream, round_, *keys), dtype=torch.float64)
 
-    def aggregate(self, deltas: torch.Tensor, params: torch.Tensor, round_: int, clients=()):
-        """The round's noised update (an ``Aggregation``: the update, each client's weight, the round's numbers).
+    def attach(self, aggregator: Aggregator, stages: list) -> tuple[Aggregator, list]:
+        """The mechanism's parts in the round, called once when the run is built: the aggregator and the stages the
+        engine runs instead of ``aggregator`` and ``stages`` (a new list; the parts read this object's z, C, D and
+        ledger when they run, so binding may come before or after).
+
+        - ``none``: both unchanged.
+        - ``central``: ``stages`` then a ``CentralClip``, and the aggregator wrapped in ``CentralNoise``. The clip
+          comes last: the server clips and noises what the clients sent (a compressor's message, as before).
+        - ``local``: a ``LocalNoise`` stage before the first stage that sets the message's size (a compressor,
+          ``sets_message``), or last; the aggregator unchanged (FedAvg, uniform: the server's plain average).
+
+        Both need the aggregator's weighting uniform (refused otherwise)."""
+        stages = list(stages)
+        if not self:
+            return aggregator, stages
+        check_uniform(aggregator, self.mechanism)
+        if self.mechanism == "central":
+            clip = CentralClip(self)
+            return CentralNoise(aggregator, self, clip), [*stages, clip]
+        at = next((i for i, stage in enumerate(stages) if sets_message(stage)), len(stages))
+        return aggregator, [*stages[:at], LocalNoise(self), *stages[at:]]
+
+    def aggregate(self, deltas: torch.Tensor, params: torch.Tensor, round_: int, clients=()) -> Aggregation:
+        """One round through the parts alone (``attach`` with a uniform FedAvg and no other stage), for an engine
+        that still calls the mechanism in place of its aggregator and stages; goes once the engines run the parts.
         ``clients``: the cohort's indices (local DP's ledger and noise streams)."""
-        from fedrun.aggregators import Aggregation
-
-        # A client's non-finite update (its local training diverged) is sent as zero: one client's data must not be
-        # able to stop the run, which a non-finite sum would.
-        finite = torch.isfinite(deltas).all(dim=1)
-        deltas = torch.where(finite[:, None], deltas, torch.zeros_like(deltas))
-        bound = self.clip_norm  # this round's C (adaptive clipping moves it for the next one below)
-        clipped, norms, over = clip_rows(deltas, bound)
-        std = self.update_noise * bound
-        diagnostics = {}
-        if self.mechanism == "local":
-            check(len(clients) == len(deltas), "clients", len(clients), f"one id per update ({len(deltas)})")
-            if len(deltas):  # each client's own noise, N(0, (z C)^2 I), from its own stream
-                clipped = clipped + torch.stack([std * self.noise(params.numel(), round_, int(i)) for i in clients]).to(
-                    clipped
-                )
-            alpha = np.full(len(deltas), 1.0 / max(len(deltas), 1))
-            update = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ clipped
-            update = update if len(deltas) else torch.zeros_like(params)  # nobody sampled (poisson): no step
-            self.ledger.step(clients)
-        else:
-            alpha = np.full(len(deltas), 1.0 / self.denominator)
-            total = torch.as_tensor(alpha, dtype=deltas.dtype, device=deltas.device) @ clipped
-            total = total if len(deltas) else torch.zeros_like(params)  # nobody sampled: the noise alone
-            update = total + (std * self.noise(params.numel(), round_) / self.denominator).to(params)
-            self.ledger.step()
-            if self.adaptive:
-                diagnostics["unclipped_fraction_noised"] = self._adapt(over, round_)
-            if self.deployment is not None:
-                self.deployment.step()
-                diagnostics["epsilon_deployment"] = self.deployment.epsilon()
-        return Aggregation(
-            update,
-            alpha,
-            {
-                "epsilon": self.ledger.epsilon(),
-                "clip_norm": bound,
-                "clipped_fraction": float(over.double().mean()) if len(deltas) else math.nan,
-                "update_norm_mean": float(norms.double().mean()) if len(deltas) else math.nan,
-                "noise_std": std,
-                "nonfinite_updates": float((~finite).sum()),
-                **diagnostics,
-            },
-        )
-
-    def _adapt(self, over: torch.Tensor, round_: int) -> float:
-        """Adaptive clipping's step (Andrew et al. 2021, Algorithm 1): the noised centred count of unclipped
-        updates gives b~, and C <- C exp(-eta (b~ - gamma)). Returns b~."""
-        # sum_i (b_i - 1/2): sensitivity 1/2 (zero-out; 1 replace-one, as the update's C doubles to 2C: z holds)
-        centred = float((~over).double().sum()) - len(over) / 2
-        noised = centred + self.count_noise * float(self.noise(1, round_, stream="privacy_count")[0])
-        unclipped = noised / self.denominator + 0.5
-        self.clip_norm = geometric_clip_step(self.clip_norm, unclipped, self.target_quantile, self.clip_lr)
-        return unclipped
+        aggregator, stages = self.attach(FedAvg(weighting="uniform"), [])
+        clients = np.asarray(clients, dtype=np.int64)
+        rows = clients if len(clients) == len(deltas) else np.arange(len(deltas))  # central: the ids are unused
+        sent, diagnostics = Pipeline(stages)(deltas, rows, round_)
+        if not len(deltas) and self.mechanism == "local":  # nobody sampled (poisson): no step
+            return Aggregation(torch.zeros_like(params), np.zeros(0), diagnostics)
+        done = aggregator.aggregate(params, sent, RoundView(rows, np.ones(len(rows)), round=round_))
+        if self.mechanism == "local":  # the stage's numbers, as before (FedAvg's alpha_distance is not one of them)
+            return Aggregation(done.update, done.alpha, diagnostics)
+        return done
 
     def run_tags(self) -> dict[str, str]:
         if not self:

@@ -117,6 +117,7 @@ class Sampler(Stateful):
     """
 
     name = "uniform"
+    STATE = ("selected",)  # the schedule, sizes and weighting are the run's, given again by ``bind``
     alpha_informative = False  # whether the weights it gives (``Selection``) follow what the clients sent
 
     def __init__(self):
@@ -137,13 +138,6 @@ class Sampler(Stateful):
     @property
     def cohort_size(self) -> int:
         return self.schedule.cohort_size(len(self.sizes))
-
-    def state_dict(self) -> dict:
-        return {"selected": self.selected}
-
-    def load_state_dict(self, state: dict) -> None:
-        if "selected" in state:  # a checkpoint from before samplers: the counts restart at zero
-            self.selected = np.asarray(state["selected"], dtype=np.int64)
 
     def draw(self, rng: np.random.Generator, probe: Callable[[np.ndarray], ClientLosses]) -> Selection:
         """The round's selection; ``probe(ids)`` measures those clients' losses at the round's global model."""
@@ -244,6 +238,7 @@ class Importance(Sampler):
     """
 
     name = "importance"
+    STATE = ("selected", "norms")
 
     def __init__(self, signal: str = "update_norm", uniform_mix: float = 0.1):
         super().__init__()
@@ -271,14 +266,6 @@ class Importance(Sampler):
         if schedule.sampling != "fixed":
             raise ConfigError("schedule.sampling", schedule.sampling, "fixed with sampler=importance")
         self.norms = np.full(len(sizes), np.nan)  # the last norm each client sent; NaN: never trained
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "norms": self.norms}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        if "norms" in state:
-            self.norms = np.asarray(state["norms"], dtype=np.float64)
 
     def population_weights(self) -> np.ndarray:
         """q_k: FedAvg's weight of each client over the whole population."""

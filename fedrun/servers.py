@@ -18,6 +18,8 @@ class ServerOptimizer(Stateful):
         server_lr: Server learning rate, > 0.
     """
 
+    STATE = ()
+
     def __init__(self, server_lr: float = 1.0):
         check(server_lr > 0, "server_lr", server_lr, "a number > 0")
         self.server_lr = server_lr
@@ -34,6 +36,8 @@ class ServerMomentum(ServerOptimizer):
         beta: Momentum in [0, 1).
         server_lr: See ``ServerOptimizer``.
     """
+
+    STATE = ("velocity",)
 
     def __init__(self, server_lr: float = 1.0, beta: float = 0.9):
         super().__init__(server_lr)
@@ -61,6 +65,8 @@ class ServerAdaptive(ServerOptimizer):
         eps: The adaptivity tau of the paper, > 0.
         v0: ``paper`` (v starts at tau^2) or ``zero``.
     """
+
+    STATE = ("m", "v")
 
     def __init__(
         self, server_lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, eps: float = 1e-3, v0: str = "paper"

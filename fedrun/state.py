@@ -112,16 +112,36 @@ class Context:
 
 class Stateful:
     """``state_dict()`` / ``load_state_dict()`` for the parts of a run built from its config (aggregators, server
-    optimizers, pipeline stages). The default state is every attribute (settings included: the same config gives
-    the same values, and restoring them is harmless); a part that holds other parts overrides both."""
+    optimizers, pipeline stages, samplers).
+
+    A class names in ``STATE`` the attributes it carries between rounds (MVR's momentum, Adam's ``m`` and ``v``, a
+    compressor's residuals); ``state_dict()`` gives exactly those and ``load_state_dict()`` restores exactly those.
+    Settings (constructor arguments) are not state: the config rebuilds them, and a resumed run with the same config
+    has the same ones. A saved key that is not state is ignored, so the attribute dicts older checkpoints hold
+    (settings included, and keys such as ``diagnostics``) still load; a state key a checkpoint lacks (one written
+    before that state existed) keeps its initial value. A part that holds other parts (a pipeline's stages, a
+    hybrid's phases) overrides both to nest their states.
+    """
+
+    # None: not declared; such a class still saves every attribute, which only parts outside the config groups
+    # rely on until they declare theirs (see tests/test_state.py).
+    STATE: tuple[str, ...] | None = None
 
     def bind(self, context: Context) -> None:
         """Called once before round 1 with the run's ``Context``; a setting that cannot run with it is a ConfigError
         here. Nothing to bind by default."""
 
     def state_dict(self) -> dict:
-        """What this part carries between rounds: data that ``encode`` takes (no objects)."""
-        return dict(vars(self))
+        """What this part carries between rounds (``STATE``): data that ``encode`` takes (no objects)."""
+        if self.STATE is None:
+            return dict(vars(self))
+        return {name: getattr(self, name) for name in self.STATE}
 
     def load_state_dict(self, state: dict) -> None:
-        vars(self).update(state)
+        """Restore the ``STATE`` attributes that ``state`` holds; its other keys are not state and are ignored."""
+        if self.STATE is None:
+            vars(self).update(state)
+            return
+        for name in self.STATE:
+            if name in state:
+                setattr(self, name, state[name])

@@ -37,6 +37,8 @@ class Aggregator(Stateful):
             count) or ``uniform``; renormalised over the cohort.
     """
 
+    STATE = ()  # most aggregators carry nothing between rounds (MVR its momentum, a hybrid its phase)
+
     # Whether alpha depends on what the clients measured (their losses), so that its per-client series say more than
     # p_i: only then does a run log them to MLflow (alpha.csv and the heatmap always have alpha).
     alpha_informative = False
@@ -61,11 +63,6 @@ class Aggregator(Stateful):
     def run_tags(self) -> dict[str, str]:
         """Run-level facts, logged as tags when the run closes (e.g. the round a hybrid switched)."""
         return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        # Checkpoints written before diagnostics were returned also hold the last round's ``diagnostics`` (and
-        # ``tags``, which only the hybrid filled and now keeps as ``switched``): nothing to restore there.
-        super().load_state_dict({k: v for k, v in state.items() if k not in ("diagnostics", "tags")})
 
     def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, report: RoundView) -> Aggregation:
         """Combine the cohort's updates.

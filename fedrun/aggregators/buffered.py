@@ -42,6 +42,7 @@ class AsyncAggregator(Stateful):
         buffer_size: b, updates per aggregation.
     """
 
+    STATE = ()  # FedStaleWeight's staleness windows are the only state of the family
     alpha_informative = False  # as ``Aggregator.alpha_informative``: whether alpha follows the clients' staleness
 
     def __init__(self, buffer_size: int = 5):
@@ -57,10 +58,6 @@ class AsyncAggregator(Stateful):
     def run_tags(self) -> dict[str, str]:
         """Run-level facts, logged as tags when the run closes (none for the buffered aggregators so far)."""
         return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        # Checkpoints written before diagnostics were returned also hold the last ``diagnostics`` and ``tags``.
-        super().load_state_dict({k: v for k, v in state.items() if k not in ("diagnostics", "tags")})
 
     def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, buffer: BufferReport) -> Aggregation:
         """The update sum_j alpha_j Delta_j, alpha over the buffer, and no diagnostics."""
@@ -108,6 +105,8 @@ class FedStaleWeight(AsyncAggregator):
         include_current: Whether the updates in the buffer being aggregated count in E[tau].
         buffer_size: See ``AsyncAggregator``.
     """
+
+    STATE = ("history", "fresh")
 
     def __init__(self, buffer_size: int = 5, form: str = "eq8", window: int = 5, include_current: bool = True):
         super().__init__(buffer_size)

@@ -197,6 +197,7 @@ class Hybrid(Aggregator):
     """
 
     alpha_informative = True  # a loss-weighted phase, or the switch itself
+    STATE = ("current", "switched")  # and each phase's own (``state_dict``)
 
     def __init__(self, phases: list, weighting: str = "samples"):
         super().__init__(weighting)
@@ -243,20 +244,16 @@ class Hybrid(Aggregator):
         self.switched: dict[str, str] = {}  # when each phase began (and on what), the run's tags
 
     def state_dict(self) -> dict:
-        """Its own attributes, with each phase's aggregator as that aggregator's state (the phases' ends are config)."""
-        return {
-            **{k: v for k, v in vars(self).items() if k != "phases"},
-            "phases": [agg.state_dict() for agg, _, _ in self.phases],
-        }
+        """Its phase and switches, with each phase's aggregator as that aggregator's state (the phases' ends are
+        config)."""
+        return {**super().state_dict(), "phases": [agg.state_dict() for agg, _, _ in self.phases]}
 
     def load_state_dict(self, state: dict) -> None:
-        state = dict(state)
-        for (agg, _, _), phase in zip(self.phases, state.pop("phases"), strict=True):
+        for (agg, _, _), phase in zip(self.phases, state["phases"], strict=True):
             agg.load_state_dict(phase)
-        if "tags" in state:  # a checkpoint written before diagnostics were returned: its switches were its tags
-            state.setdefault("switched", state.pop("tags"))
-        state.pop("diagnostics", None)
-        vars(self).update(state)
+        if "tags" in state and "switched" not in state:  # before diagnostics were returned its switches were its tags
+            state = {**state, "switched": state["tags"]}
+        super().load_state_dict(state)
 
     def _ended(self, report: RoundView) -> bool:
         _, rounds, accuracy = self.phases[self.current]

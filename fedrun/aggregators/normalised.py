@@ -42,6 +42,8 @@ class MVR(Aggregator):
         weighting: p_i (the paper averages uniformly).
     """
 
+    STATE = ("momentum",)  # m_{t-1}
+
     def __init__(self, beta: float = 0.5, weighting: str = "uniform"):
         super().__init__(weighting)
         check(0 < beta <= 1, "beta", beta, "a number in (0, 1]")

@@ -1,0 +1,74 @@
+"""Run dirs written by an older fedrun still resume (issue 35): each dir under ``tests/data/ckpt_968a63f/`` was
+written by commit 968a63f and stopped by SIGTERM after a checkpoint (``scripts/make_968a63f_checkpoints.sh``
+regenerates them). Today's ``fedrun resume=<copy>`` must finish it exactly as today's code runs the same command
+uninterrupted: the guard for the checkpoint-format refactor and its migration of older checkpoints."""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from conftest import FEDRUN
+from test_reliability import deterministic
+
+from fedrun.tracking import PER_CLIENT, flatten
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+FIXTURES = Path(__file__).parent / "data" / "ckpt_968a63f"
+CASES = ["sync", "async", "central", "local", "importance"]  # what each one covers: the script's comments
+
+
+def test_every_fixture_dir_is_a_case():
+    assert sorted(p.name for p in FIXTURES.iterdir()) == sorted(CASES)
+
+
+def after(frame: pd.DataFrame, round_: int) -> pd.DataFrame:
+    return frame[frame["round"] > round_].reset_index(drop=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_dir_written_by_968a63f_resumes_and_equals_an_uninterrupted_run_of_today(tmp_path, case):
+    fixture, resumed_dir, whole_dir = FIXTURES / case, tmp_path / "resumed", tmp_path / "whole"
+    shutil.copytree(fixture, resumed_dir)  # the resume rewrites its files: never the committed ones
+    old_config = yaml.safe_load((fixture / "config.yaml").read_text())
+    command = yaml.safe_load((fixture / ".hydra" / "overrides.yaml").read_text())  # the old run's command line
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    whole = subprocess.Popen(  # beside the resume: the two take half the time on two cores
+        [FEDRUN, *command, f"hydra.run.dir={whole_dir}"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    resumed = subprocess.run([FEDRUN, f"resume={resumed_dir}"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    whole_err = whole.communicate()[1]
+    assert whole.returncode == 0, whole_err[-3000:]
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    found = re.search(r"resuming \S+ after round (\d+)", resumed.stderr)
+    assert found, resumed.stderr[-3000:]  # from its checkpoint, not restarted from round 1
+    saved, rounds = int(found.group(1)), old_config["schedule"]["rounds"]
+    assert len(pd.read_csv(fixture / "metrics.csv")) == saved < rounds  # the stop came after its round's checkpoint
+
+    # the same config: every key the old run saved has its value in today's run (today's may add keys)
+    today = flatten(yaml.safe_load((whole_dir / "config.yaml").read_text()))
+    assert {k: today.get(k) for k in flatten(old_config)} == flatten(old_config)
+
+    # the rounds up to the checkpoint are the old run's, kept; those after it equal today's uninterrupted run
+    resumed_rows, whole_rows = deterministic(resumed_dir), deterministic(whole_dir)
+    assert resumed_rows["round"].tolist() == whole_rows["round"].tolist() == list(range(1, rounds + 1))
+    old_rows = deterministic(fixture)
+    pd.testing.assert_frame_equal(resumed_rows[resumed_rows["round"] <= saved].reset_index(drop=True), old_rows)
+    pd.testing.assert_frame_equal(after(resumed_rows, saved), after(whole_rows, saved))
+    for name in PER_CLIENT:
+        if (whole_dir / f"{name}.csv").exists():
+            pd.testing.assert_frame_equal(
+                after(pd.read_csv(resumed_dir / f"{name}.csv"), saved),
+                after(pd.read_csv(whole_dir / f"{name}.csv"), saved),
+            )
