@@ -131,7 +131,7 @@ def snapshot(engine: str, round_: int, finished: bool, parts, loop: dict, rows: 
     """The state a checkpoint keeps, the same form for both engines: each part's ``state_dict()`` by name
     (``fedrun.parts.Parts``), the engine's own loop variables and the metrics rows so far."""
     return {
-        "version": VERSION,
+        "format": VERSION,
         "engine": engine,
         "round": round_,
         "finished": finished,

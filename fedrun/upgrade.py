@@ -44,7 +44,7 @@ def migrate(state: dict) -> dict:
     and its parts' states (before VERSION 2, 2026-11) becomes ``{"parts": {name: state}, "loop": {...}}``. A part
     the checkpoint predates gets no entry (``Parts.load_state_dict`` starts it from {}). Plain data in, plain data
     out: nothing is run."""
-    version = state.get("version", 1)
+    version = state.get("format", 1)  # (an asynchronous run's "version" is its model's)
     if version == VERSION:
         return state
     if not isinstance(version, int) or version > VERSION:
@@ -61,7 +61,7 @@ def migrate(state: dict) -> dict:
     if "privacy" in state:
         parts["privacy"] = state["privacy"]
     kept = {k: state[k] for k in ("round", "finished", "rows", "extra") if k in state}
-    return {**kept, "version": VERSION, "engine": "sync" if synchronous else "async", "parts": parts, "loop": loop}
+    return {**kept, "format": VERSION, "engine": "sync" if synchronous else "async", "parts": parts, "loop": loop}
 
 
 def plain_state(value):
