@@ -749,64 +749,6 @@ class Privacy(Stateful):
     def __bool__(self) -> bool:
         return self.mechanism != "none"
 
-    def check_engine(self, engine) -> None:
-        """Refuse an asynchronous engine (called before the aggregator is built: the privacy options set
-        ``aggregator.weighting``, a key asynchronous aggregators do not have)."""
-        if self and getattr(engine, "asynchronous", True):  # an engine that does not say it is synchronous
-            raise ConfigError(
-                "engine",
-                "async",
-                f"sync with privacy={self.mechanism} (asynchronous privacy is not accounted; an asynchronous "
-                "aggregator runs on engine=async)",
-            )
-
-    def check(self, aggregator, engine, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
-        """Refuse, before training, what this mechanism's accounting does not cover."""
-        from fedrun.heterogeneity import EqualWork
-
-        if not self:
-            return
-        mine = f"privacy={self.mechanism}"
-        if sampler is not None and sampler.name != "uniform":
-            raise ConfigError(
-                "sampler",
-                sampler.name,
-                f"uniform with {mine} (the accountant's amplification assumes each client is drawn alike, "
-                "whatever the data)",
-            )
-        self.check_engine(engine)
-        if type(aggregator) is not FedAvg:
-            raise ConfigError(
-                "aggregator",
-                type(aggregator).__name__,
-                f"fedavg with {mine} (weights that follow the clients' losses, steps or data would change "
-                "the sensitivity the noise is calibrated to)",
-            )
-        check_uniform(aggregator, self.mechanism)
-        if heterogeneity is not None and type(heterogeneity) is not EqualWork:
-            raise ConfigError(
-                "heterogeneity",
-                type(heterogeneity).__name__,
-                f"none with {mine} (stragglers that drop out change the sampling that is accounted; the "
-                "other options are not checked against the accounting yet)",
-            )
-        for i, stage in enumerate(getattr(pipeline, "stages", [])):
-            if stage.crosses_clients():
-                raise ConfigError(
-                    f"pipeline.stages.{i}",
-                    type(stage).__name__,
-                    f"a stage that acts on each update alone with {mine} (one that adapts to the round's "
-                    "clients carries them into later rounds unaccounted; for adaptive clipping with its count "
-                    "noised and accounted, privacy.adaptive=true)",
-                )
-        if schedule is not None and schedule.stop_at_accuracy is not None and schedule.stop_on != "test":
-            raise ConfigError(
-                "schedule.stop_on",
-                schedule.stop_on,
-                f"test with {mine} and stop_at_accuracy (the clients' held-out accuracy is un-noised client "
-                "data: stopping on it would release it)",
-            )
-
     def bind(self, context) -> None:
         """Set the accounting for this run's sampling and rounds (and calibrate z for ``target_epsilon``)."""
         if not self:
