@@ -12,6 +12,10 @@ from fedrun.seeding import numpy_rng
 class EqualWork:
     """``heterogeneity=none``: every client does the schedule's work."""
 
+    # Capabilities (fedrun.compat).
+    equal_work = True
+    drops_clients = False  # whether some cohort clients drop out of a round after the draw
+
     def plan(
         self,
         round_: int,
@@ -38,6 +42,8 @@ class RandomSteps(EqualWork):
         low, high: Inclusive bounds on the number of local mini-batch steps (>= 1).
         redraw: Draw again every round instead of once per client.
     """
+
+    equal_work = False
 
     def __init__(self, low: int = 1, high: int = 50, redraw: bool = False):
         check(isinstance(low, int) and low >= 1, "low", low, "an integer >= 1")
@@ -68,6 +74,12 @@ class Stragglers(EqualWork):
         fraction: Share of the cohort that straggles, in [0, 1) (at least one client always finishes).
         mode: ``partial`` or ``drop``.
     """
+
+    equal_work = False
+
+    @property
+    def drops_clients(self) -> bool:
+        return self.mode == "drop"
 
     def __init__(self, fraction: float = 0.5, mode: str = "partial"):
         check(0 <= fraction < 1, "fraction", fraction, "a number in [0, 1)")

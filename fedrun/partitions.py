@@ -29,6 +29,9 @@ class Partition:
             drawn at random first (the papers use 200).
     """
 
+    # A capability (fedrun.compat): clients that exist only once drawn, so a round names a count of them.
+    draws_clients_when_they_train = False
+
     def __init__(self, num_clients: int = 20, samples_per_client: int | None = None):
         check(_integer(num_clients) and num_clients >= 1, "num_clients", num_clients, "an integer >= 1")
         check(
@@ -38,9 +41,6 @@ class Partition:
             "null or an integer >= 1",
         )
         self.num_clients, self.samples_per_client = num_clients, samples_per_client
-
-    def check(self, schedule, engine) -> None:
-        """Refuse, before the dataset is read, a schedule or engine this partition cannot run with (ConfigError)."""
 
     def __call__(
         self, labels: np.ndarray, rng: np.random.Generator, natural: list[np.ndarray] | None = None
@@ -506,6 +506,8 @@ class Population(Partition):
         labels_per_client: Null (from every label) or k: the client's samples come from k labels its stream picks.
     """
 
+    draws_clients_when_they_train = True  # so a round's clients are a count, not a fraction (fedrun.compat)
+
     def __init__(
         self, num_clients: int = 1_000_000, samples_per_client: int = 20, labels_per_client: int | None = None
     ):
@@ -527,41 +529,6 @@ class Population(Partition):
             "null or an integer >= 1",
         )
         self.labels_per_client = labels_per_client
-
-    def check(self, schedule, engine) -> None:
-        """The clients a round must be a count of the population, not a fraction of it: ``schedule.cohort`` on the
-        synchronous engine (round(C N) with the default C = 1 trains every client each round: a million clients'
-        samples gathered at once), ``engine.concurrency`` on an engine that bounds who trains at once."""
-        if hasattr(engine, "concurrency"):  # the asynchronous engine: its concurrency, not the schedule, says who
-            check(
-                engine.concurrency is not None,
-                "engine.concurrency",
-                engine.concurrency,
-                f"an integer from 1 to {self.num_clients:,} with partition=population (the clients training at "
-                "once, not all of them)",
-            )
-            return
-        if schedule.sampling == "poisson":
-            check(
-                schedule.clients_per_round < 1,
-                "schedule.clients_per_round",
-                schedule.clients_per_round,
-                f"a rate below 1 with partition=population and poisson sampling (1 draws all {self.num_clients:,} "
-                "clients every round)",
-            )
-            return
-        allowed = f"an integer from 1 to {self.num_clients:,} with partition=population (clients a round as a count"
-        if schedule.cohort is None:
-            fraction = (
-                f"clients_per_round={schedule.clients_per_round} trains {schedule.cohort_size(self.num_clients):,}"
-            )
-            allowed += f"; {fraction} clients every round"
-        check(
-            schedule.cohort is not None and schedule.cohort <= self.num_clients,
-            "schedule.cohort",
-            schedule.cohort,
-            allowed + ")",
-        )
 
     def __call__(self, labels, rng, natural=None):
         self._refuse_natural(natural)

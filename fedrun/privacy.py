@@ -45,6 +45,23 @@ The ledger is plain data (``state_dict``): the event's parameters and how many r
 replays it into a fresh accountant and reports the same epsilon as an uninterrupted one. Epsilon is always computed
 from the whole ledger (one self-composed event), never accumulated round by round, so it does not depend on where
 a run was stopped.
+
+The mechanism in the round. ``Privacy`` (the ``privacy`` group) is the configuration, the accountant and the ledger:
+``bind`` calibrates and sets the accounting, ``exceeds`` stops a run before its epsilon would pass ``max_epsilon``,
+``state_dict`` is the ledger. What it does to the updates are parts of the round, which ``Privacy.attach`` places
+once, when the run is built, among the run's stages and around its aggregator; the engine then runs them as any
+other stage and aggregator:
+
+- ``central``: a ``CentralClip`` stage after the others (the server clips what the clients sent) and the run's FedAvg
+  wrapped in ``CentralNoise`` (the fixed denominator, the noise, the ledger's step, adaptive clipping's noised
+  count).
+- ``local``: a ``LocalNoise`` stage before compression (each client clips and noises, then compresses its noised
+  update: post-processing), so that the upload is counted as the message the client sends (``Stage.sent_bits``).
+
+A new mechanism is one class, one YAML file and its tests: the class (a ``Privacy`` subclass with its own
+``MECHANISMS``) says in ``attach`` which stage or aggregation it adds where and in ``bind_ledger`` how it is
+accounted, with its parts beside it here; the YAML file ``conf/privacy/<name>.yaml`` names it as ``_target_``;
+the accountant and the ledger stay this module's.
 """
 
 import contextlib
@@ -604,6 +621,9 @@ class Privacy(Stateful):
     server averages the noised updates it received (uniform FedAvg over the round's cohort: post-processing). See
     ``LocalAccountant`` for the epsilon (the worst client's; no amplification by sampling).
 
+    The clipping and noise are parts of the round (``attach``: ``CentralClip`` and ``CentralNoise``, ``LocalNoise``);
+    this object holds what they share: z, C (moved by adaptive clipping), D, the ledger and the noise streams.
+
     The noise comes from its own streams (seed, round[, client]): the same on every backend and device. The epsilon
     logged each round (``epsilon``, at ``delta``) is what the rounds run so far guarantee for the global models
     (with ``local``, each noised update), by dp-accounting, if the cohorts and the noise stay secret; the run writes
@@ -633,6 +653,8 @@ class Privacy(Stateful):
             ``epsilon_deployment`` and its delta (below 1 / deployment_clients).
     """
 
+    MECHANISMS = ("none", "central", "local")  # a subclass for a new mechanism names its own
+
     def __init__(
         self,
         mechanism: str = "none",
@@ -650,7 +672,7 @@ class Privacy(Stateful):
         deployment_cohort: int | None = None,
         deployment_delta: float | None = None,
     ):
-        check(mechanism in ("none", "central", "local"), "mechanism", mechanism, "none, central or local")
+        check(mechanism in self.MECHANISMS, "mechanism", mechanism, ", ".join(self.MECHANISMS))
         self.mechanism = mechanism
         if mechanism == "none":
             return
@@ -727,64 +749,6 @@ class Privacy(Stateful):
     def __bool__(self) -> bool:
         return self.mechanism != "none"
 
-    def check_engine(self, engine) -> None:
-        """Refuse an asynchronous engine (called before the aggregator is built: the privacy options set
-        ``aggregator.weighting``, a key asynchronous aggregators do not have)."""
-        if self and getattr(engine, "asynchronous", True):  # an engine that does not say it is synchronous
-            raise ConfigError(
-                "engine",
-                "async",
-                f"sync with privacy={self.mechanism} (asynchronous privacy is not accounted; an asynchronous "
-                "aggregator runs on engine=async)",
-            )
-
-    def check(self, aggregator, engine, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
-        """Refuse, before training, what this mechanism's accounting does not cover."""
-        from fedrun.heterogeneity import EqualWork
-
-        if not self:
-            return
-        mine = f"privacy={self.mechanism}"
-        if sampler is not None and sampler.name != "uniform":
-            raise ConfigError(
-                "sampler",
-                sampler.name,
-                f"uniform with {mine} (the accountant's amplification assumes each client is drawn alike, "
-                "whatever the data)",
-            )
-        self.check_engine(engine)
-        if type(aggregator) is not FedAvg:
-            raise ConfigError(
-                "aggregator",
-                type(aggregator).__name__,
-                f"fedavg with {mine} (weights that follow the clients' losses, steps or data would change "
-                "the sensitivity the noise is calibrated to)",
-            )
-        check_uniform(aggregator, self.mechanism)
-        if heterogeneity is not None and type(heterogeneity) is not EqualWork:
-            raise ConfigError(
-                "heterogeneity",
-                type(heterogeneity).__name__,
-                f"none with {mine} (stragglers that drop out change the sampling that is accounted; the "
-                "other options are not checked against the accounting yet)",
-            )
-        for i, stage in enumerate(getattr(pipeline, "stages", [])):
-            if stage.crosses_clients():
-                raise ConfigError(
-                    f"pipeline.stages.{i}",
-                    type(stage).__name__,
-                    f"a stage that acts on each update alone with {mine} (one that adapts to the round's "
-                    "clients carries them into later rounds unaccounted; for adaptive clipping with its count "
-                    "noised and accounted, privacy.adaptive=true)",
-                )
-        if schedule is not None and schedule.stop_at_accuracy is not None and schedule.stop_on != "test":
-            raise ConfigError(
-                "schedule.stop_on",
-                schedule.stop_on,
-                f"test with {mine} and stop_at_accuracy (the clients' held-out accuracy is un-noised client "
-                "data: stopping on it would release it)",
-            )
-
     def bind(self, context) -> None:
         """Set the accounting for this run's sampling and rounds (and calibrate z for ``target_epsilon``)."""
         if not self:
@@ -814,10 +778,7 @@ class Privacy(Stateful):
                 "multiply the noise instead of averaging it)",
             )
         try:
-            if self.mechanism == "local":
-                self._bind_local(schedule.rounds, num_clients)
-            else:
-                self._bind_central(schedule, num_clients, cohort, rate)
+            self.bind_ledger(schedule, num_clients, cohort, rate)
         except ConfigError as exc:
             raise exc.within("privacy") from None
         self.seed = seed
@@ -827,6 +788,14 @@ class Privacy(Stateful):
                 self.max_epsilon,
                 f"at least {self.ledger.epsilon(1):.4g}, the epsilon of one round with z = {self.noise_multiplier:g}",
             )
+
+    def bind_ledger(self, schedule, num_clients: int, cohort: int | None, rate: float | None) -> None:
+        """Calibrate z if asked and set the ledger (and ``update_noise``) for this mechanism; a new mechanism
+        overrides it with its own accounting."""
+        if self.mechanism == "local":
+            self._bind_local(schedule.rounds, num_clients)
+        else:
+            self._bind_central(schedule, num_clients, cohort, rate)
 
     def _bind_local(self, rounds: int, num_clients: int) -> None:
         if self.noise_multiplier is None:  # a client may be drawn every round: calibrated for all of them

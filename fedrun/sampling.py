@@ -118,6 +118,9 @@ class Sampler(Stateful):
 
     name = "uniform"
     STATE = ("selected",)  # the schedule, sizes and weighting are the run's, given again by ``bind``
+    # Capabilities (fedrun.compat): the schedule's draw, every client alike, with no weights of its own.
+    gives_weights = False
+    draws_uniformly = True
     alpha_informative = False  # whether the weights it gives (``Selection``) follow what the clients sent
 
     def __init__(self):
@@ -176,6 +179,7 @@ class PowerOfChoice(Sampler):
     """
 
     name = "power_of_choice"
+    draws_uniformly = False  # the candidates with the largest losses
 
     def __init__(self, candidates: int | None = None, candidates_by: str = "samples"):
         super().__init__()
@@ -238,6 +242,8 @@ class Importance(Sampler):
     """
 
     name = "importance"
+    gives_weights = True  # q_k / (m p_k), FedAvg's alpha
+    draws_uniformly = False
     STATE = ("selected", "norms")
 
     def __init__(self, signal: str = "update_norm", uniform_mix: float = 0.1):

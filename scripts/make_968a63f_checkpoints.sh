@@ -17,6 +17,7 @@
 #      (metrics.csv, alpha.csv, local_steps.csv, selected.csv), plus .hydra/overrides.yaml, the command line the
 #      test repeats for its uninterrupted run.
 # The worktree is removed at the end when this script made it.
+# .gitignore ignores every data/ folder: commit the result with git add -f tests/data/ckpt_968a63f.
 set -euo pipefail
 
 COMMIT=968a63f

@@ -253,3 +253,48 @@ def test_only_aggregators_whose_alpha_follows_the_clients_log_its_series(compose
         assert instantiate(compose_config(f"aggregator={name}").aggregator).alpha_informative is informative, name
     scaled = compose_config("aggregator=fedbuff", "aggregator.staleness_scaling=true").aggregator
     assert instantiate(scaled).alpha_informative
+
+
+def test_fedavg_takes_the_samplers_unbiased_weights_when_the_round_has_some_and_measures_them_against_p():
+    deltas = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    view = RoundView(np.arange(2), np.array([10, 30]), sampled_weights=np.array([0.5, 1.5]))
+    update, alpha, diagnostics = FedAvg().aggregate(torch.zeros(2), deltas, view)
+    # alpha = q_k / (m p_k) as given; p = (0.25, 0.75), so |0.5 - 0.25| + |1.5 - 0.75| = 1.0.
+    assert_allclose(alpha, [0.5, 1.5])
+    assert_allclose(update.numpy(), [0.5, 1.5])
+    assert diagnostics == {"alpha_distance": pytest.approx(1.0)}
+    update, alpha, diagnostics = FedAvg().aggregate(torch.zeros(2), deltas, RoundView(np.arange(2), np.array([10, 30])))
+    assert_allclose(alpha, [0.25, 0.75])
+    assert_allclose(update.numpy(), [0.25, 0.75])
+    assert diagnostics == {"alpha_distance": 0.0}
+
+
+@pytest.mark.parametrize(
+    "aggregator",
+    [
+        FedAvg(),
+        FedSoftMax(),
+        FedNova(),
+        MVR(),
+        Hybrid([{"aggregator": FedAvg(), "until_round": 1}, {"aggregator": FedSoftMax()}]),
+    ],
+    ids=lambda a: type(a).__name__,
+)
+def test_a_round_that_drew_nobody_aggregates_to_a_zero_update_with_no_alpha_and_leaves_the_state_alone(aggregator):
+    params = torch.tensor([1.0, -2.0, 3.0])
+    before = {k: v for k, v in aggregator.state_dict().items() if k != "phases"}
+    nobody = RoundView(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), round=5)
+    update, alpha, diagnostics = aggregator.aggregate(params, torch.zeros(0, 3), nobody)
+    assert update.tolist() == [0.0, 0.0, 0.0] and alpha.shape == (0,) and diagnostics == {}
+    assert {k: v for k, v in aggregator.state_dict().items() if k != "phases"} == before  # a hybrid does not switch
+
+
+def test_mvrs_momentum_waits_through_a_round_that_drew_nobody():
+    mvr = MVR(beta=0.5)
+    one = RoundView(np.arange(1), np.array([10]), previous_deltas=None)
+    assert mvr.aggregate(torch.zeros(2), torch.tensor([[2.0, 4.0]]), one).update.tolist() == [2.0, 4.0]
+    nobody = RoundView(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), previous_deltas=None)
+    mvr.aggregate(torch.zeros(2), torch.zeros(0, 2), nobody)
+    again = RoundView(np.arange(1), np.array([10]), previous_deltas=torch.tensor([[1.0, 1.0]]))
+    # m = 0.5 (0, 2) + 0.5 ((2, 4) + ((0, 2) - (1, 1))) = (0, 1) + (0.5, 2.5) = (0.5, 3.5)
+    assert mvr.aggregate(torch.zeros(2), torch.tensor([[0.0, 2.0]]), again).update.tolist() == [0.5, 3.5]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedrun import compat
 from fedrun.aggregators import MVR, FedAvg, FedBuff
 from fedrun.async_engine import AsyncEngine
 from fedrun.backends import Device
@@ -132,8 +133,8 @@ def test_true_is_not_a_number_for_a_clip_stage(key):
 
 def test_the_sync_engine_refuses_stages_with_mvr_whose_second_update_would_bypass_them():
     with pytest.raises(ConfigError, match="pipeline=.*none with aggregator=mvr"):
-        SyncEngine().check(MVR(), None, Pipeline([Clip(1.0)]))
-    SyncEngine().check(MVR(), None, Pipeline())
+        compat.check({"engine": SyncEngine(), "aggregator": MVR(), "pipeline": Pipeline([Clip(1.0)])})
+    compat.check({"engine": SyncEngine(), "aggregator": MVR(), "pipeline": Pipeline()})
 
 
 def test_the_async_engine_clips_each_arriving_update_and_logs_the_buffers_mean():

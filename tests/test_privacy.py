@@ -147,6 +147,17 @@ def private(**kwargs) -> Privacy:
     return Privacy(**settings)
 
 
+def one_round(privacy: Privacy, deltas, params, round_, clients=None):
+    """One round of a bound mechanism's parts (``Privacy.attach`` with a uniform FedAvg, as an engine runs them,
+    ``run_parts``): the update, alpha and the round's numbers of the stages and the aggregation together.
+    ``clients``: the cohort's ids (local noise streams and ledger; by default 0, 1, ...)."""
+    from fedrun.aggregators import Aggregation
+
+    clients = np.arange(len(deltas)) if clients is None else np.asarray(clients)
+    [(update, alpha, staged, aggregated)], _, _ = run_parts(privacy, [(round_, clients, deltas)], params)
+    return Aggregation(update, alpha, {**staged, **aggregated})
+
+
 def train(privacy=None, backend="loop", rounds=4, sampling="fixed", q=0.5, seed=0, rows=None):
     torch.manual_seed(0)
     schedule = Schedule(rounds=rounds, local_steps=2, batch_size=4, clients_per_round=q, sampling=sampling)
@@ -175,7 +186,7 @@ def test_clipping_and_the_fixed_denominator_by_hand():
     privacy = private(noise_multiplier=0.0, clip_norm=2.0)
     privacy.bind(Context(Schedule(rounds=3, clients_per_round=0.5), np.ones(8), 0))  # fixed sampling: m = 4 of 8, D = 4
     deltas = torch.tensor([[3.0, 4.0], [0.6, 0.8], [0.0, 0.0]], dtype=torch.float64)  # norms 5, 1, 0
-    update, alpha, numbers = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1)
+    update, alpha, numbers = one_round(privacy, deltas, torch.zeros(2, dtype=torch.float64), 1)
     # clip: [3, 4] * 2 / 5 = [1.2, 1.6]; the others within C, unchanged. Sum [1.8, 2.4] over D = 4 (not the 3 here).
     torch.testing.assert_close(update, torch.tensor([0.45, 0.6], dtype=torch.float64), rtol=0, atol=1e-15)
     assert_allclose(alpha, [0.25, 0.25, 0.25])
@@ -189,7 +200,7 @@ def test_the_noise_has_the_calibrated_law_and_follows_the_seed():
         sampling = "poisson" if poisson else "fixed"
         privacy.bind(Context(Schedule(rounds=5, clients_per_round=0.1, sampling=sampling), np.ones(200), seed))
         empty = torch.zeros(0, 400_000, dtype=torch.float64)  # nobody sampled: the update is the noise alone
-        return privacy.aggregate(empty, torch.zeros(400_000, dtype=torch.float64), round_).update
+        return one_round(privacy, empty, torch.zeros(400_000, dtype=torch.float64), round_).update
 
     draw = noise(0)
     sigma = 1.3 * 0.5 / (0.1 * 200)  # z C / D, D = q N = 20
@@ -304,11 +315,11 @@ def test_the_sensitivity_of_the_released_sum_is_c_for_zero_out_and_2c_for_replac
     privacy = private(noise_multiplier=0.0, clip_norm=c)
     privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.5), np.ones(8), 0))
     base = torch.tensor([[0.1, 0.2, -0.1], [0.3, 0.0, 0.2], [-0.2, 0.1, 0.4], [0.0, 0.3, 0.1]], dtype=torch.float64)
-    released = privacy.aggregate(base, torch.zeros(d, dtype=torch.float64), 1).update
+    released = one_round(privacy, base, torch.zeros(d, dtype=torch.float64), 1).update
     huge, zero = base.clone(), base.clone()
     huge[2], zero[2] = torch.tensor([-300.0, 400.0, 0.0]), 0.0  # one client's data replaced / zeroed out
-    moved_huge = privacy.aggregate(huge, torch.zeros(d, dtype=torch.float64), 1).update - released
-    moved_zero = privacy.aggregate(zero, torch.zeros(d, dtype=torch.float64), 1).update - released
+    moved_huge = one_round(privacy, huge, torch.zeros(d, dtype=torch.float64), 1).update - released
+    moved_zero = one_round(privacy, zero, torch.zeros(d, dtype=torch.float64), 1).update - released
     assert float(moved_huge.norm()) <= 2 * c / 4 + 1e-12 and float(moved_zero.norm()) <= c / 4 + 1e-12
     assert float(moved_huge.norm()) > c / 4  # and the replace-one bound is needed: it moves further than C / D
 
@@ -317,7 +328,7 @@ def test_the_poisson_denominator_is_the_expected_cohort_size():
     privacy = private(noise_multiplier=0.0, clip_norm=10.0)
     privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.25, sampling="poisson"), np.ones(8), 0))  # D = q N = 2
     deltas = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]], dtype=torch.float64)  # 3 drawn this round, not 2
-    update = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1).update
+    update = one_round(privacy, deltas, torch.zeros(2, dtype=torch.float64), 1).update
     torch.testing.assert_close(update, torch.tensor([4.5, 3.0], dtype=torch.float64), rtol=0, atol=1e-15)
 
 
@@ -325,7 +336,7 @@ def test_a_non_finite_client_update_is_sent_as_zero():
     privacy = private(noise_multiplier=0.0, clip_norm=10.0)
     privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.25), np.ones(8), 0))  # fixed, m = D = 2
     deltas = torch.tensor([[1.0, 2.0], [math.nan, 1.0]], dtype=torch.float64)
-    update, _, numbers = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1)
+    update, _, numbers = one_round(privacy, deltas, torch.zeros(2, dtype=torch.float64), 1)
     torch.testing.assert_close(update, torch.tensor([0.5, 1.0], dtype=torch.float64))
     assert numbers["nonfinite_updates"] == 1.0
 
@@ -369,11 +380,11 @@ def test_adaptive_clipping_moves_c_by_e_to_the_plus_or_minus_0_1_by_hand():
     # C <- C exp(-0.2 (0 - 0.5)) = C e^0.1; none clipped gives b~ = (4 - 2) / 4 + 1/2 = 1, so C <- C e^-0.1.
     privacy = adaptive(clip_norm=2.0, clients=4, cohort=1.0)
     zero = torch.zeros(4, dtype=torch.float64)
-    numbers = privacy.aggregate(rows_of_norms([3.0, 4.0, 5.0, 6.0]), zero, 1).diagnostics
+    numbers = one_round(privacy, rows_of_norms([3.0, 4.0, 5.0, 6.0]), zero, 1).diagnostics
     assert numbers["clip_norm"] == 2.0 and numbers["unclipped_fraction_noised"] == 0.0  # the C this round used
     assert privacy.clip_norm == pytest.approx(2.0 * math.exp(0.1), rel=1e-15)
     privacy = adaptive(clip_norm=2.0, clients=4, cohort=1.0)
-    numbers = privacy.aggregate(rows_of_norms([0.5, 1.0, 1.5, 2.0]), zero, 1).diagnostics  # 2.0 = C is unclipped
+    numbers = one_round(privacy, rows_of_norms([0.5, 1.0, 1.5, 2.0]), zero, 1).diagnostics  # 2.0 = C is unclipped
     assert numbers["unclipped_fraction_noised"] == 1.0
     assert privacy.clip_norm == pytest.approx(2.0 * math.exp(-0.1), rel=1e-15)
 
@@ -384,7 +395,7 @@ def test_adaptive_clipping_converges_to_the_median_of_fixed_norms(start):
     privacy = adaptive(clip_norm=start, clients=9, cohort=1.0)
     zero = torch.zeros(9, dtype=torch.float64)
     for t in range(1, 201):  # ln(50) / 0.1 = 39 rounds at least to get there from either start
-        privacy.aggregate(rows_of_norms(norms), zero, t)
+        one_round(privacy, rows_of_norms(norms), zero, t)
     assert abs(privacy.clip_norm - 5.0) < 0.5
 
 
@@ -405,7 +416,7 @@ def test_adaptive_noise_uses_the_round_s_clip_norm_and_the_count_noise_has_its_l
     fractions = []
     for t in range(1, 2001):
         used = privacy.clip_norm
-        numbers = privacy.aggregate(rows_of_norms([used * 2] * 5 + [used / 2] * 5), zero, t).diagnostics
+        numbers = one_round(privacy, rows_of_norms([used * 2] * 5 + [used / 2] * 5), zero, t).diagnostics
         assert numbers["clip_norm"] == used and numbers["noise_std"] == pytest.approx(z_delta * used, rel=1e-15)
         fractions.append(numbers["unclipped_fraction_noised"])
     # 5 of 10 unclipped: b~ = (5 - 5 + N(0, 4)) / 10 + 1/2, mean 0.5 and std 0.2
@@ -414,7 +425,7 @@ def test_adaptive_noise_uses_the_round_s_clip_norm_and_the_count_noise_has_its_l
     assert privacy.run_tags()["privacy_update_noise_multiplier"] == f"{z_delta:.6g}"
     # and the noise actually added: all-zero updates release the noise alone, std z_Delta C / D with this round's C
     d, used = 200_000, privacy.clip_norm
-    update = privacy.aggregate(torch.zeros(10, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 2001)
+    update = one_round(privacy, torch.zeros(10, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 2001)
     assert float(update.update.std()) == pytest.approx(z_delta * used / 10, rel=0.01) and privacy.clip_norm != used
 
 
@@ -482,15 +493,17 @@ def test_local_noise_is_each_client_s_own_and_the_server_averages_what_arrives()
     privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.5), np.ones(8), 0))
     deltas = torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]], dtype=torch.float64)  # norms 5, 0.5, 0
     # clipped: (0.6, 0.8), (0.3, 0.4), (0, 0); the mean over the 3 that arrived: (0.3, 0.4)
-    update = privacy.aggregate(deltas, torch.zeros(2, dtype=torch.float64), 1, np.array([2, 5, 7])).update
+    update = one_round(privacy, deltas, torch.zeros(2, dtype=torch.float64), 1, np.array([2, 5, 7])).update
     torch.testing.assert_close(update, torch.tensor([0.3, 0.4], dtype=torch.float64), rtol=0, atol=1e-15)
     assert privacy.ledger.counts.tolist() == [0, 0, 1, 0, 0, 1, 0, 1]
     noisy = local(noise_multiplier=2.0, clip_norm=0.5)
     noisy.bind(Context(Schedule(rounds=2, clients_per_round=0.5), np.ones(8), 3))
     d = 200_000
-    one = noisy.aggregate(torch.zeros(1, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 1, [4]).update
+    one = one_round(noisy, torch.zeros(1, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 1, [4]).update
     assert float(one.mean()) == pytest.approx(0.0, abs=0.01 * 1.0) and float(one.var()) == pytest.approx(1.0, rel=0.02)
-    two = noisy.aggregate(torch.zeros(2, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 1, [4, 6]).update
+    two = one_round(
+        noisy, torch.zeros(2, d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), 1, [4, 6]
+    ).update
     # client 4's noise is its own, whoever else is in the round: (n4 + n6) / 2 has variance 1 / 2
     assert float(two.var()) == pytest.approx(0.5, rel=0.02)
     assert torch.corrcoef(torch.stack([one, two]))[0, 1] == pytest.approx(math.sqrt(0.5), abs=0.01)
@@ -836,9 +849,9 @@ def test_the_parts_give_today_s_update_alpha_and_numbers_bit_for_bit(case):
         assert torch.equal(update, expected.update) and np.array_equal(alpha, expected.alpha), t
         if mine.mechanism == "central":  # the clip stage logs nothing itself: the aggregation logs the round
             assert staged == {} and same_numbers(aggregated, expected.diagnostics), (aggregated, expected)
-        else:  # local: the noise stage logs the mechanism's numbers; FedAvg adds its own alpha_distance, 0 (uniform)
+        else:  # local: the noise stage logs the mechanism's numbers; FedAvg's own (alpha_distance) are FedAvg's
             assert same_numbers(staged, expected.diagnostics), (staged, expected.diagnostics)
-            assert aggregated == {"alpha_distance": 0.0}
+            assert not aggregated.keys() & expected.diagnostics.keys()
     assert mine.state_dict() == reference.state_dict()  # the ledger (and adaptive C, the deployment's) alike
     assert mine.clip_norm == reference.clip_norm
 
@@ -905,3 +918,46 @@ def test_central_noise_refuses_updates_its_clip_stage_did_not_clip_this_round():
     torch.testing.assert_close(update, torch.full((2,), 2**-0.5, dtype=torch.float64), rtol=0, atol=1e-15)
     with pytest.raises(RuntimeError, match="did not clip this round"):  # round 2's updates, round 1's statistics
         aggregator.aggregate(params, sent, RoundView(np.arange(4), np.ones(4), round=2))
+
+
+@pytest.mark.parametrize(
+    "make,sampling",
+    [
+        pytest.param(lambda: private(noise_multiplier=0.8, clip_norm=0.3), "fixed", id="central"),
+        pytest.param(
+            lambda: private(noise_multiplier=0.8, clip_norm=0.3, adaptive=True, clip_count_noise=1.0),
+            "fixed",
+            id="adaptive",
+        ),
+        pytest.param(lambda: local(noise_multiplier=0.8, clip_norm=0.3), "poisson", id="local"),
+    ],
+)
+def test_the_engine_running_the_parts_trains_the_model_the_mechanism_trained(make, sampling):
+    # The parts as the engine's aggregator and stages (no mechanism given to it) against the engine calling the
+    # mechanism (Privacy.aggregate): the same models, round for round. Central runs a fixed sample here: this engine
+    # skips its aggregator in a round that draws nobody, where central noise must still be added.
+    from fedrun.pipeline import Pipeline
+
+    rows, mine_rows = [], []
+    reference = make()
+    expected = train(reference, sampling=sampling, rows=rows)
+    privacy = make()
+    torch.manual_seed(0)
+    schedule = Schedule(rounds=4, local_steps=2, batch_size=4, clients_per_round=0.5, sampling=sampling)
+    privacy.bind(Context(schedule, np.ones(len(CLIENTS)), 0))
+    aggregator, stages = privacy.attach(FedAvg(weighting="uniform"), [])
+    mine = run(
+        Logistic((4,), 3).double(),
+        DATA,
+        CLIENTS,
+        aggregator,
+        functools.partial(torch.optim.SGD, lr=0.5),
+        schedule,
+        Device("cpu", "contiguous", "loop", workers=2),
+        0,
+        on_round=lambda row, per_client: mine_rows.append(row),
+        pipeline=Pipeline(stages),
+    )
+    names = ("epsilon", "clip_norm", "clipped_fraction", "update_norm_mean", "noise_std", "nonfinite_updates")
+    assert [[r[k] for k in names] for r in mine_rows] == [[r[k] for k in names] for r in rows]
+    assert torch.equal(mine.params, expected.params) and privacy.state_dict() == reference.state_dict()

@@ -39,6 +39,12 @@ class Aggregator(Stateful):
 
     STATE = ()  # most aggregators carry nothing between rounds (MVR its momentum, a hybrid its phase)
 
+    # Capabilities (fedrun.compat): a synchronous aggregator whose alpha is p_i, reading one update per client.
+    asynchronous = False
+    follows_sampler = False
+    weights_follow_clients = False
+    reads_second_update = False
+
     # Whether alpha depends on what the clients measured (their losses), so that its per-client series say more than
     # p_i: only then does a run log them to MLflow (alpha.csv and the heatmap always have alpha).
     alpha_informative = False
@@ -74,9 +80,17 @@ class Aggregator(Stateful):
 
         Returns:
             The update Delta = sum_i alpha_i Delta_i for the server optimizer, alpha over the cohort and the
-            round's diagnostics.
+            round's diagnostics (``empty`` for a cohort of no client).
         """
+        if not len(deltas):
+            return self.empty(global_params)
         return self.combine(self.weights(report), deltas, report)
+
+    def empty(self, global_params: torch.Tensor) -> Aggregation:
+        """The aggregation of a round that drew nobody (Poisson sampling can): a zero update, on which the server
+        steps as Opacus steps on an empty Poisson batch (a server optimizer with momentum still moves; plain SGD
+        does not), no alpha and no diagnostics. The aggregator's state does not change."""
+        return Aggregation(torch.zeros_like(global_params), np.zeros(0), {})
 
     def combine(self, alpha: np.ndarray, deltas: torch.Tensor, report: RoundView) -> Aggregation:
         """The update sum_i alpha_i Delta_i for these ``alpha`` (this aggregator's, or a sampler's unbiased

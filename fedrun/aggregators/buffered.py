@@ -43,6 +43,12 @@ class AsyncAggregator(Stateful):
     """
 
     STATE = ()  # FedStaleWeight's staleness windows are the only state of the family
+
+    # Capabilities (fedrun.compat): buffered, so only the asynchronous engine runs it.
+    asynchronous = True
+    follows_sampler = False
+    weights_follow_clients = False
+    reads_second_update = False
     alpha_informative = False  # as ``Aggregator.alpha_informative``: whether alpha follows the clients' staleness
 
     def __init__(self, buffer_size: int = 5):

@@ -14,10 +14,13 @@ from fedrun.errors import check
 
 
 class FedAvg(Aggregator):
-    """FedAvg (McMahan et al. 2017): alpha_i = p_i."""
+    """FedAvg (McMahan et al. 2017): alpha_i = p_i, or the sampler's unbiased weights when it gives some (importance
+    sampling's q_k / (m p_k), ``RoundView.sampled_weights``)."""
+
+    follows_sampler = True
 
     def weights(self, report: RoundView) -> np.ndarray:
-        return self.base_weights(report)
+        return report.sampled_weights if report.sampled_weights is not None else self.base_weights(report)
 
 
 class LossWeighted(Aggregator):
@@ -36,6 +39,7 @@ class LossWeighted(Aggregator):
 
     sign = 1.0  # +1 favours the worst-fitted clients, -1 the best-fitted
     alpha_informative = True
+    weights_follow_clients = True
 
     def __init__(
         self,
@@ -197,6 +201,7 @@ class Hybrid(Aggregator):
     """
 
     alpha_informative = True  # a loss-weighted phase, or the switch itself
+    weights_follow_clients = True  # its phases, and when it switches
     STATE = ("current", "switched")  # and each phase's own (``state_dict``)
 
     def __init__(self, phases: list, weighting: str = "samples"):

@@ -15,10 +15,14 @@ class FedNova(Aggregator):
     client does the same work with the same solver. alpha (logged) is p.
     """
 
+    weights_follow_clients = True  # each update is scaled by its client's local work
+
     def weights(self, report: RoundView) -> np.ndarray:
         return self.base_weights(report)
 
     def aggregate(self, global_params, deltas, report):
+        if not len(deltas):
+            return self.empty(global_params)
         p = self.base_weights(report)
         norms = np.asarray(report.coefficient_norms, dtype=np.float64)
         check(bool(np.all(norms > 0)), "aggregator", "fednova", "clients that take at least one local step")
@@ -43,6 +47,7 @@ class MVR(Aggregator):
     """
 
     STATE = ("momentum",)  # m_{t-1}
+    reads_second_update = True  # Delta_hat_i, trained from the previous model: no pipeline stage sees it
 
     def __init__(self, beta: float = 0.5, weighting: str = "uniform"):
         super().__init__(weighting)
@@ -53,6 +58,8 @@ class MVR(Aggregator):
         return self.base_weights(report)
 
     def aggregate(self, global_params, deltas, report):
+        if not len(deltas):
+            return self.empty(global_params)  # the momentum waits for a round with clients
         p = self.base_weights(report)
         weights = torch.as_tensor(p, dtype=deltas.dtype, device=deltas.device)
         fresh = weights @ deltas

@@ -11,11 +11,11 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from fedrun import compat
 from fedrun.cli.entry import check_resolves
 from fedrun.errors import ConfigError
 from fedrun.partitions import LazyClients, client_sizes, hold_out
 from fedrun.privacy import Privacy
-from fedrun.rounds import STOP_ON
 from fedrun.sampling import Uniform
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.state import Context, encode
@@ -78,13 +78,14 @@ def setup(cfg: DictConfig) -> dict:
     seed = cfg.seed
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", seed, "an integer >= 0")
-    # A run dir saved before the privacy group has none. Built first: its options set aggregator.weighting=uniform,
-    # a key asynchronous aggregators lack, so its refusal of the asynchronous engine must come before they are built.
+    # A run dir saved before the privacy group has none. Built and checked with the engine first: its options set
+    # aggregator.weighting=uniform, a key asynchronous aggregators lack, so its refusal of the asynchronous engine must
+    # come before they are built.
     privacy = build("privacy", cfg.privacy) if "privacy" in cfg else Privacy()
-    if privacy:
-        privacy.check_engine(build("engine", cfg.engine))
+    early = {"privacy": privacy, "engine": build("engine", cfg.engine)} if privacy else {"privacy": privacy}
+    compat.check(early)
     groups = ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")
-    objects = {group: build(group, cfg[group]) for group in groups}
+    objects = {group: early[group] if group in early else build(group, cfg[group]) for group in groups}
     # Each stage on its own, so that an error names its key (pipeline.stages.0.max_norm), then the pipeline around them.
     stages = [build(f"pipeline.stages.{i}", stage) for i, stage in enumerate(cfg.pipeline.get("stages", []))]
     if cfg.get("compression") and "_target_" in cfg.compression:  # the last stage; older run dirs have none
@@ -92,19 +93,8 @@ def setup(cfg: DictConfig) -> dict:
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
     # A run dir saved before the sampler group has none: uniform, the schedule's sampling.
     objects["sampler"] = build("sampler", cfg.sampler) if "sampler" in cfg else Uniform()
-    objects["engine"].check(
-        objects["aggregator"], objects["heterogeneity"], objects["pipeline"], objects["schedule"], objects["sampler"]
-    )
-    objects["partition"].check(objects["schedule"], objects["engine"])  # a population's cohort, before any work
     objects["privacy"] = privacy
-    objects["privacy"].check(
-        objects["aggregator"],
-        objects["engine"],
-        objects["heterogeneity"],
-        objects["pipeline"],
-        objects["schedule"],
-        objects["sampler"],
-    )
+    compat.check(objects)  # every combination that cannot run, before the dataset is read
     # A state a checkpoint cannot hold fails now, not at round 10.
     for group in ("aggregator", "server", "pipeline", "sampler"):
         try:
@@ -113,18 +103,6 @@ def setup(cfg: DictConfig) -> dict:
             raise ConfigError(
                 group, type(objects[group]).__name__, f"a part whose state_dict() a checkpoint can hold ({exc})"
             ) from None
-    schedule = objects["schedule"]
-    if (
-        schedule.stop_at_accuracy is not None
-        and "client_accuracy" in STOP_ON[schedule.stop_on]
-        and not objects["dataset"].client_test_fraction
-        and not getattr(objects["dataset"], "client_tests", False)
-    ):
-        raise ConfigError(
-            "schedule.stop_on",
-            schedule.stop_on,
-            "test while dataset.client_test_fraction is 0 (client_accuracy needs each client's held-out samples)",
-        )
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])

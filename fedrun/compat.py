@@ -1,0 +1,311 @@
+"""Which parts of a run cannot run together: one table of rules over what the parts say they can do.
+
+Each part declares its capabilities as class attributes (or properties, where a setting decides); a rule reads
+them, never a class name, so a new class that declares them is accepted or refused as the class it resembles.
+
+Capabilities, by part:
+
+- ``engine.asynchronous``: the engine aggregates buffered updates as they arrive, with no synchronous rounds
+  (``engine.concurrency``: how many clients train at once there, or None for all).
+- ``aggregator.asynchronous``: a buffered aggregator (``fedrun.aggregators.AsyncAggregator``), which runs only on an
+  asynchronous engine; a synchronous one runs only on a synchronous engine.
+- ``aggregator.follows_sampler``: it takes the sampler's unbiased weights as its alpha (FedAvg and its subclasses:
+  ``RoundView.sampled_weights``).
+- ``aggregator.weights_follow_clients``: its alpha, or the scale of its update, follows what the clients measured or
+  did (their losses, local steps), not only their sample counts: the loss-weighted family, a hybrid, FedNova.
+- ``aggregator.reads_second_update``: it reads a second update per client, trained from the previous global model
+  (MVR), which no pipeline stage sees.
+- ``aggregator.weighting``: p_i, ``samples`` or ``uniform`` (a setting; buffered aggregators have none).
+- ``sampler.name``: the option's name (in messages only); ``sampler.gives_weights``: it gives each cohort client an
+  unbiased weight that replaces the aggregator's (importance sampling); ``sampler.draws_uniformly``: every client is
+  equally likely to be drawn, whatever its data or losses (the schedule's own draw).
+- ``heterogeneity.equal_work``: every client does the schedule's work; ``heterogeneity.drops_clients``: some clients
+  drop out of a round after the draw (stragglers in ``drop`` mode).
+- ``pipeline``: true when it has stages; each stage's ``crosses_clients()``: what it does to one update depends on
+  other clients' updates (now or through its state).
+- ``privacy``: true when private; ``privacy.mechanism``: ``central`` or ``local``.
+- ``partition.draws_clients_when_they_train``: a population whose clients exist only once drawn, so a round must
+  name a count of them (``partition.num_clients``: the population).
+- ``schedule``: its fields (``cohort``, ``sampling``, ``clients_per_round``, ``stop_at_accuracy``, ``stop_on``);
+  ``dataset``: ``client_test_fraction`` and ``client_tests`` (each client's own held-out samples).
+
+``check(parts)`` raises the first rule that applies, as the one-line ConfigError of ``fedrun.errors``. A rule applies
+only to the parts it needs, so ``check`` can run on the parts built so far and again on all of them: the CLI checks
+the privacy and the engine before it builds the aggregator (privacy's options set ``aggregator.weighting``, a key
+that buffered aggregators lack), then everything.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from fedrun.errors import ConfigError
+from fedrun.rounds import STOP_ON
+
+Parts = SimpleNamespace  # the run's parts by group name: parts.aggregator, parts.engine, ...
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One combination that cannot run, and its one-line refusal.
+
+    Attributes:
+        needs: The parts the rule reads (it is skipped while one of them is not built).
+        applies: Whether these parts cannot run together.
+        key: The config key the refusal names (or a function of the parts giving it).
+        value: The value of that key, a function of the parts.
+        allowed: What is allowed, in words (or a function of the parts giving it).
+    """
+
+    needs: tuple[str, ...]
+    applies: Callable[[Parts], bool]
+    key: str | Callable[[Parts], str]
+    value: Callable[[Parts], Any]
+    allowed: str | Callable[[Parts], str]
+
+    def error(self, parts: Parts) -> ConfigError:
+        def given(field):
+            return field(parts) if callable(field) else field
+
+        return ConfigError(given(self.key), self.value(parts), given(self.allowed))
+
+
+def name(part) -> str:
+    """A part's class name, for messages (never for conditions)."""
+    return type(part).__name__
+
+
+def private(p: Parts) -> str:
+    return f"privacy={p.privacy.mechanism}"
+
+
+def crossing_stage(p: Parts) -> int | None:
+    """The first stage of the pipeline that crosses clients, or None."""
+    return next((i for i, stage in enumerate(p.pipeline.stages) if stage.crosses_clients()), None)
+
+
+def synchronous(p: Parts) -> bool:
+    return not p.engine.asynchronous
+
+
+def population_count(p: Parts) -> str:
+    """What ``schedule.cohort`` may be with a population, saying what the fraction would train."""
+    n = p.partition.num_clients
+    allowed = f"an integer from 1 to {n:,} with partition=population (clients a round as a count"
+    if p.schedule.cohort is None:
+        allowed += f"; clients_per_round={p.schedule.clients_per_round} trains {p.schedule.cohort_size(n):,} clients"
+        allowed += " every round"
+    return allowed + ")"
+
+
+RULES = [
+    # Privacy and the engine first: this rule runs before the aggregator is built (see the module docstring).
+    Rule(
+        ("privacy", "engine"),
+        lambda p: bool(p.privacy) and getattr(p.engine, "asynchronous", True),  # an engine that does not say
+        "engine",
+        lambda p: "async",
+        lambda p: (
+            f"sync with {private(p)} (asynchronous privacy is not accounted; an asynchronous aggregator runs on "
+            "engine=async)"
+        ),
+    ),
+    # The synchronous engine.
+    Rule(
+        ("engine", "aggregator"),
+        lambda p: synchronous(p) and p.aggregator.asynchronous,
+        "engine",
+        lambda p: "sync",
+        lambda p: f"async for {name(p.aggregator)}, an asynchronous aggregator",
+    ),
+    Rule(
+        ("engine", "sampler", "aggregator"),
+        lambda p: synchronous(p) and p.sampler.gives_weights and not p.aggregator.follows_sampler,
+        "aggregator",
+        lambda p: name(p.aggregator),
+        lambda p: (
+            f"fedavg with sampler={p.sampler.name} (its weights q_k / (m p_k) make FedAvg's update unbiased; "
+            "other aggregators choose their own alpha)"
+        ),
+    ),
+    Rule(
+        ("engine", "sampler", "heterogeneity"),
+        lambda p: synchronous(p) and p.sampler.gives_weights and p.heterogeneity.drops_clients,
+        "heterogeneity.mode",
+        lambda p: getattr(p.heterogeneity, "mode", name(p.heterogeneity)),
+        lambda p: (
+            f"partial with sampler={p.sampler.name} (clients dropping out after the draw would bias its estimate)"
+        ),
+    ),
+    Rule(
+        ("engine", "aggregator", "pipeline"),
+        lambda p: synchronous(p) and bool(p.pipeline) and p.aggregator.reads_second_update,
+        "pipeline",
+        lambda p: [name(stage) for stage in p.pipeline.stages],
+        "none with aggregator=mvr (its second update per client, from the previous model, would bypass the stages)",
+    ),
+    # The asynchronous engine.
+    Rule(
+        ("engine", "sampler"),
+        lambda p: p.engine.asynchronous and not p.sampler.draws_uniformly,
+        "sampler",
+        lambda p: p.sampler.name,
+        "uniform with engine=async (a client trains again when it comes back)",
+    ),
+    Rule(
+        ("engine", "schedule"),
+        lambda p: p.engine.asynchronous and p.schedule.cohort is not None,
+        "schedule.cohort",
+        lambda p: p.schedule.cohort,
+        "null with engine=async (engine.concurrency sets who trains at once)",
+    ),
+    Rule(
+        ("engine", "schedule"),
+        lambda p: p.engine.asynchronous and p.schedule.sampling != "fixed",
+        "schedule.sampling",
+        lambda p: p.schedule.sampling,
+        "fixed with engine=async (its clients come back as they finish)",
+    ),
+    Rule(
+        ("engine", "aggregator"),
+        lambda p: p.engine.asynchronous and not p.aggregator.asynchronous,
+        "engine",
+        lambda p: "async",
+        lambda p: f"sync for {name(p.aggregator)}, a synchronous aggregator",
+    ),
+    Rule(
+        ("engine", "heterogeneity"),
+        lambda p: p.engine.asynchronous and not p.heterogeneity.equal_work,
+        "heterogeneity",
+        lambda p: name(p.heterogeneity),
+        "none with engine=async (speeds model the heterogeneity)",
+    ),
+    # A population: who trains in a round is a count of its clients, never a fraction of all of them (the default
+    # clients_per_round = 1 would gather a million clients' samples at once); the asynchronous engine's concurrency
+    # says who trains at once there.
+    Rule(
+        ("partition", "engine"),
+        lambda p: p.partition.draws_clients_when_they_train and p.engine.asynchronous and p.engine.concurrency is None,
+        "engine.concurrency",
+        lambda p: p.engine.concurrency,
+        lambda p: (
+            f"an integer from 1 to {p.partition.num_clients:,} with partition=population (the clients training "
+            "at once, not all of them)"
+        ),
+    ),
+    Rule(
+        ("partition", "engine", "schedule"),
+        lambda p: (
+            p.partition.draws_clients_when_they_train
+            and synchronous(p)
+            and p.schedule.sampling == "poisson"
+            and not p.schedule.clients_per_round < 1
+        ),
+        "schedule.clients_per_round",
+        lambda p: p.schedule.clients_per_round,
+        lambda p: (
+            f"a rate below 1 with partition=population and poisson sampling (1 draws all "
+            f"{p.partition.num_clients:,} clients every round)"
+        ),
+    ),
+    Rule(
+        ("partition", "engine", "schedule"),
+        lambda p: (
+            p.partition.draws_clients_when_they_train
+            and synchronous(p)
+            and p.schedule.sampling != "poisson"
+            and not (p.schedule.cohort is not None and p.schedule.cohort <= p.partition.num_clients)
+        ),
+        "schedule.cohort",
+        lambda p: p.schedule.cohort,
+        population_count,
+    ),
+    # Privacy: what the accounting covers.
+    Rule(
+        ("privacy", "sampler"),
+        lambda p: bool(p.privacy) and not p.sampler.draws_uniformly,
+        "sampler",
+        lambda p: p.sampler.name,
+        lambda p: (
+            f"uniform with {private(p)} (the accountant's amplification assumes each client is drawn alike, "
+            "whatever the data)"
+        ),
+    ),
+    Rule(
+        ("privacy", "aggregator"),
+        lambda p: (
+            bool(p.privacy)
+            and (p.aggregator.asynchronous or p.aggregator.weights_follow_clients or p.aggregator.reads_second_update)
+        ),
+        "aggregator",
+        lambda p: name(p.aggregator),
+        lambda p: (
+            f"fedavg with {private(p)} (weights that follow the clients' losses, steps or data would change the "
+            "sensitivity the noise is calibrated to)"
+        ),
+    ),
+    Rule(
+        ("privacy", "aggregator"),
+        lambda p: bool(p.privacy) and p.aggregator.weighting != "uniform",  # privacy's options set uniform
+        "aggregator.weighting",
+        lambda p: p.aggregator.weighting,
+        lambda p: (
+            f"uniform with {private(p)}, which {private(p)} sets by itself (DP-FedAvg weighs every client "
+            "alike; sample counts are private)"
+        ),
+    ),
+    Rule(
+        ("privacy", "heterogeneity"),
+        lambda p: bool(p.privacy) and not p.heterogeneity.equal_work,
+        "heterogeneity",
+        lambda p: name(p.heterogeneity),
+        lambda p: (
+            f"none with {private(p)} (stragglers that drop out change the sampling that is accounted; the other "
+            "options are not checked against the accounting yet)"
+        ),
+    ),
+    Rule(
+        ("privacy", "pipeline"),
+        lambda p: bool(p.privacy) and crossing_stage(p) is not None,
+        lambda p: f"pipeline.stages.{crossing_stage(p)}",
+        lambda p: name(p.pipeline.stages[crossing_stage(p)]),
+        lambda p: (
+            f"a stage that acts on each update alone with {private(p)} (one that adapts to the round's clients "
+            "carries them into later rounds unaccounted; for adaptive clipping with its count noised and accounted, "
+            "privacy.adaptive=true)"
+        ),
+    ),
+    Rule(
+        ("privacy", "schedule"),
+        lambda p: bool(p.privacy) and p.schedule.stop_at_accuracy is not None and p.schedule.stop_on != "test",
+        "schedule.stop_on",
+        lambda p: p.schedule.stop_on,
+        lambda p: (
+            f"test with {private(p)} and stop_at_accuracy (the clients' held-out accuracy is un-noised client "
+            "data: stopping on it would release it)"
+        ),
+    ),
+    # Stopping on the clients' own accuracy needs their held-out samples.
+    Rule(
+        ("schedule", "dataset"),
+        lambda p: (
+            p.schedule.stop_at_accuracy is not None
+            and "client_accuracy" in STOP_ON[p.schedule.stop_on]
+            and not p.dataset.client_test_fraction
+            and not getattr(p.dataset, "client_tests", False)
+        ),
+        "schedule.stop_on",
+        lambda p: p.schedule.stop_on,
+        "test while dataset.client_test_fraction is 0 (client_accuracy needs each client's held-out samples)",
+    ),
+]
+
+
+def check(parts: dict) -> None:
+    """Raise the ConfigError of the first rule of ``RULES`` that applies to ``parts`` (group name -> part); a rule
+    that needs a part not in ``parts`` is skipped."""
+    namespace = Parts(**parts)
+    for rule in RULES:
+        if all(parts.get(needed) is not None for needed in rule.needs) and rule.applies(namespace):
+            raise rule.error(namespace)

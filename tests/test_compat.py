@@ -1,0 +1,239 @@
+"""The compatibility table (fedrun/compat.py): each rule refuses exactly its combination, in one line."""
+
+import ast
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+from fedrun import compat
+from fedrun.aggregators import MVR, FedAvg, FedBuff, FedNova, FedSoftMax, RoundView
+from fedrun.async_engine import AsyncEngine
+from fedrun.datasets import Dataset
+from fedrun.engine import SyncEngine
+from fedrun.errors import ConfigError
+from fedrun.heterogeneity import EqualWork, RandomSteps, Stragglers
+from fedrun.partitions import Population
+from fedrun.pipeline import Clip, Pipeline, Stage
+from fedrun.privacy import Privacy
+from fedrun.rounds import Schedule
+from fedrun.sampling import Importance, PowerOfChoice, Uniform
+
+
+def central():
+    return Privacy(mechanism="central", noise_multiplier=1.0)
+
+
+def asynchronous(concurrency=None):
+    speeds = [{"name": "all", "clients": None, "distribution": "uniform", "low": 1.0, "high": 2.0}]
+    return AsyncEngine(speeds, concurrency=concurrency)
+
+
+# One case per rule, in the table's order: the fewest parts that trigger it, and today's one-line refusal.
+CASES = [
+    (
+        lambda: {"privacy": central(), "engine": asynchronous()},
+        "engine='async' is invalid: allowed is sync with privacy=central (asynchronous privacy is not accounted; an "
+        "asynchronous aggregator runs on engine=async)",
+    ),
+    (
+        lambda: {"engine": SyncEngine(), "aggregator": FedBuff()},
+        "engine='sync' is invalid: allowed is async for FedBuff, an asynchronous aggregator",
+    ),
+    (
+        lambda: {"engine": SyncEngine(), "sampler": Importance(), "aggregator": FedSoftMax()},
+        "aggregator='FedSoftMax' is invalid: allowed is fedavg with sampler=importance (its weights q_k / (m p_k) "
+        "make FedAvg's update unbiased; other aggregators choose their own alpha)",
+    ),
+    (
+        lambda: {"engine": SyncEngine(), "sampler": Importance(), "heterogeneity": Stragglers(mode="drop")},
+        "heterogeneity.mode='drop' is invalid: allowed is partial with sampler=importance (clients dropping out "
+        "after the draw would bias its estimate)",
+    ),
+    (
+        lambda: {"engine": SyncEngine(), "aggregator": MVR(), "pipeline": Pipeline([Clip(1.0)])},
+        "pipeline=['Clip'] is invalid: allowed is none with aggregator=mvr (its second update per client, from the "
+        "previous model, would bypass the stages)",
+    ),
+    (
+        lambda: {"engine": asynchronous(), "sampler": PowerOfChoice()},
+        "sampler='power_of_choice' is invalid: allowed is uniform with engine=async (a client trains again when it "
+        "comes back)",
+    ),
+    (
+        lambda: {"engine": asynchronous(), "schedule": Schedule(cohort=5)},
+        "schedule.cohort=5 is invalid: allowed is null with engine=async (engine.concurrency sets who trains at once)",
+    ),
+    (
+        lambda: {"engine": asynchronous(), "schedule": Schedule(sampling="poisson", clients_per_round=0.5)},
+        "schedule.sampling='poisson' is invalid: allowed is fixed with engine=async (its clients come back as they "
+        "finish)",
+    ),
+    (
+        lambda: {"engine": asynchronous(), "aggregator": FedAvg()},
+        "engine='async' is invalid: allowed is sync for FedAvg, a synchronous aggregator",
+    ),
+    (
+        lambda: {"engine": asynchronous(), "heterogeneity": RandomSteps()},
+        "heterogeneity='RandomSteps' is invalid: allowed is none with engine=async (speeds model the heterogeneity)",
+    ),
+    (
+        lambda: {"partition": Population(num_clients=1000), "engine": asynchronous()},
+        "engine.concurrency=None is invalid: allowed is an integer from 1 to 1,000 with partition=population (the "
+        "clients training at once, not all of them)",
+    ),
+    (
+        lambda: {
+            "partition": Population(num_clients=1000),
+            "engine": SyncEngine(),
+            "schedule": Schedule(sampling="poisson", clients_per_round=1.0),
+        },
+        "schedule.clients_per_round=1.0 is invalid: allowed is a rate below 1 with partition=population and poisson "
+        "sampling (1 draws all 1,000 clients every round)",
+    ),
+    (
+        lambda: {"partition": Population(num_clients=1000), "engine": SyncEngine(), "schedule": Schedule()},
+        "schedule.cohort=None is invalid: allowed is an integer from 1 to 1,000 with partition=population (clients "
+        "a round as a count; clients_per_round=1.0 trains 1,000 clients every round)",
+    ),
+    (
+        lambda: {"privacy": central(), "sampler": PowerOfChoice()},
+        "sampler='power_of_choice' is invalid: allowed is uniform with privacy=central (the accountant's "
+        "amplification assumes each client is drawn alike, whatever the data)",
+    ),
+    (
+        lambda: {"privacy": Privacy(mechanism="local", noise_multiplier=1.0), "aggregator": FedNova("uniform")},
+        "aggregator='FedNova' is invalid: allowed is fedavg with privacy=local (weights that follow the clients' "
+        "losses, steps or data would change the sensitivity the noise is calibrated to)",
+    ),
+    (
+        lambda: {"privacy": central(), "aggregator": FedAvg()},
+        "aggregator.weighting='samples' is invalid: allowed is uniform with privacy=central, which privacy=central "
+        "sets by itself (DP-FedAvg weighs every client alike; sample counts are private)",
+    ),
+    (
+        lambda: {"privacy": central(), "heterogeneity": Stragglers()},
+        "heterogeneity='Stragglers' is invalid: allowed is none with privacy=central (stragglers that drop out change "
+        "the sampling that is accounted; the other options are not checked against the accounting yet)",
+    ),
+    (
+        lambda: {"privacy": central(), "pipeline": Pipeline([Clip(1.0), Clip(2.0, adaptive=True)])},
+        "pipeline.stages.1='Clip' is invalid: allowed is a stage that acts on each update alone with privacy=central "
+        "(one that adapts to the round's clients carries them into later rounds unaccounted; for adaptive clipping "
+        "with its count noised and accounted, privacy.adaptive=true)",
+    ),
+    (
+        lambda: {"privacy": central(), "schedule": Schedule(stop_at_accuracy=0.9, stop_on="both")},
+        "schedule.stop_on='both' is invalid: allowed is test with privacy=central and stop_at_accuracy (the clients' "
+        "held-out accuracy is un-noised client data: stopping on it would release it)",
+    ),
+    (
+        lambda: {"schedule": Schedule(stop_at_accuracy=0.9, stop_on="client"), "dataset": Dataset()},
+        "schedule.stop_on='client' is invalid: allowed is test while dataset.client_test_fraction is 0 "
+        "(client_accuracy needs each client's held-out samples)",
+    ),
+]
+
+
+def applying(parts: dict) -> list[int]:
+    """The rules of the table that apply to these parts (those that need a missing part are skipped)."""
+    namespace = compat.Parts(**parts)
+    return [
+        i
+        for i, rule in enumerate(compat.RULES)
+        if all(parts.get(n) is not None for n in rule.needs) and rule.applies(namespace)
+    ]
+
+
+def test_the_table_has_one_case_per_rule():
+    assert len(CASES) == len(compat.RULES)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_each_rule_refuses_its_combination_alone_in_one_line(index):
+    make, line = CASES[index]
+    parts = make()
+    assert applying(parts) == [index]
+    with pytest.raises(ConfigError) as refused:
+        compat.check(parts)
+    assert str(refused.value) == line and "\n" not in line
+    assert refused.value.key == line.split("=")[0]
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        lambda: {
+            "privacy": central(),
+            "engine": SyncEngine(),
+            "aggregator": FedAvg(weighting="uniform"),
+            "sampler": Uniform(),
+            "heterogeneity": EqualWork(),
+            "pipeline": Pipeline([Clip(1.0)]),
+            "schedule": Schedule(cohort=10, stop_at_accuracy=0.9, stop_on="test"),
+            "partition": Population(num_clients=1000),
+            "dataset": Dataset(client_test_fraction=0.2),
+        },
+        lambda: {
+            "privacy": Privacy(),
+            "engine": asynchronous(concurrency=10),
+            "aggregator": FedBuff(),
+            "sampler": Uniform(),
+            "heterogeneity": EqualWork(),
+            "pipeline": Pipeline([Clip(1.0, adaptive=True)]),
+            "schedule": Schedule(stop_at_accuracy=0.9, stop_on="both"),
+            "partition": Population(num_clients=1000),
+            "dataset": Dataset(client_test_fraction=0.2),
+        },
+    ],
+    ids=["sync-private", "async"],
+)
+def test_parts_that_can_run_together_pass_every_rule(parts):
+    parts = parts()
+    assert all(all(n in parts for n in rule.needs) for rule in compat.RULES)  # every rule was looked at
+    compat.check(parts)
+
+
+def test_a_subclass_of_fedavg_follows_the_importance_sampler_and_is_accepted():
+    class MyAvg(FedAvg):
+        """A FedAvg of one's own: it inherits FedAvg's capabilities, not a refusal of its name."""
+
+    compat.check({"engine": SyncEngine(), "sampler": Importance(), "aggregator": MyAvg()})
+    view = RoundView(np.arange(2), np.array([10, 30]), sampled_weights=np.array([0.5, 1.5]))
+    update, alpha, _ = MyAvg().aggregate(torch.zeros(2), torch.eye(2), view)
+    assert alpha.tolist() == [0.5, 1.5] and update.tolist() == [0.5, 1.5]
+
+
+def test_a_new_rule_is_one_row_over_a_capability_a_test_only_stage_declares(monkeypatch):
+    class Sparsify(Stage):
+        """A test-only stage whose messages need the dense update (a capability no fedrun part has)."""
+
+        needs_dense_updates = True
+
+    rule = compat.Rule(
+        ("pipeline", "aggregator"),
+        lambda p: (
+            any(getattr(s, "needs_dense_updates", False) for s in p.pipeline.stages)
+            and p.aggregator.reads_second_update
+        ),
+        "pipeline",
+        lambda p: [type(s).__name__ for s in p.pipeline.stages],
+        "stages that take any update with a second update per client",
+    )
+    monkeypatch.setattr(compat, "RULES", [*compat.RULES, rule])
+    compat.check({"pipeline": Pipeline([Sparsify()]), "aggregator": FedAvg()})
+    with pytest.raises(ConfigError, match=r"^pipeline=\['Sparsify'\] is invalid: allowed is stages that take any"):
+        compat.check({"pipeline": Pipeline([Sparsify()]), "aggregator": MVR()})
+
+
+def test_no_rule_tests_a_class():
+    tree = ast.parse(inspect.getsource(compat))
+
+    def called(node):
+        return {n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+    assert not {"isinstance", "issubclass"} & called(tree)
+    # type() only names a part's class in a message (``name``), never in a condition.
+    outside = [n for n in tree.body if not (isinstance(n, ast.FunctionDef) and n.name == "name")]
+    assert all("type" not in called(n) for n in outside)
