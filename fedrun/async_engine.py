@@ -22,13 +22,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fedrun.aggregators.buffered import AsyncAggregator, BufferReport
+from fedrun.aggregators.buffered import BufferReport
 from fedrun.backends import as_device, passes
 from fedrun.checkpoint import Checkpoint, snapshot
 from fedrun.clients import per_sample_loss
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, check
-from fedrun.heterogeneity import EqualWork
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import LazyClients, client_sizes
@@ -134,29 +133,6 @@ class AsyncEngine:
         )
         self.max_time, self.concurrency = max_time, concurrency
 
-    def check(self, aggregator, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
-        """Refuse, before training, what this engine cannot run."""
-        if sampler is not None and sampler.name != "uniform":
-            raise ConfigError(
-                "sampler", sampler.name, "uniform with engine=async (a client trains again when it comes back)"
-            )
-        if schedule is not None and schedule.cohort is not None:
-            raise ConfigError(
-                "schedule.cohort",
-                schedule.cohort,
-                "null with engine=async (engine.concurrency sets who trains at once)",
-            )
-        if schedule is not None and schedule.sampling != "fixed":
-            raise ConfigError(
-                "schedule.sampling", schedule.sampling, "fixed with engine=async (its clients come back as they finish)"
-            )
-        if not isinstance(aggregator, AsyncAggregator):
-            raise ConfigError("engine", "async", f"sync for {type(aggregator).__name__}, a synchronous aggregator")
-        if heterogeneity is not None and type(heterogeneity) is not EqualWork:
-            raise ConfigError(
-                "heterogeneity", type(heterogeneity).__name__, "none with engine=async (speeds model the heterogeneity)"
-            )
-
     def assign(self, num_clients: int) -> np.ndarray:
         """Each client's speed group index."""
         fixed = sum(g.clients for g in self.groups if g.clients is not None)
@@ -202,7 +178,7 @@ class AsyncEngine:
         label_sets = {} if isinstance(clients, LazyClients) else self._label_sets(data, clients, group_of)
         sizes = client_sizes(clients)
         weighting = getattr(parts.aggregator, "weighting", "samples")
-        parts.bind(Context(schedule, sizes, seed, weighting, asynchronous=True, layout=layout(model)))
+        parts.bind(Context(schedule, sizes, seed, weighting, asynchronous=True, layout=layout(model)), engine=self)
         # The clients that arrive at one instant train together (each from the model it pulled), on the device's
         # backend. Drawn speeds make them arrive one at a time, so ``auto`` keeps the loop; with equal speeds a
         # whole wave arrives together, and ``device.backend=processes`` (CPU) or ``vmap`` (GPU) trains it at once.
@@ -272,7 +248,7 @@ class AsyncEngine:
         ids = np.array([b[0] for b in buffer])
         staleness = np.array([b[2] for b in buffer], dtype=np.float64)
         report = BufferReport(ids, sizes[ids], staleness, loop.version, [b[3] for b in buffer])
-        update, alpha, diagnostics = parts.aggregator.aggregate(
+        update, alpha, diagnostics = parts.aggregation.aggregate(
             loop.params, torch.stack([b[1] for b in buffer]), report
         )
         parts.stages.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation

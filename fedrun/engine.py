@@ -13,13 +13,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedrun.aggregators import MVR, Aggregator, FedAvg  # TEMP
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint, snapshot
 from fedrun.clients import FStarEstimate, client_accuracy, evaluate
 from fedrun.cohort import Lazy, RoundView
 from fedrun.datasets import FederatedData
-from fedrun.errors import ConfigError, DivergenceError
+from fedrun.errors import DivergenceError
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import client_sizes
@@ -118,7 +117,7 @@ def run(
                 else None
             )
             with timer("aggregate_wall_s"):
-                update, alpha, diagnostics = parts.aggregator.aggregate(loop.params, sent, view)
+                update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, sent, view)
                 parts.sampler.observe(cohort, sent)
                 loop.previous, loop.params = loop.params, parts.server.step(loop.params, update)
             diverged = not torch.isfinite(loop.params).all()
@@ -279,31 +278,6 @@ class SyncEngine:
     """The ``engine=sync`` option: runs ``run`` (a class, so unknown config keys fail when it is built)."""
 
     asynchronous = False  # a capability the compatibility table reads (privacy accounts synchronous rounds only)
-
-    def check(self, aggregator, heterogeneity, pipeline=None, schedule=None, sampler=None) -> None:
-        """Refuse, before training, an aggregator this engine cannot run."""
-        if not isinstance(aggregator, Aggregator):
-            raise ConfigError("engine", "sync", f"async for {type(aggregator).__name__}, an asynchronous aggregator")
-        if sampler is not None and sampler.name == "importance" and type(aggregator) is not FedAvg:
-            raise ConfigError(
-                "aggregator",
-                type(aggregator).__name__,
-                "fedavg with sampler=importance (its weights q_k / (m p_k) make FedAvg's update unbiased; other "
-                "aggregators choose their own alpha)",
-            )
-        if sampler is not None and sampler.name == "importance" and getattr(heterogeneity, "mode", None) == "drop":
-            raise ConfigError(
-                "heterogeneity.mode",
-                "drop",
-                "partial with sampler=importance (clients dropping out after the draw would bias its estimate)",
-            )
-        if pipeline and isinstance(aggregator, MVR):  # MVR reads a second update per client, which no stage would see
-            raise ConfigError(
-                "pipeline",
-                [type(s).__name__ for s in pipeline.stages],
-                "none with aggregator=mvr (its second update per "
-                "client, from the previous model, would bypass the stages)",
-            )
 
     def __call__(self, **kwargs) -> RunResult:
         return run(**kwargs)

@@ -13,11 +13,13 @@ that cannot run with the run's schedule, clients or seed fails there, before tra
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
+from fedrun import compat
 from fedrun.heterogeneity import EqualWork
 from fedrun.pipeline import Pipeline
 from fedrun.privacy import Privacy
@@ -88,16 +90,20 @@ class Parts:
         # The stages an update passes: the run's pipeline, with a private mechanism's own stage in its place (central
         # DP clips last; local DP noises before compression), and the aggregation the mechanism wraps around
         # FedAvg. The pipeline's own stages keep their state in ``pipeline``; the mechanism's in ``privacy``.
-        attach = getattr(self.privacy, "attach", None)
-        stages = list(self.pipeline.stages)
-        if attach is not None:
-            self.aggregator, stages = attach(self.aggregator, stages)
+        self.aggregation, stages = self.privacy.attach(self.aggregator, list(self.pipeline.stages))
         self.stages = Pipeline(stages)
 
-    def bind(self, context: Context) -> None:
-        """Bind every part to the run, in round order (each part's errors name their keys)."""
+    def bind(self, context: Context, engine=None) -> None:
+        """Check the parts against each other and the engine (``fedrun.compat``: the same table the CLI checks
+        before it reads the dataset), then bind every part to the run in round order (each part's errors name their
+        keys). ``engine``: the engine object, or None for one that is synchronous."""
+        engine = engine if engine is not None else SimpleNamespace(asynchronous=context.asynchronous, concurrency=None)
+        compat.check(
+            {**{name: getattr(self, name) for name in self.NAMES}, "engine": engine, "schedule": context.schedule}
+        )
+        running = {"pipeline": self.stages, "aggregator": self.aggregation}  # with the mechanism's stage and wrapper
         for name in self.NAMES:
-            part = self.stages if name == "pipeline" else getattr(self, name)  # the mechanism's stage too
+            part = running.get(name, getattr(self, name))
             if hasattr(part, "bind"):
                 part.bind(context)
 

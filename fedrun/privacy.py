@@ -75,10 +75,10 @@ import torch
 from dp_accounting import pld, rdp
 from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
 
-from fedrun.aggregators import Aggregation, Aggregator, FedAvg, RoundView
+from fedrun.aggregators import Aggregation, Aggregator
 from fedrun.compression import dense_bits
 from fedrun.errors import ConfigError, check
-from fedrun.pipeline import Pipeline, Stage, check_clip_rule, clip_rows, geometric_clip_step, number
+from fedrun.pipeline import Stage, check_clip_rule, clip_rows, geometric_clip_step, number
 from fedrun.seeding import torch_generator
 from fedrun.state import Stateful
 
@@ -881,21 +881,6 @@ class Privacy(Stateful):
             return CentralNoise(aggregator, self, clip), [*stages, clip]
         at = next((i for i, stage in enumerate(stages) if sets_message(stage)), len(stages))
         return aggregator, [*stages[:at], LocalNoise(self), *stages[at:]]
-
-    def aggregate(self, deltas: torch.Tensor, params: torch.Tensor, round_: int, clients=()) -> Aggregation:
-        """One round through the parts alone (``attach`` with a uniform FedAvg and no other stage), for an engine
-        that still calls the mechanism in place of its aggregator and stages; goes once the engines run the parts.
-        ``clients``: the cohort's indices (local DP's ledger and noise streams)."""
-        aggregator, stages = self.attach(FedAvg(weighting="uniform"), [])
-        clients = np.asarray(clients, dtype=np.int64)
-        rows = clients if len(clients) == len(deltas) else np.arange(len(deltas))  # central: the ids are unused
-        sent, diagnostics = Pipeline(stages)(deltas, rows, round_)
-        if not len(deltas) and self.mechanism == "local":  # nobody sampled (poisson): no step
-            return Aggregation(torch.zeros_like(params), np.zeros(0), diagnostics)
-        done = aggregator.aggregate(params, sent, RoundView(rows, np.ones(len(rows)), round=round_))
-        if self.mechanism == "local":  # the stage's numbers, as before (FedAvg's alpha_distance is not one of them)
-            return Aggregation(done.update, done.alpha, diagnostics)
-        return done
 
     def run_tags(self) -> dict[str, str]:
         if not self:

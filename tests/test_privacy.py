@@ -803,22 +803,6 @@ def same_numbers(mine: dict, theirs: dict) -> bool:
     )
 
 
-@pytest.mark.parametrize("case", sorted(EQUIVALENT))
-def test_the_legacy_reference_is_today_s_aggregate(case):
-    # The reference below the parts' equivalence tests, checked against Privacy.aggregate while that still exists.
-    settings, sampling, q = EQUIVALENT[case]
-    if not hasattr(Privacy, "aggregate"):
-        pytest.skip("Privacy.aggregate is gone: the parts replace it, against legacy_aggregate")
-    today, reference = bound_twin(settings, sampling, q), bound_twin(settings, sampling, q)
-    params = torch.zeros(7, dtype=torch.float64)
-    for t, cohort, deltas in equivalence_rounds(sampling, q):
-        expected = legacy_aggregate(reference, deltas, params, t, cohort)
-        got = today.aggregate(deltas, params, t, cohort)
-        assert torch.equal(got.update, expected.update) and np.array_equal(got.alpha, expected.alpha)
-        assert same_numbers(got.diagnostics, expected.diagnostics), (got.diagnostics, expected.diagnostics)
-    assert today.state_dict() == reference.state_dict()
-
-
 def run_parts(privacy: Privacy, rounds, params, stages=()):
     """The rounds as an engine runs the mechanism's parts: ``attach`` once, then each round the stages, the
     aggregation on the round's view. Returns each round's (update, alpha, diagnostics of the stages and the
@@ -918,46 +902,3 @@ def test_central_noise_refuses_updates_its_clip_stage_did_not_clip_this_round():
     torch.testing.assert_close(update, torch.full((2,), 2**-0.5, dtype=torch.float64), rtol=0, atol=1e-15)
     with pytest.raises(RuntimeError, match="did not clip this round"):  # round 2's updates, round 1's statistics
         aggregator.aggregate(params, sent, RoundView(np.arange(4), np.ones(4), round=2))
-
-
-@pytest.mark.parametrize(
-    "make,sampling",
-    [
-        pytest.param(lambda: private(noise_multiplier=0.8, clip_norm=0.3), "fixed", id="central"),
-        pytest.param(
-            lambda: private(noise_multiplier=0.8, clip_norm=0.3, adaptive=True, clip_count_noise=1.0),
-            "fixed",
-            id="adaptive",
-        ),
-        pytest.param(lambda: local(noise_multiplier=0.8, clip_norm=0.3), "poisson", id="local"),
-    ],
-)
-def test_the_engine_running_the_parts_trains_the_model_the_mechanism_trained(make, sampling):
-    # The parts as the engine's aggregator and stages (no mechanism given to it) against the engine calling the
-    # mechanism (Privacy.aggregate): the same models, round for round. Central runs a fixed sample here: this engine
-    # skips its aggregator in a round that draws nobody, where central noise must still be added.
-    from fedrun.pipeline import Pipeline
-
-    rows, mine_rows = [], []
-    reference = make()
-    expected = train(reference, sampling=sampling, rows=rows)
-    privacy = make()
-    torch.manual_seed(0)
-    schedule = Schedule(rounds=4, local_steps=2, batch_size=4, clients_per_round=0.5, sampling=sampling)
-    privacy.bind(Context(schedule, np.ones(len(CLIENTS)), 0))
-    aggregator, stages = privacy.attach(FedAvg(weighting="uniform"), [])
-    mine = run(
-        Logistic((4,), 3).double(),
-        DATA,
-        CLIENTS,
-        aggregator,
-        functools.partial(torch.optim.SGD, lr=0.5),
-        schedule,
-        Device("cpu", "contiguous", "loop", workers=2),
-        0,
-        on_round=lambda row, per_client: mine_rows.append(row),
-        pipeline=Pipeline(stages),
-    )
-    names = ("epsilon", "clip_norm", "clipped_fraction", "update_norm_mean", "noise_std", "nonfinite_updates")
-    assert [[r[k] for k in names] for r in mine_rows] == [[r[k] for k in names] for r in rows]
-    assert torch.equal(mine.params, expected.params) and privacy.state_dict() == reference.state_dict()
