@@ -123,8 +123,8 @@ class Stateful:
     hybrid's phases) overrides both to nest their states.
     """
 
-    # None: not declared; such a class still saves every attribute, which only parts outside the config groups
-    # rely on until they declare theirs (see tests/test_state.py).
+    # None: not declared, which a checkpoint refuses (a part that keeps nothing declares ()): no vars(self) default,
+    # so that what a part carries is written down and survives refactors (tests/test_state.py walks every class).
     STATE: tuple[str, ...] | None = None
 
     def bind(self, context: Context) -> None:
@@ -134,14 +134,13 @@ class Stateful:
     def state_dict(self) -> dict:
         """What this part carries between rounds (``STATE``): data that ``encode`` takes (no objects)."""
         if self.STATE is None:
-            return dict(vars(self))
+            raise TypeError(f"{type(self).__qualname__} declares no STATE (the attributes it carries between rounds)")
         return {name: getattr(self, name) for name in self.STATE}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the ``STATE`` attributes that ``state`` holds; its other keys are not state and are ignored."""
         if self.STATE is None:
-            vars(self).update(state)
-            return
+            raise TypeError(f"{type(self).__qualname__} declares no STATE (the attributes it carries between rounds)")
         for name in self.STATE:
             if name in state:
                 setattr(self, name, state[name])

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from fedrun.checkpoint import FILE, VERSION, Checkpoint, lock, read, unlock
 from fedrun.errors import ConfigError
@@ -62,6 +62,23 @@ def migrate(state: dict) -> dict:
         parts["privacy"] = state["privacy"]
     kept = {k: state[k] for k in ("round", "finished", "rows", "extra") if k in state}
     return {**kept, "format": VERSION, "engine": "sync" if synchronous else "async", "parts": parts, "loop": loop}
+
+
+# The groups a config saved by an older fedrun lacks (it ran without them), as their ``none`` options give them.
+ADDED_GROUPS = {
+    "privacy": {"_target_": "fedrun.privacy.Privacy", "mechanism": "none"},  # before privacy (2026-11)
+    "sampler": {"_target_": "fedrun.sampling.Uniform"},  # before samplers: the schedule's uniform draw
+    "compression": {},  # before compression: dense updates
+}
+
+
+def migrate_config(config: DictConfig) -> DictConfig:
+    """A run dir's saved config with the groups it predates added as the run ran without them (in memory: the dir's
+    file is left as it was), so that building a resumed run needs no "saved before X" branch."""
+    missing = {group: node for group, node in ADDED_GROUPS.items() if group not in config}
+    if not missing:
+        return config
+    return OmegaConf.merge(config, OmegaConf.create(missing))
 
 
 def plain_state(value):

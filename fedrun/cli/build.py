@@ -15,8 +15,6 @@ from fedrun import compat
 from fedrun.cli.entry import check_resolves
 from fedrun.errors import ConfigError
 from fedrun.partitions import LazyClients, client_sizes, hold_out
-from fedrun.privacy import Privacy
-from fedrun.sampling import Uniform
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.state import Context, encode
 
@@ -78,21 +76,19 @@ def setup(cfg: DictConfig) -> dict:
     seed = cfg.seed
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", seed, "an integer >= 0")
-    # A run dir saved before the privacy group has none. Built and checked with the engine first: its options set
-    # aggregator.weighting=uniform, a key asynchronous aggregators lack, so its refusal of the asynchronous engine must
-    # come before they are built.
-    privacy = build("privacy", cfg.privacy) if "privacy" in cfg else Privacy()
+    # Privacy is built and checked with the engine first: its options set aggregator.weighting=uniform, a key
+    # asynchronous aggregators lack, so its refusal of the asynchronous engine must come before they are built.
+    privacy = build("privacy", cfg.privacy)
     early = {"privacy": privacy, "engine": build("engine", cfg.engine)} if privacy else {"privacy": privacy}
     compat.check(early)
     groups = ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")
     objects = {group: early[group] if group in early else build(group, cfg[group]) for group in groups}
     # Each stage on its own, so that an error names its key (pipeline.stages.0.max_norm), then the pipeline around them.
     stages = [build(f"pipeline.stages.{i}", stage) for i, stage in enumerate(cfg.pipeline.get("stages", []))]
-    if cfg.get("compression") and "_target_" in cfg.compression:  # the last stage; older run dirs have none
+    if "_target_" in cfg.compression:  # the last stage (compression=none: no stage)
         stages.append(build("compression", cfg.compression))
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
-    # A run dir saved before the sampler group has none: uniform, the schedule's sampling.
-    objects["sampler"] = build("sampler", cfg.sampler) if "sampler" in cfg else Uniform()
+    objects["sampler"] = build("sampler", cfg.sampler)
     objects["privacy"] = privacy
     compat.check(objects)  # every combination that cannot run, before the dataset is read
     # A state a checkpoint cannot hold fails now, not at round 10.

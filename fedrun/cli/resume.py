@@ -30,6 +30,7 @@ from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, diverged, lock
 from fedrun.errors import ConfigError
 from fedrun.study import STUDY_FILE
 from fedrun.tracking import flatten
+from fedrun.upgrade import migrate_config
 
 TRUST_VARIABLE = "FEDRUN_TRUST"  # comma-separated import paths a resumed run may build besides fedrun's own
 
@@ -246,7 +247,7 @@ def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) ->
                 else ""
             ),
         )
-    return saved
+    return migrate_config(saved)  # the groups it predates, as it ran without them
 
 
 @cache
