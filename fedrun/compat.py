@@ -23,6 +23,8 @@ Capabilities, by part:
   drop out of a round after the draw (stragglers in ``drop`` mode).
 - ``pipeline``: true when it has stages; each stage's ``crosses_clients()``: what it does to one update depends on
   other clients' updates (now or through its state).
+- ``client_state.keeps``: it holds something per client between rounds (``fedrun.parts.ClientState``: a
+  personal head, a personal model), which only the synchronous engine hands back.
 - ``privacy``: true when private; ``privacy.mechanism``: ``central`` or ``local``.
 - ``partition.draws_clients_when_they_train``: a population whose clients exist only once drawn, so a round must
   name a count of them (``partition.num_clients``: the population).
@@ -144,6 +146,17 @@ RULES = [
         "pipeline",
         lambda p: [name(stage) for stage in p.pipeline.stages],
         "none with aggregator=mvr (its second update per client, from the previous model, would bypass the stages)",
+    ),
+    # A client state that keeps something per client: its starts and views are the synchronous round's.
+    Rule(
+        ("engine", "client_state"),
+        lambda p: p.engine.asynchronous and p.client_state.keeps,
+        "engine",
+        lambda p: "async",
+        lambda p: (
+            f"sync with a client state that keeps per-client state ({name(p.client_state)}: the asynchronous "
+            "engine starts each client from the model it pulls and keeps nothing)"
+        ),
     ),
     # The asynchronous engine.
     Rule(

@@ -71,13 +71,10 @@ def run(
             mean accuracy of the cohort's local models on them is logged as ``client_accuracy``.
         checkpoint: Where and when to checkpoint, and whether to resume from its file (see fedrun.checkpoint).
 
-    Returns:
-        The final model and the metrics rows.
+    Returns: The final model and the metrics rows.
     """
-    device = as_device(device)
-    tensors = Tensors.on(device, model, data)
-    sizes = client_sizes(clients)  # a population's shared array: nothing per client
-    weighting = getattr(parts.aggregator, "weighting", "samples")
+    device, sizes = as_device(device), client_sizes(clients)  # a population's sizes: one shared array
+    tensors, weighting = Tensors.on(device, model, data), getattr(parts.aggregator, "weighting", "samples")
     parts.bind(Context(schedule, sizes, seed, weighting, layout=layout(model)))
     first_lr, initial = base_lr(optimizer), flat_parameters(model)  # w_0, where the F* estimate starts
     loop, result, first = Loop(initial, numpy_rng(seed, "sampling")), RunResult(initial), 1
@@ -129,8 +126,7 @@ def run(
             last = record(
                 row, loop.params, diverged, lr, schedule, tensors.measure, result, on_round, per_client, bar, started
             )
-            if schedule.evaluates(t):
-                loop.latest_accuracy = row[tensors.accuracy_source]
+            loop.latest_accuracy = row[tensors.accuracy_source] if schedule.evaluates(t) else loop.latest_accuracy
             if checkpoint:
                 loop.fstar = fstar.cache
                 checkpoint.after_round(

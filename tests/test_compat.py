@@ -15,10 +15,17 @@ from fedrun.engine import SyncEngine
 from fedrun.errors import ConfigError
 from fedrun.heterogeneity import EqualWork, RandomSteps, Stragglers
 from fedrun.partitions import Population
+from fedrun.parts import ClientState
 from fedrun.pipeline import Clip, Pipeline, Stage
 from fedrun.privacy import Privacy
 from fedrun.rounds import Schedule
 from fedrun.sampling import Importance, PowerOfChoice, Uniform
+
+
+class Keeping(ClientState):
+    """A client state that keeps something per client (what it keeps does not matter to the table)."""
+
+    keeps = True
 
 
 def central():
@@ -55,6 +62,11 @@ CASES = [
         lambda: {"engine": SyncEngine(), "aggregator": MVR(), "pipeline": Pipeline([Clip(1.0)])},
         "pipeline=['Clip'] is invalid: allowed is none with aggregator=mvr (its second update per client, from the "
         "previous model, would bypass the stages)",
+    ),
+    (
+        lambda: {"engine": asynchronous(), "client_state": Keeping()},
+        "engine='async' is invalid: allowed is sync with a client state that keeps per-client state (Keeping: the "
+        "asynchronous engine starts each client from the model it pulls and keeps nothing)",
     ),
     (
         lambda: {"engine": asynchronous(), "sampler": PowerOfChoice()},
@@ -174,6 +186,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "schedule": Schedule(cohort=10, stop_at_accuracy=0.9, stop_on="test"),
             "partition": Population(num_clients=1000),
             "dataset": Dataset(client_test_fraction=0.2),
+            "client_state": Keeping(),  # a personal part runs on the synchronous engine
         },
         lambda: {
             "privacy": Privacy(),
@@ -185,6 +198,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "schedule": Schedule(stop_at_accuracy=0.9, stop_on="both"),
             "partition": Population(num_clients=1000),
             "dataset": Dataset(client_test_fraction=0.2),
+            "client_state": ClientState(),  # the default keeps nothing
         },
     ],
     ids=["sync-private", "async"],
