@@ -22,7 +22,7 @@ Capabilities, by part:
 - ``heterogeneity.equal_work``: every client does the schedule's work; ``heterogeneity.drops_clients``: some clients
   drop out of a round after the draw (stragglers in ``drop`` mode).
 - ``pipeline``: true when it has stages; each stage's ``crosses_clients()``: what it does to one update depends on
-  other clients' updates (now or through its state).
+  other clients' updates (now or through its state); ``stage.clips``: it bounds each update's norm.
 - ``client_state.keeps``: it holds something per client between rounds (``fedrun.parts.ClientState``: a
   personal head, a personal model), which only the synchronous engine hands back.
 - ``privacy``: true when private; ``privacy.mechanism``: ``central`` or ``local``.
@@ -85,6 +85,11 @@ def private(p: Parts) -> str:
 def crossing_stage(p: Parts) -> int | None:
     """The first stage of the pipeline that crosses clients, or None."""
     return next((i for i, stage in enumerate(p.pipeline.stages) if stage.crosses_clients()), None)
+
+
+def clipping_stage(p: Parts) -> int | None:
+    """The first stage of the pipeline that clips, or None."""
+    return next((i for i, stage in enumerate(p.pipeline.stages) if stage.clips), None)
 
 
 def synchronous(p: Parts) -> bool:
@@ -287,6 +292,17 @@ RULES = [
             f"a stage that acts on each update alone with {private(p)} (one that adapts to the round's clients "
             "carries them into later rounds unaccounted; for adaptive clipping with its count noised and accounted, "
             "privacy.adaptive=true)"
+        ),
+    ),
+    Rule(
+        ("privacy", "pipeline"),
+        lambda p: bool(p.privacy) and clipping_stage(p) is not None,
+        lambda p: f"pipeline.stages.{clipping_stage(p)}",
+        lambda p: name(p.pipeline.stages[clipping_stage(p)]),
+        lambda p: (
+            f"no clipping stage with {private(p)} (the mechanism clips each update to privacy.clip_norm itself, and "
+            "its noise is calibrated to that norm: a second clip below it would waste the noise; set "
+            "privacy.clip_norm, or privacy.adaptive=true)"
         ),
     ),
     Rule(

@@ -30,6 +30,7 @@ class Stage(Stateful):
 
     name = "stage"
     STATE = ()  # a stateless stage; one that adapts or remembers names its attributes
+    clips = False  # capability: it bounds each update's norm (a private mechanism clips by itself: fedrun.compat)
 
     def __call__(self, deltas: torch.Tensor, clients: np.ndarray, round_: int) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
@@ -106,6 +107,7 @@ class Clip(Stage):
     """
 
     name = "clip"
+    clips = True
     # C is a setting that adaptive clipping moves each round, so it is state too; the counts are the round so far.
     STATE = ("max_norm", "seen", "fit")
 

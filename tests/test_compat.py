@@ -22,6 +22,13 @@ from fedrun.rounds import Schedule
 from fedrun.sampling import Importance, PowerOfChoice, Uniform
 
 
+class Crossing(Stage):
+    """A stage whose effect on one update depends on the round's other updates (what it does does not matter)."""
+
+    def crosses_clients(self):
+        return True
+
+
 class Keeping(ClientState):
     """A client state that keeps something per client (what it keeps does not matter to the table)."""
 
@@ -130,10 +137,16 @@ CASES = [
         "the sampling that is accounted; the other options are not checked against the accounting yet)",
     ),
     (
-        lambda: {"privacy": central(), "pipeline": Pipeline([Clip(1.0), Clip(2.0, adaptive=True)])},
-        "pipeline.stages.1='Clip' is invalid: allowed is a stage that acts on each update alone with privacy=central "
-        "(one that adapts to the round's clients carries them into later rounds unaccounted; for adaptive clipping "
-        "with its count noised and accounted, privacy.adaptive=true)",
+        lambda: {"privacy": central(), "pipeline": Pipeline([Stage(), Crossing()])},
+        "pipeline.stages.1='Crossing' is invalid: allowed is a stage that acts on each update alone with "
+        "privacy=central (one that adapts to the round's clients carries them into later rounds unaccounted; for "
+        "adaptive clipping with its count noised and accounted, privacy.adaptive=true)",
+    ),
+    (
+        lambda: {"privacy": central(), "pipeline": Pipeline([Stage(), Clip(1.0)])},
+        "pipeline.stages.1='Clip' is invalid: allowed is no clipping stage with privacy=central (the mechanism clips "
+        "each update to privacy.clip_norm itself, and its noise is calibrated to that norm: a second clip below it "
+        "would waste the noise; set privacy.clip_norm, or privacy.adaptive=true)",
     ),
     (
         lambda: {"privacy": central(), "schedule": Schedule(stop_at_accuracy=0.9, stop_on="both")},
@@ -182,7 +195,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "aggregator": FedAvg(weighting="uniform"),
             "sampler": Uniform(),
             "heterogeneity": EqualWork(),
-            "pipeline": Pipeline([Clip(1.0)]),
+            "pipeline": Pipeline([Stage()]),
             "schedule": Schedule(cohort=10, stop_at_accuracy=0.9, stop_on="test"),
             "partition": Population(num_clients=1000),
             "dataset": Dataset(client_test_fraction=0.2),
