@@ -25,6 +25,7 @@ Capabilities, by part:
   other clients' updates (now or through its state); ``stage.clips``: it bounds each update's norm.
 - ``client_state.keeps``: it holds something per client between rounds (``fedrun.parts.ClientState``: a
   personal head, a personal model), which only the synchronous engine hands back.
+- ``attack``: true when some clients are malicious (``fedrun.attacks.Attack``).
 - ``privacy``: true when private; ``privacy.mechanism``: ``central`` or ``local``.
 - ``partition.draws_clients_when_they_train``: a population whose clients exist only once drawn, so a round must
   name a count of them (``partition.num_clients``: the population).
@@ -162,6 +163,14 @@ RULES = [
             f"sync with a client state that keeps per-client state ({name(p.client_state)}: the asynchronous "
             "engine starts each client from the model it pulls and keeps nothing)"
         ),
+    ),
+    # An attack: the synchronous round's parts (what a buffered aggregation sees of an attacker is not modelled yet).
+    Rule(
+        ("engine", "attack"),
+        lambda p: p.engine.asynchronous and bool(p.attack),
+        "engine",
+        lambda p: "async",
+        lambda p: f"sync with attack={name(p.attack)} (the asynchronous engine runs no attack yet)",
     ),
     # The asynchronous engine.
     Rule(

@@ -10,13 +10,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 import torch
 from torch import nn
 
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint, snapshot
 from fedrun.clients import FStarEstimate, client_accuracy, evaluate
-from fedrun.cohort import Lazy, RoundView
+from fedrun.cohort import ClientLosses, Lazy, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError
 from fedrun.models import flat_parameters
@@ -82,7 +83,7 @@ def run(
         loop, first = Loop(**saved["loop"]), saved["round"] + 1
         result = RunResult(loop.params, rows=saved["rows"])
     m = schedule.cohort_size(len(clients))
-    x, y = parts.client_state.training_data(tensors.x, tensors.y)
+    x, y = parts.attack.training_data(*parts.client_state.training_data(tensors.x, tensors.y))
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
     fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)
     fstar.cache.update(loop.fstar)
@@ -93,21 +94,22 @@ def run(
             if parts.exhausted():  # the run ends here, FINISHED (privacy's max_epsilon: the tag stopped_by)
                 break
             started, timer = time.perf_counter(), Timer()
-            with timer("selection_wall_s"):  # Power-of-Choice's loss pass over its candidates
-                selection = parts.sampler.draw(
-                    loop.rng, lambda ids: trainer.losses(loop.params, [clients[i] for i in ids], schedule.batch_size)
-                )
+            probe = Probe(trainer, loop.params, clients, schedule.batch_size, parts.attack, t)
+            with timer("selection_wall_s"):  # Power-of-Choice's loss pass over its candidates (they may lie)
+                selection = parts.sampler.draw(loop.rng, probe)
             selection, works, selected = who_trains(parts, selection, t, sizes, schedule, seed, len(clients))
-            cohort, lr = selection.cohort, schedule.lr(first_lr, t)
-            own = [clients[i] for i in cohort]
-            trained_on, starts = parts.client_state.data(cohort, own), parts.client_state.starts(loop.params, cohort)
+            cohort, lr, lying = selection.cohort, schedule.lr(first_lr, t), parts.attack.malicious(t, selection.cohort)
+            own = parts.client_state.data(cohort, [clients[i] for i in cohort])
+            trained_on, starts = parts.attack.data(t, cohort, own, lying), parts.client_state.starts(loop.params, cohort)
             with timer("train_wall_s"):
                 trained = trainer(starts, trained_on, cohort, lr, works, seed, t)
             parts.client_state.keep(cohort, starts, trained.deltas)
-            with timer("pipeline_wall_s"):
-                sent, stage_diagnostics = parts.stages(trained.deltas, cohort, t)
+            with timer("pipeline_wall_s"):  # the attackers replace what they send, then every update takes the stages
+                sent = parts.attack.updates(t, cohort, trained.deltas, lying)
+                sent, stage_diagnostics = parts.stages(sent, cohort, t)
                 parts.stages.end_round()
             view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes)
+            view = reported(view, parts.attack, lying, probe)  # what the attackers report: losses, sample counts
             local_accuracy = (  # the papers' client accuracy: each local model on its own held-out split
                 client_accuracy(model, starts, trained.deltas, *tensors.held_out, [client_tests[i] for i in cohort])
                 if client_tests
@@ -121,6 +123,7 @@ def run(
             row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule)
             row.update(client_accuracy_column(local_accuracy, client_tests, cohort), **diagnostics)
             row.update(selection.spread or {}, **stage_diagnostics, **timings(timer, view))
+            row.update(attack_columns(parts.attack, lying, alpha))
             per_client = {"alpha": spread_over(alpha, cohort, len(clients)), "selected": selected}
             per_client["local_steps"] = spread_over(trained.steps, cohort, len(clients)).astype(int)
             last = record(
@@ -136,6 +139,8 @@ def run(
                 break
         bar.close()
         result.summary.update(parts.sampler.summary())
+        if parts.attack:  # who the attackers were (a tag lists the first of them)
+            result.tables["malicious.csv"] = pd.DataFrame({"client": parts.attack.malicious_ids()})
     finally:
         trainer.close()
     return result
@@ -195,7 +200,8 @@ def who_trains(parts: Parts, selection, t: int, sizes, schedule: Schedule, seed:
 
 
 def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fstar, tensors, sizes) -> RoundView:
-    """What the aggregator may read this round; the lazy signals cost nothing unless read."""
+    """What the aggregator may read this round, as the clients would honestly report it; the lazy signals cost
+    nothing unless read."""
     cohort, w, previous, seed, batch_size = selection.cohort, loop.params, loop.previous, fstar.seed, fstar.batch_size
     return RoundView(
         cohort,
@@ -208,9 +214,9 @@ def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fsta
         steps=trained.steps,
         coefficient_norms=trained.coefficient_norms,
         sampled_weights=selection.weights,  # importance sampling's unbiased weights (FedAvg takes them)
-        # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t (or what
-        # Power-of-Choice already measured to choose the cohort).
-        losses=selection.losses if selection.losses is not None else Lazy(lambda: trainer.losses(w, data, batch_size)),
+        # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t (what
+        # Power-of-Choice already measured to choose the cohort is not measured again).
+        losses=Lazy(lambda: trainer.losses(w, data, batch_size)),
         # From the previous global model on the same mini-batches (same round and client keys); MVR.
         measure=lambda signal: trainer.per_client(signal, w, data),
         previous_deltas=Lazy(
@@ -219,17 +225,61 @@ def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fsta
     )
 
 
+class Probe:
+    """Power-of-Choice's question to its candidates, ``probe(ids)``: their losses at the round's model, as they
+    report them (an attacker may lie, ``Attack.losses``); the honest values are kept for the round's own record."""
+
+    def __init__(self, trainer, params, clients, batch_size, attack, round_):
+        self.trainer, self.params, self.clients, self.batch_size = trainer, params, clients, batch_size
+        self.attack, self.round, self.honest = attack, round_, {}
+
+    def __call__(self, ids: np.ndarray) -> ClientLosses:
+        honest = self.trainer.losses(self.params, [self.clients[i] for i in ids], self.batch_size)
+        self.honest.update(zip((int(i) for i in ids), zip(honest.mean, honest.authors)))
+        return self.attack.losses(self.round, ids, honest, self.attack.malicious(self.round, ids))
+
+    def measured(self, cohort: np.ndarray) -> ClientLosses | None:
+        """The cohort's honest losses when the probe measured every one of them, else None."""
+        if not all(int(c) in self.honest for c in cohort):
+            return None
+        values = np.array([self.honest[int(c)] for c in cohort], dtype=np.float64).reshape(len(cohort), 2)
+        return ClientLosses(values[:, 0], values[:, 1])
+
+
+def reported(view: RoundView, attack, lying: np.ndarray, probe: Probe) -> RoundView:
+    """``view`` with what the attackers report in place of the truth: the signals ``losses`` and ``local_losses``
+    and the ``sizes`` the aggregator weighs by. The honest values stay in ``true_losses`` and ``true_sizes`` (the
+    round's train_loss is measured, not reported). Without an attack the reported values are the honest ones."""
+    cohort, t, signals = view.clients, view.round, view._signals
+    measured = probe.measured(cohort) if len(cohort) else None
+    signals["true_losses"] = measured if measured is not None else signals["losses"]
+    signals["losses"] = Lazy(lambda: attack.losses(t, cohort, view.true_losses, lying))
+    signals["local_losses"] = attack.losses(t, cohort, signals["local_losses"], lying)
+    view.true_sizes, view.sizes = view.sizes, attack.sizes(cohort, view.sizes, lying)
+    return view
+
+
+def attack_columns(attack, lying: np.ndarray, alpha: np.ndarray) -> dict:
+    """``attack/weight_share``: the attackers' share of the round's aggregation weight (their alpha; 0 when none
+    was drawn), and ``attack/cohort_share``: their share of the cohort; only when the run has an attack."""
+    if not attack:
+        return {}
+    share = float(np.asarray(alpha)[lying].sum()) if len(alpha) else 0.0
+    return {"attack/weight_share": share, "attack/cohort_share": float(lying.mean()) if len(lying) else 0.0}
+
+
 def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule) -> dict:
     """The round's row before its stages', aggregator's and timing columns (every row has every column, NaN when
     not evaluated, so that metrics.csv can be appended to)."""
     cohort = selection.cohort
-    view.signals_s = sum(view.wall_s.values())  # read while aggregating: they have their own columns
+    # Read while aggregating, they have their own columns ("losses", as reported, is read through "true_losses").
+    view.signals_s = sum(seconds for name, seconds in view.wall_s.items() if name != "losses")
     models = 2 if view.read("previous_deltas") else 1  # the previous model goes down, its update up
     train_loss = math.nan
-    if len(cohort) and (view.read("losses") or (not diverged and schedule.evaluates(t))):
-        if not np.all(np.isfinite(view.losses.mean)):
+    if len(cohort) and (view.read("true_losses") or (not diverged and schedule.evaluates(t))):
+        if not np.all(np.isfinite(view.true_losses.mean)):
             raise DivergenceError(f"non-finite training loss of the global model at round {t} (lr={lr:g})")
-        train_loss = float(np.average(view.losses.mean, weights=view.sizes))
+        train_loss = float(np.average(view.true_losses.mean, weights=view.true_sizes))
     unkept = max(selection.probed - int(np.count_nonzero(selected)), 0)  # candidates probed, not kept
     row = {
         "round": t,
@@ -248,7 +298,7 @@ def timings(timer: "Timer", view: RoundView) -> dict:
     """The round's wall-clock columns: a lazy signal's time in its own column, not in the step that read it."""
     return {
         "aggregate_wall_s": timer["aggregate_wall_s"] - view.signals_s + timer["pipeline_wall_s"],
-        "loss_wall_s": view.wall_s.get("losses", 0.0),
+        "loss_wall_s": view.wall_s.get("true_losses", 0.0),
         "train_wall_s": timer["train_wall_s"] + view.wall_s.get("previous_deltas", 0.0),
         "selection_wall_s": timer["selection_wall_s"],
     }

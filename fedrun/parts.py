@@ -1,7 +1,7 @@
 """The parts of a round, held together, with one lifecycle.
 
 A round reads: select (``sampler``), each client's start and data (``client_state``), how much each trains
-(``heterogeneity``), train, the stages (``pipeline``: clip, noise, compress), aggregate (``aggregator``: FedAvg, a
+(``heterogeneity``), train, what the attackers send and report instead (``attack``), the stages (``pipeline``: clip, noise, compress), aggregate (``aggregator``: FedAvg, a
 loss-weighted rule, or a privacy mechanism wrapping FedAvg), the server step (``server``), what clients keep
 (``client_state``), record. ``privacy`` is the accountant the private parts report to (its ledger, its stop).
 
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from fedrun import compat
+from fedrun.attacks import Attack
 from fedrun.heterogeneity import EqualWork
 from fedrun.pipeline import Pipeline
 from fedrun.privacy import Privacy
@@ -80,8 +81,9 @@ class Parts:
     pipeline: Any = None
     server: Any = None
     privacy: Any = None
+    attack: Any = None
 
-    NAMES = ("sampler", "heterogeneity", "client_state", "pipeline", "aggregator", "server", "privacy")
+    NAMES = ("sampler", "heterogeneity", "client_state", "attack", "pipeline", "aggregator", "server", "privacy")
 
     def __post_init__(self):
         for name, default in DEFAULTS.items():  # None: the default part (plain objects passed through as None)
@@ -92,6 +94,7 @@ class Parts:
         # FedAvg. The pipeline's own stages keep their state in ``pipeline``; the mechanism's in ``privacy``.
         self.aggregation, stages = self.privacy.attach(self.aggregator, list(self.pipeline.stages))
         self.stages = Pipeline(stages)
+        self.attack.against(self.aggregation)  # an attack that knows the defence tunes itself against it
 
     def bind(self, context: Context, engine=None) -> None:
         """Check the parts against each other and the engine (``fedrun.compat``: the same table the CLI checks
@@ -139,6 +142,7 @@ DEFAULTS = {
     "pipeline": Pipeline,
     "server": ServerOptimizer,
     "privacy": Privacy,
+    "attack": Attack,
 }
 
 

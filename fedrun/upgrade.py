@@ -69,6 +69,7 @@ ADDED_GROUPS = {
     "privacy": {"_target_": "fedrun.privacy.Privacy", "mechanism": "none"},  # before privacy (2026-11)
     "sampler": {"_target_": "fedrun.sampling.Uniform"},  # before samplers: the schedule's uniform draw
     "compression": {},  # before compression: dense updates
+    "attack": {"_target_": "fedrun.attacks.Attack"},  # before attacks: every client honest
 }
 
 

@@ -232,7 +232,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
     finally:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
         values, tags = run_summary(tracker.rows, job.cfg.metrics.r_targets, measured)
-        tags.update(parts["aggregator"].run_tags(), **parts["privacy"].run_tags())
+        tags.update(parts["aggregator"].run_tags(), **parts["privacy"].run_tags(), **parts["attack"].run_tags())
         if status == "KILLED" and pruned:
             tags["fedrun.pruned"] = "true"
         tracker.finish(status, values, tags, model=final, reason=reason, title=title)

@@ -89,10 +89,11 @@ def setup(cfg: DictConfig) -> dict:
         stages.append(build("compression", cfg.compression))
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
     objects["sampler"] = build("sampler", cfg.sampler)
+    objects["attack"] = build("attack", cfg.attack)
     objects["privacy"] = privacy
     compat.check(objects)  # every combination that cannot run, before the dataset is read
     # A state a checkpoint cannot hold fails now, not at round 10.
-    for group in ("aggregator", "server", "pipeline", "sampler"):
+    for group in ("aggregator", "server", "pipeline", "sampler", "attack"):
         try:
             encode(objects[group].state_dict(), group)
         except TypeError as exc:
