@@ -1,4 +1,13 @@
-"""Convert checkpoints written by fedrun before explicit state into today's plain format.
+"""Read what older fedruns wrote: checkpoints and run dirs, in today's form.
+
+Two kinds of change. Those that need no code to run are done in memory each time a run resumes, so that the engines
+and ``setup`` never branch on a dir's age: ``migrate`` turns a checkpoint's flat dict (before format 2, 2026-11) into
+``{"parts": {name: state}, "loop": {...}}``, and ``migrate_config`` adds the config groups a dir predates (privacy,
+sampler, compression) as the run ran without them. Run dirs written by 968a63f resume through them to the
+same numbers as an uninterrupted run (tests/test_old_checkpoints.py).
+
+The other kind is below: checkpoints written by fedrun before explicit state, converted once into today's plain
+format.
 
 Until November 2026 a checkpoint pickled numpy generators and whole objects (a hybrid's phase aggregators, the
 asynchronous engine's speed streams); fedrun now reads checkpoints with ``torch.load(weights_only=True)`` and

@@ -14,6 +14,18 @@ from fedrun.aggregators.loss_weighted import (
     LossWeighted,
 )
 from fedrun.aggregators.normalised import MVR, FedNova
+from fedrun.aggregators.robust import (
+    Bulyan,
+    ByzantineRobust,
+    CenteredClip,
+    GeoMed,
+    Krum,
+    Median,
+    MultiKrum,
+    NormBound,
+    RobustAggregator,
+    TrimmedMean,
+)
 from fedrun.cohort import RoundView
 
 __all__ = [
@@ -36,4 +48,14 @@ __all__ = [
     "Hybrid",
     "LossWeighted",
     "MVR",
+    "Bulyan",
+    "ByzantineRobust",
+    "CenteredClip",
+    "GeoMed",
+    "Krum",
+    "Median",
+    "MultiKrum",
+    "NormBound",
+    "RobustAggregator",
+    "TrimmedMean",
 ]
