@@ -100,6 +100,10 @@ class Attack(Stateful):
         self._sizes: np.ndarray | None = None  # the context's array (shared, not copied): an adaptive view's sizes
         self.aggregator, self.stages = None, None
 
+    def __bool__(self) -> bool:
+        """Whether the run has an attack: any option but ``none`` (with nobody malicious, it still logs its columns)."""
+        return self.changes_data or self.changes_updates or self.lies_about_losses or self.lies_about_sizes
+
     # -- who is malicious ------------------------------------------------------------------------------------------
 
     def bind(self, context: Context) -> None:

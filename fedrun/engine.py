@@ -100,16 +100,19 @@ def run(
             selection, works, selected = who_trains(parts, selection, t, sizes, schedule, seed, len(clients))
             cohort, lr, lying = selection.cohort, schedule.lr(first_lr, t), parts.attack.malicious(t, selection.cohort)
             own = parts.client_state.data(cohort, [clients[i] for i in cohort])
-            trained_on, starts = parts.attack.data(t, cohort, own, lying), parts.client_state.starts(loop.params, cohort)
+            trained_on, starts = (
+                parts.attack.data(t, cohort, own, lying),
+                parts.client_state.starts(loop.params, cohort),
+            )
             with timer("train_wall_s"):
                 trained = trainer(starts, trained_on, cohort, lr, works, seed, t)
             parts.client_state.keep(cohort, starts, trained.deltas)
-            with timer("pipeline_wall_s"):  # the attackers replace what they send, then every update takes the stages
-                sent = parts.attack.updates(t, cohort, trained.deltas, lying)
-                sent, stage_diagnostics = parts.stages(sent, cohort, t)
-                parts.stages.end_round()
             view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes)
             view = reported(view, parts.attack, lying, probe)  # what the attackers report: losses, sample counts
+            with timer("pipeline_wall_s"):  # the attackers replace what they send, then every update takes the stages
+                sent = parts.attack.updates(t, cohort, trained.deltas, lying, view)
+                sent, stage_diagnostics = parts.stages(sent, cohort, t)
+                parts.stages.end_round()
             local_accuracy = (  # the papers' client accuracy: each local model on its own held-out split
                 client_accuracy(model, starts, trained.deltas, *tensors.held_out, [client_tests[i] for i in cohort])
                 if client_tests
@@ -140,7 +143,7 @@ def run(
         bar.close()
         result.summary.update(parts.sampler.summary())
         if parts.attack:  # who the attackers were (a tag lists the first of them)
-            result.tables["malicious.csv"] = pd.DataFrame({"client": parts.attack.malicious_ids()})
+            result.tables["malicious.csv"] = malicious_table(parts.attack, [int(r["round"]) for r in result.rows])
     finally:
         trainer.close()
     return result
@@ -257,6 +260,14 @@ def reported(view: RoundView, attack, lying: np.ndarray, probe: Probe) -> RoundV
     signals["local_losses"] = attack.losses(t, cohort, signals["local_losses"], lying)
     view.true_sizes, view.sizes = view.sizes, attack.sizes(cohort, view.sizes, lying)
     return view
+
+
+def malicious_table(attack, rounds: list[int]) -> pd.DataFrame:
+    """The malicious clients: the fixed set, or each round's (``attack.who=redrawn``) with its round."""
+    if attack.who == "fixed":
+        return pd.DataFrame({"client": attack.malicious_ids()})
+    drawn = [(r, int(c)) for r in rounds for c in attack.malicious_ids(r)]
+    return pd.DataFrame(drawn, columns=["round", "client"])
 
 
 def attack_columns(attack, lying: np.ndarray, alpha: np.ndarray) -> dict:

@@ -94,7 +94,7 @@ class Parts:
         # FedAvg. The pipeline's own stages keep their state in ``pipeline``; the mechanism's in ``privacy``.
         self.aggregation, stages = self.privacy.attach(self.aggregator, list(self.pipeline.stages))
         self.stages = Pipeline(stages)
-        self.attack.against(self.aggregation)  # an attack that knows the defence tunes itself against it
+        self.attack.against(self.aggregation, self.stages)  # an attack that knows the defence tunes itself to it
 
     def bind(self, context: Context, engine=None) -> None:
         """Check the parts against each other and the engine (``fedrun.compat``: the same table the CLI checks

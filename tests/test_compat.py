@@ -10,6 +10,7 @@ import torch
 from fedrun import compat
 from fedrun.aggregators import MVR, FedAvg, FedBuff, FedNova, FedSoftMax, RoundView
 from fedrun.async_engine import AsyncEngine
+from fedrun.attacks import Attack, SignFlip
 from fedrun.datasets import Dataset
 from fedrun.engine import SyncEngine
 from fedrun.errors import ConfigError
@@ -74,6 +75,10 @@ CASES = [
         lambda: {"engine": asynchronous(), "client_state": Keeping()},
         "engine='async' is invalid: allowed is sync with a client state that keeps per-client state (Keeping: the "
         "asynchronous engine starts each client from the model it pulls and keeps nothing)",
+    ),
+    (
+        lambda: {"engine": asynchronous(), "attack": SignFlip(fraction=0.1)},
+        "engine='async' is invalid: allowed is sync with attack=SignFlip (the asynchronous engine runs no attack yet)",
     ),
     (
         lambda: {"engine": asynchronous(), "sampler": PowerOfChoice()},
@@ -200,6 +205,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "partition": Population(num_clients=1000),
             "dataset": Dataset(client_test_fraction=0.2),
             "client_state": Keeping(),  # a personal part runs on the synchronous engine
+            "attack": SignFlip(fraction=0.1),  # so does an attack, private or not
         },
         lambda: {
             "privacy": Privacy(),
@@ -212,6 +218,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "partition": Population(num_clients=1000),
             "dataset": Dataset(client_test_fraction=0.2),
             "client_state": ClientState(),  # the default keeps nothing
+            "attack": Attack(),  # attack=none
         },
     ],
     ids=["sync-private", "async"],

@@ -239,7 +239,7 @@ HYDRA_ERRORS = [
     ),
     (
         ["bogus/x=y"],
-        "bogus/x='y' is invalid: allowed is a config group: aggregator, compression, dataset, device, engine, "
+        "bogus/x='y' is invalid: allowed is a config group: aggregator, attack, compression, dataset, device, engine, "
         "experiment, heterogeneity, method, model, optimizer, partition, pipeline, privacy, sampler, schedule, "
         "server, sweep (or hydra/<group>)",
     ),
