@@ -422,3 +422,12 @@ def test_the_breakdown_point_is_refused_before_round_one():
     with pytest.raises(ConfigError, match=r"^aggregator\.f=4 .*8 clients a round allows f at most 1"):
         train(Parts(Bulyan(f=4)), rows=rows)
     assert rows == []  # no round ran
+
+
+def test_poisson_rounds_too_small_for_f_are_skipped_and_the_others_aggregated():
+    # 8 clients at rate 0.6: 5 expected (> 2f + 2 for f = 1, so bind accepts), but a draw of 4 or fewer is skipped.
+    rows = train(Parts(Krum(f=1)), rounds=10, clients_per_round=0.6, sampling="poisson")
+    skipped = [row["robust/skipped"] == 1.0 for row in rows]
+    assert skipped == [row["cohort_size"] <= 4 for row in rows]
+    assert any(skipped) and not all(skipped)
+    assert all(math.isfinite(row["test_accuracy"]) for row in rows)
