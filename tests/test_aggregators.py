@@ -298,3 +298,215 @@ def test_mvrs_momentum_waits_through_a_round_that_drew_nobody():
     again = RoundView(np.arange(1), np.array([10]), previous_deltas=torch.tensor([[1.0, 1.0]]))
     # m = 0.5 (0, 2) + 0.5 ((2, 4) + ((0, 2) - (1, 1))) = (0, 1) + (0.5, 2.5) = (0.5, 3.5)
     assert mvr.aggregate(torch.zeros(2), torch.tensor([[0.0, 2.0]]), again).update.tolist() == [0.5, 3.5]
+
+
+# The defences of the loss-weighted family against a client that lies about its loss (issue 36): trim and max_weight.
+LOSS_WEIGHTED = (FedMax, FedMaxK, FedSoftMax, FedBetter, FedBetterK, FedSoftBetter)
+
+
+@pytest.mark.parametrize("make", LOSS_WEIGHTED, ids=lambda c: c.__name__)
+def test_without_trim_or_cap_every_loss_weighted_rule_is_what_it_was_bit_for_bit(make):
+    r = report([3, 1, 4, 2, 5], [0.3, 2.0, 0.1, 1.2, 0.7], round_=3)
+    for agg in (make(), make(trim=0, max_weight=None), make(max_weight=1.0)):
+        before = agg.weigh(agg.sign * agg.gaps(r), agg.base_weights(r), r.round)  # the rule alone, as before
+        assert np.array_equal(agg.weights(r), before)
+        assert "trimmed" not in agg.combine(agg.weights(r), torch.eye(5), r).diagnostics
+
+
+def test_trim_drops_the_highest_losses_and_reweighs_the_rest_by_hand():
+    # p = [.25, .25, .5], L = [0, ln 2, 5]; trim 1 drops client 2, p over the kept = [.5, .5], exp(L) = [1, 2]:
+    # alpha = [.5, 1] / 1.5 = [1/3, 2/3], and 0 for the dropped.
+    r = report([1, 1, 2], [0.0, np.log(2.0), 5.0])
+    agg = FedSoftMax(trim=1)
+    aggregation = agg.aggregate(torch.zeros(3), torch.eye(3), r)
+    assert_allclose(aggregation.alpha, [1 / 3, 2 / 3, 0.0])
+    assert aggregation.diagnostics["trimmed"] == 1.0
+    # |1/3 - 1/4| + |2/3 - 1/4| + |0 - 1/2| = 1/12 + 5/12 + 6/12
+    assert aggregation.diagnostics["alpha_distance"] == pytest.approx(1.0)
+
+
+def test_fedmax_with_trim_is_the_ditto_codes_k_loss():
+    # Ditto (litian96/ditto, flearn/trainers_global/fedbase.py, k_loss_average): np.argsort(losses)[num_benign - 1],
+    # num_benign = clients - f. Losses [.5, 2, .1, 1], f = 1: sorted ids [2, 0, 3, 1], place 2 -> client 3.
+    r = report([1, 1, 1, 1], [0.5, 2.0, 0.1, 1.0])
+    assert_allclose(FedMax(trim=1).weights(r), [0, 0, 0, 1])
+    assert_allclose(FedMax(trim=2).weights(r), [1, 0, 0, 0])  # place 1 -> client 0
+    # FedMax(k): k of the kept clients. f = 1 keeps {0, 2, 3}; the 2 largest are 3 and 0.
+    assert_allclose(FedMaxK(k=2, trim=1).weights(r), [0.5, 0, 0, 0.5])
+    # the fraction is of the 3 kept: round(1/3 * 3) = 1 client
+    assert_allclose(FedMaxK(k=1 / 3, trim=1).weights(r), [0, 0, 0, 1])
+
+
+def test_the_better_mirrors_trim_the_lowest_losses_where_their_liar_reports():
+    # FedBetter rewards a small loss, so its liar reports one: trim drops the smallest L_i (the largest -L_i).
+    r = report([1, 1, 1, 1], [0.5, 2.0, 0.1, 1.0])
+    assert_allclose(FedBetter(trim=1).weights(r), [1, 0, 0, 0])  # 0.1 dropped: 0.5 is the best left
+    assert_allclose(FedBetterK(k=2, trim=1).weights(r), [0.5, 0, 0, 0.5])  # {0.5, 1.0} of {0.5, 2.0, 1.0}
+    # FedSoftBetter, uniform p, T = 1, trim 1 keeps [.5, 2, 1]: alpha proportional to exp(-L)
+    e = np.exp([-0.5, -2.0, -1.0])
+    assert_allclose(FedSoftBetter(trim=1, weighting="uniform").weights(r), np.insert(e / e.sum(), 2, 0.0))
+
+
+def test_trim_ties_drop_the_lower_cohort_position_and_a_small_round_keeps_one_client():
+    assert_allclose(FedMax(trim=1).weights(report([1, 1, 1], [2.0, 2.0, 1.0])), [0, 1, 0])
+    # A Poisson round of 2 clients under trim 3 drops 1 (n - 1) and keeps the least extreme.
+    agg = FedSoftMax(trim=3)
+    aggregation = agg.aggregate(torch.zeros(2), torch.eye(2), report([1, 1], [3.0, 1.0]))
+    assert_allclose(aggregation.alpha, [0, 1])
+    assert aggregation.diagnostics["trimmed"] == 1.0
+
+
+def test_max_weight_water_fills_by_hand():
+    # Uniform p, T = 1 and L = ln(alpha) give alpha = [.6, .3, .06, .04]. Cap .35: client 0 -> .35, its .25 to the
+    # others in proportion [.3, .06, .04] / .4: [.4875, .0975, .065]; client 1 is now above: -> .35, and the .3
+    # left goes to [.06, .04] / .1: [.18, .12].
+    losses = np.log([0.6, 0.3, 0.06, 0.04])
+    agg = FedSoftMax(weighting="uniform", max_weight=0.35)
+    assert_allclose(agg.weights(report([1, 1, 1, 1], losses)), [0.35, 0.35, 0.18, 0.12])
+    # With trim: a fifth client reporting 10 is dropped first; the cap then acts on the four kept, the dropped at 0.
+    agg = FedSoftMax(weighting="uniform", max_weight=0.35, trim=1)
+    assert_allclose(agg.weights(report([1] * 5, [*losses, 10.0])), [0.35, 0.35, 0.18, 0.12, 0.0])
+
+
+def test_max_weight_spreads_by_p_where_the_others_hold_no_weight():
+    # FedMax on p = [.25, .25, .5] gives [0, 1, 0]; cap .4: client 1 -> .4, the .6 over clients 0 and 2 by p:
+    # .6 [1/3, 2/3] = [.2, .4].
+    assert_allclose(FedMax(max_weight=0.4).weights(report([1, 1, 2], [0.0, 3.0, 1.0])), [0.2, 0.4, 0.4])
+    # FedMax(2) on four equal clients: [.5, .5] capped at .3 each, the .4 left split by p over the other two.
+    assert_allclose(FedMaxK(k=2, max_weight=0.3).weights(report([1] * 4, [1.0, 4.0, 3.0, 0.0])), [0.2, 0.3, 0.3, 0.2])
+
+
+def test_a_cap_below_one_over_the_round_makes_a_poisson_round_uniform():
+    # A Poisson round of 2 clients cannot hold a cap of .2: it is raised to 1/2.
+    assert_allclose(FedSoftMax(max_weight=0.2).weights(report([1, 3], [5.0, 0.0])), [0.5, 0.5])
+    # Over the kept clients: trim 1 of 3 keeps 2.
+    assert_allclose(FedMax(max_weight=0.2, trim=1).weights(report([1, 1, 1], [9.0, 2.0, 1.0])), [0, 0.5, 0.5])
+
+
+def context(sizes=100, cohort=None, clients_per_round=1.0, sampling="fixed"):
+    from fedrun.rounds import Schedule
+    from fedrun.state import Context
+
+    schedule = Schedule(cohort=cohort, clients_per_round=clients_per_round, sampling=sampling)
+    return Context(schedule, np.ones(sizes, dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    "make,ctx,message",
+    [
+        (lambda: FedMax(trim=5), context(cohort=5), r"aggregator.trim=5 is invalid: allowed is fewer than the cohort"),
+        (lambda: FedSoftMax(trim=10), context(clients_per_round=0.1, sampling="poisson"), r"expected cohort of 10"),
+        (lambda: FedSoftMax(max_weight=0.1), context(cohort=5), r"aggregator.max_weight=0.1 .*1 / 5 = 0.2"),
+        (lambda: FedSoftMax(max_weight=0.2, trim=1), context(cohort=5), r"1 / 4 = 0.25 \(4 clients weighed"),
+        (
+            lambda: Hybrid([{"aggregator": FedSoftBetter(trim=3), "until_round": 2}, {"aggregator": FedAvg()}]),
+            context(cohort=3),
+            r"aggregator.phases\[0\].aggregator.trim=3",
+        ),
+    ],
+)
+def test_bind_refuses_a_trim_that_leaves_nobody_and_a_cap_that_cannot_hold(make, ctx, message):
+    with pytest.raises(ConfigError, match=message):
+        make().bind(ctx)
+
+
+def test_bind_accepts_what_can_run():
+    FedMax(trim=4).bind(context(cohort=5))
+    FedSoftMax(max_weight=0.25, trim=1).bind(context(cohort=5))
+    FedSoftMax(max_weight=0.01).bind(context(clients_per_round=0.1, sampling="poisson"))  # small rounds: uniform
+    Hybrid([{"aggregator": FedSoftBetter(trim=2), "until_round": 2}, {"aggregator": FedAvg()}]).bind(context(cohort=3))
+
+
+@pytest.mark.parametrize(
+    "make,key",
+    [
+        (lambda: FedMax(trim=-1), "trim"),
+        (lambda: FedMax(trim=1.5), "trim"),
+        (lambda: FedMax(trim=True), "trim"),
+        (lambda: FedSoftMax(max_weight=0), "max_weight"),
+        (lambda: FedSoftMax(max_weight=1.5), "max_weight"),
+    ],
+)
+def test_bad_defence_values_name_the_key(make, key):
+    with pytest.raises(ConfigError, match=f"^{key}="):
+        make()
+
+
+def test_every_loss_weighted_yaml_and_the_hybrids_phase_take_trim_and_max_weight(compose_config):
+    from hydra.utils import instantiate
+
+    for name in ("fedmax", "fedmaxk", "fedsoftmax", "fedbetter", "fedbetterk", "fedsoftbetter"):
+        default = compose_config(f"aggregator={name}").aggregator
+        assert (default.trim, default.max_weight) == (0, None), name
+        agg = instantiate(
+            compose_config(f"aggregator={name}", "aggregator.trim=1", "aggregator.max_weight=0.5").aggregator
+        )
+        assert (agg.trim, agg.max_weight) == (1, 0.5), name
+    overrides = (
+        "aggregator=hybrid",
+        "aggregator.phases.0.aggregator.trim=2",
+        "aggregator.phases.0.aggregator.max_weight=0.3",
+    )
+    phase = instantiate(compose_config(*overrides).aggregator).phases[0][0]
+    assert (phase.trim, phase.max_weight) == (2, 0.3)
+
+
+# The capture derivation (issue 36). FedSoftMax's alpha_i = p_i exp(L_i / T) / sum_j p_j exp(L_j / T) (paper 000,
+# 000_e8a407b177dd9e6a.txt line 269; paper 001 line 239). Uniform p (weighting=uniform, or equal sample counts) and
+# n clients: n - 1 honest ones with L_i <= l_max, one liar reporting L_a = l_max + D. Then
+#   alpha_a = exp(L_a / T) / (exp(L_a / T) + sum_i exp(L_i / T))
+#          >= exp(L_a / T) / (exp(L_a / T) + (n - 1) exp(l_max / T))      (each honest L_i <= l_max)
+#           = 1 / (1 + (n - 1) exp(-D / T)),
+# and alpha_a >= 0.9 iff (n - 1) exp(-D / T) <= 1/9 iff D >= T ln(9 (n - 1)). The inequality is an equality when every
+# honest loss equals l_max, so the bound is tight: D = T ln(9 (n - 1)) - eps gives 1 / (1 + exp(eps / T) / 9) < 0.9.
+# With samples weighting the (n - 1) becomes (1 - p_a) / p_a: D >= T ln(9 (1 - p_a) / p_a), a smaller lie for a
+# client of many samples (and one that also inflates its count).
+CAPTURE = [(n, t) for n in (2, 3, 10, 100) for t in (0.05, 1.0, 20.0)]
+
+
+def liar_round(n, temperature, rng, equal=False, below=0.0, sizes=None):
+    """n - 1 honest losses in [0.5, 2.5] (all 2.5 when ``equal``) and a last client reporting
+    l_max + T ln(9 (n - 1)) - ``below``."""
+    honest = np.full(n - 1, 2.5) if equal else rng.uniform(0.5, 2.5, n - 1)
+    liar = honest.max() + temperature * math.log(9 * (n - 1)) - below
+    return report(sizes if sizes is not None else [7] * n, [*honest, liar])
+
+
+@pytest.mark.parametrize("n,temperature", CAPTURE)
+def test_a_loss_liar_captures_90_percent_of_fedsoftmax_and_the_bound_is_tight(n, temperature):
+    rng = np.random.default_rng(n)
+    agg = FedSoftMax(temperature=temperature, weighting="uniform")
+    for _ in range(5):
+        assert agg.weights(liar_round(n, temperature, rng))[-1] >= 0.9 - 1e-12  # = 0.9 for n = 2 (one honest)
+    # Worst case (every honest loss at l_max): exactly 0.9, and any less lie gives less.
+    assert agg.weights(liar_round(n, temperature, rng, equal=True))[-1] == pytest.approx(0.9, rel=1e-10)
+    eps = 1e-3 * temperature
+    short = agg.weights(liar_round(n, temperature, rng, equal=True, below=eps))[-1]
+    assert short < 0.9
+    assert short == pytest.approx(1 / (1 + math.exp(1e-3) / 9), rel=1e-10)
+    # Equal sample counts under samples weighting are the same p: the same capture.
+    assert FedSoftMax(temperature=temperature).weights(liar_round(n, temperature, rng, equal=True))[-1] == (
+        pytest.approx(0.9, rel=1e-10)
+    )
+
+
+def test_with_samples_weighting_the_lie_needed_is_t_ln_9_1_minus_pa_over_pa():
+    # Sizes [1, 1, 1, 7]: p_a = 0.7, so D = T ln(9 * 0.3 / 0.7) captures exactly 0.9 against equal honest losses,
+    # far less than the uniform T ln(27).
+    temperature = 0.5
+    d = temperature * math.log(9 * 0.3 / 0.7)
+    alpha = FedSoftMax(temperature=temperature).weights(report([1, 1, 1, 7], [1.0, 1.0, 1.0, 1.0 + d]))
+    assert alpha[-1] == pytest.approx(0.9, rel=1e-10)
+
+
+@pytest.mark.parametrize("n", [5, 10, 100])
+def test_the_liar_gets_all_of_fedmax_none_with_trim_and_at_most_the_cap(n):
+    rng = np.random.default_rng(n)
+    r = liar_round(n, 1.0, rng)
+    assert FedMax().weights(r)[-1] == 1.0
+    for agg in (FedMax(trim=1), FedSoftMax(trim=1), FedMaxK(k=2, trim=1)):
+        alpha = agg.weights(r)
+        assert alpha[-1] == 0.0 and alpha.sum() == pytest.approx(1.0)
+    for agg in (FedSoftMax(max_weight=0.2), FedMax(max_weight=0.2)):
+        alpha = agg.weights(r)
+        assert alpha[-1] == pytest.approx(0.2) and alpha.max() <= 0.2 + 1e-12 and alpha.sum() == pytest.approx(1.0)

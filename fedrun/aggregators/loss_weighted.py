@@ -2,6 +2,15 @@
 
 L_i = F_i(w_t) - F_i* for each cohort client. The "worse" aggregators (FedMax, FedMax(k), FedSoftMax)
 favour large L_i; their "better" mirrors (FedBetter, FedBetter(k), FedSoftBetter) favour small L_i.
+
+Every rule trusts the L_i its clients report, so one client that lies about its loss takes the weight: FedMax
+gives it all of it, FedSoftMax (p uniform) 90% once it reports T ln(9 (n - 1)) above the others
+(tests/test_aggregators.py derives it). Two defences act on every rule of the family (issue 36):
+
+- ``trim`` f: the f clients with the most extreme reported L_i in the direction the rule favours (the largest
+  for the "worse" rules, the smallest for the "better" ones, where a liar reports a tiny loss) are dropped
+  before the rule weighs the rest. FedMax with ``trim`` f is the Ditto code's ``k_loss`` defence.
+- ``max_weight`` c: no client's alpha exceeds c; the excess goes to the others in proportion to their alpha.
 """
 
 import math
@@ -10,7 +19,8 @@ import numpy as np
 
 from fedrun.aggregators.base import Aggregator
 from fedrun.cohort import RoundView
-from fedrun.errors import check
+from fedrun.errors import ConfigError, check
+from fedrun.state import Context
 
 
 class FedAvg(Aggregator):
@@ -35,6 +45,21 @@ class LossWeighted(Aggregator):
         loss_scale: ``mean`` (mean loss per sample) or ``authors`` (sum of per-batch mean losses divided
             by the sample count, as in the authors' code; see the README for the temperature mapping).
         weighting: See ``Aggregator``.
+        trim: f >= 0, the clients dropped before the weighing: the f with the largest signed score ``sign * L_i``
+            (the largest L_i for FedMax, FedMax(k), FedSoftMax; the smallest for their "better" mirrors, the
+            direction each rule rewards and so the one a liar reports). The rest are weighed as if they were the
+            cohort (p_i renormalised over them, FedMax(k)'s fractional k taken of them); the dropped get alpha 0.
+            Ties at the f-th place drop the lower cohort position. A round of n <= f clients (Poisson sampling;
+            fixed cohorts are refused at ``bind``) drops n - 1 and keeps the least extreme one, so alpha still
+            sums to 1. The Ditto code's ``k_loss`` (Li et al. 2021, ``flearn/trainers_global/fedbase.py``
+            ``k_loss_average``) is FedMax with ``trim``: it sorts the losses measured at the global model and
+            keeps the update at place ``num_benign - 1``, the largest loss once the f largest are gone.
+        max_weight: null (no cap) or c in (0, 1]: each alpha_i is capped at c and the excess spread over the
+            uncapped clients in proportion to their alpha, repeated until none exceeds c (water-filling). Where
+            those clients hold no weight (FedMax, FedMax(k), a softmax that underflowed) it is spread in
+            proportion to their p_i. Applied after ``trim``, over the kept clients. A cap below 1 / (clients
+            kept) cannot hold: a fixed cohort is refused at ``bind``; a Poisson round that small is made uniform
+            over its kept clients (the cap max(c, 1 / kept), the smallest that can hold).
     """
 
     sign = 1.0  # +1 favours the worst-fitted clients, -1 the best-fitted
@@ -48,6 +73,8 @@ class LossWeighted(Aggregator):
         loss_on: str = "global",
         loss_scale: str = "mean",
         weighting: str = "samples",
+        trim: int = 0,
+        max_weight: float | None = None,
     ):
         super().__init__(weighting)
         check(fstar in ("zero", "estimate"), "fstar", fstar, "zero or estimate")
@@ -55,6 +82,38 @@ class LossWeighted(Aggregator):
         check(loss_on in ("global", "local"), "loss_on", loss_on, "global or local")
         check(loss_scale in ("mean", "authors"), "loss_scale", loss_scale, "mean or authors")
         self.fstar, self.fstar_epochs, self.loss_on, self.loss_scale = fstar, fstar_epochs, loss_on, loss_scale
+        check(
+            isinstance(trim, int) and not isinstance(trim, bool) and trim >= 0,
+            "trim",
+            trim,
+            "an integer >= 0 (the clients with the most extreme losses dropped each round)",
+        )
+        check(
+            max_weight is None
+            or (isinstance(max_weight, (int, float)) and not isinstance(max_weight, bool) and 0 < max_weight <= 1),
+            "max_weight",
+            max_weight,
+            "null (no cap) or a number in (0, 1]",
+        )
+        self.trim, self.max_weight = trim, max_weight
+
+    def bind(self, context: Context) -> None:
+        """Refuse a ``trim`` that leaves no client, or a ``max_weight`` that cannot hold, in a round of the run's
+        cohort size (the expected size with Poisson sampling, whose smaller rounds follow the rules above)."""
+        m = context.schedule.cohort_size(context.num_clients)
+        poisson = context.schedule.sampling == "poisson"
+        size = f"the expected cohort of {m} clients (Poisson)" if poisson else f"the cohort of {m} clients"
+        if self.trim >= m:
+            raise ConfigError("aggregator.trim", self.trim, f"fewer than {size} (at least one must be weighed)")
+        kept = m - self.trim
+        if self.max_weight is not None and not poisson and self.max_weight * kept < 1:
+            # kept clients capped at c hold at most c * kept of the weight: below 1 the cap cannot hold.
+            raise ConfigError(
+                "aggregator.max_weight",
+                self.max_weight,
+                f"null or at least 1 / {kept} = {1 / kept:.4g} ({kept} clients weighed a round: {size}, "
+                f"trim={self.trim})",
+            )
 
     def gaps(self, report: RoundView) -> np.ndarray:
         """L_i = F_i - F_i* over the cohort, in the configured loss and scale."""
@@ -65,7 +124,24 @@ class LossWeighted(Aggregator):
         return loss
 
     def weights(self, report: RoundView) -> np.ndarray:
-        return self.weigh(self.sign * self.gaps(report), self.base_weights(report), report.round)
+        score, p = self.sign * self.gaps(report), self.base_weights(report)
+        if not self.trim:  # the rule alone, as before the defences existed (bit for bit)
+            alpha, kept = self.weigh(score, p, report.round), None
+        else:
+            kept = np.ones(len(score), dtype=bool)
+            kept[np.argsort(-score, kind="stable")[: self.trimmed(len(score))]] = False  # ties: lower position goes
+            alpha = np.zeros(len(score))
+            alpha[kept] = self.weigh(score[kept], p[kept] / p[kept].sum(), report.round)
+        if self.max_weight is not None:
+            alpha = cap(alpha, p, self.max_weight, kept)
+        return alpha
+
+    def trimmed(self, cohort: int) -> int:
+        """How many clients ``trim`` drops from a cohort of this size (always keeping one)."""
+        return min(self.trim, max(cohort - 1, 0))
+
+    def diagnose(self, report: RoundView, alpha: np.ndarray) -> dict[str, float]:
+        return {"trimmed": float(self.trimmed(len(report.clients)))} if self.trim else {}
 
     def weigh(self, score: np.ndarray, p: np.ndarray, round_: int) -> np.ndarray:
         """alpha from signed scores (larger = more weight) and the FedAvg weights p."""
@@ -170,9 +246,11 @@ class FedSoftMax(LossWeighted):
         return t0 + (t1 - t0) * progress if self.anneal == "linear" else t0 * (t1 / t0) ** progress
 
     def diagnose(self, report, alpha):
-        return {"temperature": self.temperature_at(report.round)}
+        return {**super().diagnose(report, alpha), "temperature": self.temperature_at(report.round)}
 
     def weigh(self, score, p, round_):
+        # alpha_t^i = p_i exp(T^-1 (F_i(w_t) - F_i*)) re-normalised: paper 000 (000_e8a407b177dd9e6a.txt) line 269,
+        # paper 001 (001_bd9b3d8952910fb9.txt) line 239.
         temperature = self.temperature_at(round_)
         # log-sum-exp form: subtracting the max keeps exp() finite for any loss and temperature.
         logits = np.log(p) + score / temperature
@@ -184,6 +262,39 @@ class FedSoftBetter(FedSoftMax):
     """FedSoftBetter: alpha_i proportional to p_i * exp(-L_i / T)."""
 
     sign = -1.0
+
+
+def cap(alpha: np.ndarray, p: np.ndarray, max_weight: float, kept: np.ndarray | None = None) -> np.ndarray:
+    """alpha with no entry above ``max_weight`` (``LossWeighted``'s ``max_weight``), by water-filling.
+
+    Each pass caps the entries above the cap and gives the weight they lose to the uncapped clients, in proportion
+    to their alpha (so their ratios are kept) or, where they hold none, in proportion to their p_i; until no entry
+    exceeds the cap (at most one pass per client: each pass caps at least one more). Where the cap cannot hold
+    (max_weight * kept clients < 1) it is raised to 1 / kept clients: uniform over them.
+
+    Args:
+        alpha: Weights over the cohort, summing to 1 over ``kept`` and 0 elsewhere.
+        p: The FedAvg weights over the cohort (the fallback proportions).
+        max_weight: The cap c in (0, 1].
+        kept: Which clients may hold weight (a boolean mask; ``trim``'s dropped clients stay at 0); null: all.
+
+    Returns:
+        The capped weights, summing to 1.
+    """
+    alpha = np.array(alpha, dtype=np.float64)
+    kept = np.ones(len(alpha), dtype=bool) if kept is None else kept
+    c = max(max_weight, 1.0 / kept.sum())
+    capped = np.zeros(len(alpha), dtype=bool)
+    while (over := kept & ~capped & (alpha > c)).any():
+        capped |= over
+        alpha[capped] = c
+        rest = kept & ~capped
+        if not rest.any():
+            break
+        # c * capped < 1: each capped client held more than c before, and all of them at most 1.
+        base = alpha[rest] if alpha[rest].sum() > 0 else p[rest]
+        alpha[rest] = (1.0 - c * capped.sum()) * base / base.sum()
+    return alpha
 
 
 class Hybrid(Aggregator):
@@ -247,6 +358,16 @@ class Hybrid(Aggregator):
             self.phases.append((phase["aggregator"], rounds, accuracy))
         self.current = 0
         self.switched: dict[str, str] = {}  # when each phase began (and on what), the run's tags
+
+    def bind(self, context: Context) -> None:
+        """Bind each phase (a loss-weighted phase checks its ``trim`` and ``max_weight``), its errors naming the
+        phase's key."""
+        for i, (agg, _, _) in enumerate(self.phases):
+            try:
+                agg.bind(context)
+            except ConfigError as exc:
+                key = exc.key.removeprefix("aggregator.")
+                raise ConfigError(f"aggregator.phases[{i}].aggregator.{key}", exc.value, exc.allowed) from None
 
     def state_dict(self) -> dict:
         """Its phase and switches, with each phase's aggregator as that aggregator's state (the phases' ends are
