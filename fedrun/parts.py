@@ -21,6 +21,7 @@ import torch
 
 from fedrun import compat
 from fedrun.attacks import Attack
+from fedrun.errors import ConfigError
 from fedrun.heterogeneity import EqualWork
 from fedrun.pipeline import Pipeline
 from fedrun.privacy import Privacy
@@ -108,7 +109,10 @@ class Parts:
         for name in self.NAMES:
             part = running.get(name, getattr(self, name))
             if hasattr(part, "bind"):
-                part.bind(context)
+                try:
+                    part.bind(context)
+                except ConfigError as exc:  # a part's own key (count) gets its group (attack.count); a full one stays
+                    raise exc if "." in exc.key else exc.within(name) from None
 
     def exhausted(self) -> bool:
         """Whether the run must end before the next round (privacy: it would pass ``max_epsilon``)."""

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import hydra
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -131,3 +132,29 @@ def test_the_asynchronous_engine_refuses_an_attack_in_one_line():
     engine = type("Engine", (), {"asynchronous": True, "concurrency": None})()
     with pytest.raises(ConfigError, match=r"^engine='async' is invalid: allowed is sync with attack=SignFlip"):
         compat.check({"engine": engine, "attack": attacks.SignFlip(fraction=0.1)})
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_an_attack_through_fedrun_logs_its_share_its_clients_and_its_tags(fedrun, store):
+    from conftest import mlflow_runs
+
+    done = fedrun(
+        "attack=sign_flip",
+        "attack.fraction=0.2",
+        "aggregator=median",
+        "aggregator.f=2",
+        "schedule.rounds=3",
+        "hydra.run.dir=out",
+        experiment="attack",
+    )
+    assert done.returncode == 0
+    out = fedrun.cwd / "out"
+    rows = pd.read_csv(out / "metrics.csv")
+    assert {"attack/weight_share", "attack/cohort_share", "robust/discarded"} <= set(rows.columns)
+    malicious = pd.read_csv(out / "malicious.csv")["client"].tolist()
+    assert len(malicious) == 4  # 20 % of the 20 clients
+    _, runs = mlflow_runs(store, "attack")
+    tags = runs[0].data.tags
+    assert tags["attack"] == "sign_flip" and tags["attack_malicious_count"] == "4"
+    assert tags["attack_malicious_ids"] == ",".join(str(c) for c in malicious)

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals, held, unlock
-from fedrun.cli.build import build, check_run_keys, setup
+from fedrun.cli.build import build, check_run_keys, parts_of, setup
 from fedrun.cli.entry import one_line_errors
 from fedrun.cli.resume import Job, open_job
 from fedrun.cli.runinfo import description, git_commit, run_name
@@ -30,7 +30,6 @@ from fedrun.cli.sweeps import SweepRun, job_cores, seed_report
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.metrics import run_summary
 from fedrun.models import load_flat
-from fedrun.parts import Parts
 from fedrun.study import PRUNED
 from fedrun.sweepdir import sweep_parent
 from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
@@ -90,12 +89,6 @@ def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
         fail(hydra_cfg, f"fedrun: error: {exc}", 2)
     tracker, title = open_tracking(job, hydra_cfg, parts, report)
     return train(job, hydra_cfg, parts, tracker, title, report)
-
-
-def round_parts(built: dict) -> Parts:
-    """The parts of a round from the built objects (privacy puts its own stage and aggregation in place)."""
-    parts = {name: built[name] for name in Parts.NAMES if name in built}
-    return Parts(**parts)
 
 
 class JobFailed(Exception):
@@ -208,7 +201,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
             model=model,
             data=parts["data"],
             clients=parts["clients"],
-            parts=round_parts(parts),
+            parts=parts_of(parts),
             optimizer=parts["optimizer"],
             schedule=parts["schedule"],
             device=parts["device"],

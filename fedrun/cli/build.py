@@ -15,6 +15,7 @@ from fedrun import compat
 from fedrun.cli.entry import check_resolves
 from fedrun.errors import ConfigError
 from fedrun.partitions import LazyClients, client_sizes, hold_out
+from fedrun.parts import Parts
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.state import Context, encode
 
@@ -138,11 +139,15 @@ def setup(cfg: DictConfig) -> dict:
         getattr(objects["aggregator"], "weighting", "samples"),
         objects["engine"].asynchronous,
     )
-    objects["sampler"].bind(context)
-    objects["privacy"].bind(context)  # its errors name their full keys
+    parts_of(objects).bind(context, engine=objects["engine"])  # every part's settings against the run, before tracking
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
+
+
+def parts_of(built: dict) -> Parts:
+    """The parts of a round from the built objects (privacy puts its own stage and aggregation in place)."""
+    return Parts(**{name: built[name] for name in Parts.NAMES if name in built})
 
 
 def check_run_keys(cfg: DictConfig) -> None:
