@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedrun.aggregators import FedAvg
+from fedrun.aggregators import FedAvg, TrimmedMean
 from fedrun.aggregators.base import Aggregation
 from fedrun.attacks import (
     ALIE,
@@ -29,7 +29,7 @@ from fedrun.attacks import (
     alie_z_max,
     line_search,
 )
-from fedrun.cohort import ClientLosses
+from fedrun.cohort import ClientLosses, RoundView
 from fedrun.errors import ConfigError
 from fedrun.seeding import torch_generator
 from fedrun.state import Context
@@ -262,6 +262,21 @@ def test_adaptive_ipm_and_alie_search_against_the_aggregator_without_touching_it
     assert sent(alie)[3].tolist() == [3.0 - 2 * 10 * (2**19 - 1), 4.0 - 2 * 10 * (2**19 - 1)]
     with pytest.raises(RuntimeError, match="against"):
         sent(IPM(count=1, adaptive=True))
+
+
+def test_adaptive_alie_knows_the_trimmed_mean():
+    # The attacker sends [3, 4] - tau [2, 2]; per coordinate the trimmed mean (f = 1 of 4) averages the middle two
+    # values: 3 - tau (and 4 - tau) while tau <= 1, then 2 (and 3) once the attacker is the smallest. The distance to
+    # the honest mean, sqrt(2) min(tau, 1), first reaches its plateau at the first probe, tau = 10, which no later
+    # probe beats: the attacker sends [3 - 20, 4 - 20].
+    attack = ALIE(count=1, adaptive=True)
+    attack.against(TrimmedMean(f=1))
+    out = sent(attack)
+    assert out[3].tolist() == [-17.0, -16.0]
+    assert TrimmedMean(f=1).aggregate(torch.zeros(2), out, RoundView(COHORT, np.full(4, 10))).update.tolist() == [
+        2.0,
+        3.0,
+    ]
 
 
 # -- data ----------------------------------------------------------------------------------------------------------
