@@ -122,7 +122,7 @@ class Attack(Stateful):
         self.ids = self._draw(numpy_rng(self.seed, "attack")) if self.who == "fixed" else np.zeros(0, dtype=np.int64)
 
     def _draw(self, rng: np.random.Generator) -> np.ndarray:
-        # K of N without replacement; numpy shuffles an N-long range while drawing when K > N / 50 (transient).
+        # K of N without replacement (numpy may use an N-long scratch range while drawing; nothing N-long is kept).
         if not self.num_malicious:
             return np.zeros(0, dtype=np.int64)
         return np.sort(rng.choice(self.num_clients, size=self.num_malicious, replace=False)).astype(np.int64)
@@ -195,7 +195,8 @@ class Attack(Stateful):
 
 
 def _mask_on(mask: np.ndarray, deltas: torch.Tensor) -> torch.Tensor:
-    check(len(mask) == len(deltas), "mask", len(mask), f"one entry per update ({len(deltas)})")
+    if len(mask) != len(deltas):  # the engine's call, not a setting: not a ConfigError
+        raise ValueError(f"the attack's mask has {len(mask)} entries for {len(deltas)} updates")
     return torch.as_tensor(np.asarray(mask, dtype=bool), device=deltas.device)
 
 
@@ -505,9 +506,8 @@ class MinMax(UpdateAttack):
     last success and the probe differ by at most ``tolerance``; m uses that success (gamma = 0, the mean, holds
     always), so the condition holds exactly, whatever the search's resolution.
 
-    Pairwise distances of the reference updates are computed from the Gram matrix of the updates centred on their
-    mean, in float64 (one matrix product; centring keeps the precision that ||x||^2 + ||y||^2 - 2 x.y loses on nearby
-    updates); m's distances directly.
+    Distances are computed from explicit differences in float64 (``torch.cdist`` without its matrix-product form,
+    as ``fedrun.aggregators.robust``): ||x||^2 + ||y||^2 - 2 x.y would lose nearby updates' distances to cancellation.
 
     Args:
         direction: p: std, unit_vec or sign (the paper's three; Blades uses std).
@@ -524,11 +524,9 @@ class MinMax(UpdateAttack):
 
     @staticmethod
     def pairwise(reference: torch.Tensor) -> torch.Tensor:
-        """||x_i - x_j||^2 over the reference updates (float64, zero diagonal)."""
-        centred = reference - reference.mean(0)
-        norms = (centred * centred).sum(1)
-        squared = (norms[:, None] + norms[None, :] - 2 * centred @ centred.T).clamp_min(0)
-        return squared.fill_diagonal_(0)
+        """||x_i - x_j||^2 over the reference updates."""
+        distances = torch.cdist(reference, reference, compute_mode="donot_use_mm_for_euclid_dist")
+        return distances * distances
 
     def bound(self, reference: torch.Tensor) -> float:
         """The largest squared distance between two reference updates."""
