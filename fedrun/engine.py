@@ -113,18 +113,14 @@ def run(
                 sent = parts.attack.updates(t, cohort, trained.deltas, lying, view)
                 sent, stage_diagnostics = parts.stages(sent, cohort, t)
                 parts.stages.end_round()
-            local_accuracy = (  # the papers' client accuracy: each local model on its own held-out split
-                client_accuracy(model, starts, trained.deltas, *tensors.held_out, [client_tests[i] for i in cohort])
-                if client_tests
-                else None
-            )
+            local = client_accuracy_column(model, starts, trained.deltas, tensors, client_tests, cohort)
             with timer("aggregate_wall_s"):
                 update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, sent, view)
                 parts.sampler.observe(cohort, sent)
                 loop.previous, loop.params = loop.params, parts.server.step(loop.params, update)
             diverged = not torch.isfinite(loop.params).all()
             row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule)
-            row.update(client_accuracy_column(local_accuracy, client_tests, cohort), **diagnostics)
+            row.update(local, **diagnostics)
             row.update(selection.spread or {}, **stage_diagnostics, **timings(timer, view))
             row.update(attack_columns(parts.attack, lying, alpha))
             per_client = {"alpha": spread_over(alpha, cohort, len(clients)), "selected": selected}
@@ -141,9 +137,7 @@ def run(
             if last:
                 break
         bar.close()
-        result.summary.update(parts.sampler.summary())
-        if parts.attack:  # who the attackers were (a tag lists the first of them)
-            result.tables["malicious.csv"] = malicious_table(parts.attack, [int(r["round"]) for r in result.rows])
+        finish(result, parts)
     finally:
         trainer.close()
     return result
@@ -315,13 +309,22 @@ def timings(timer: "Timer", view: RoundView) -> dict:
     }
 
 
-def client_accuracy_column(local_accuracy, client_tests, cohort) -> dict:
-    """``client_accuracy``: the mean over the cohort clients that have held-out samples (a LEAF user with no test
-    sample counts in no mean), when the run has client tests."""
-    if local_accuracy is None:
+def client_accuracy_column(model, starts, deltas, tensors: Tensors, client_tests, cohort) -> dict:
+    """``client_accuracy``, the papers' client accuracy: each local model (its start plus its update) on its own
+    held-out split, averaged over the cohort clients that have held-out samples (a LEAF user with no test sample
+    counts in no mean); {} when the run has no client tests."""
+    if not client_tests:
         return {}
+    accuracy = client_accuracy(model, starts, deltas, *tensors.held_out, [client_tests[i] for i in cohort])
     has = [len(client_tests[i]) > 0 for i in cohort]
-    return {"client_accuracy": float(local_accuracy[has].mean()) if any(has) else math.nan}
+    return {"client_accuracy": float(accuracy[has].mean()) if any(has) else math.nan}
+
+
+def finish(result: RunResult, parts: Parts) -> None:
+    """What a run reports once, at its end: how evenly clients were selected and who the attackers were."""
+    result.summary.update(parts.sampler.summary())
+    if parts.attack:  # a tag lists the first of them
+        result.tables["malicious.csv"] = malicious_table(parts.attack, [int(r["round"]) for r in result.rows])
 
 
 def spread_over(values: np.ndarray, cohort: np.ndarray, num_clients: int) -> np.ndarray:
