@@ -158,6 +158,17 @@ CASES = {
         "schedule.rounds=8",
         "partition.num_clients=6",
     ],
+    # an attack redrawn each round (its set from (seed, round)), ALIE against a trimmed mean, and malicious.csv
+    "attack": [
+        "attack=alie",
+        "attack.fraction=0.34",
+        "attack.who=redrawn",
+        "aggregator=trimmed_mean",
+        "aggregator.f=1",
+        "schedule.clients_per_round=0.5",
+        "schedule.rounds=8",
+        "partition.num_clients=6",
+    ],
     # local DP: each client's count of rounds in the ledger, each client's noise stream
     "local": [
         "privacy=local",
@@ -190,7 +201,8 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stderr
     pd.testing.assert_frame_equal(deterministic(tmp_path / "killed"), deterministic(tmp_path / "whole"))
-    for name in ("alpha.csv", "selected.csv")[: 2 if (tmp_path / "whole" / "selected.csv").exists() else 1]:
+    tables = ("alpha.csv", "selected.csv")[: 2 if (tmp_path / "whole" / "selected.csv").exists() else 1]
+    for name in tables + (("malicious.csv",) if (tmp_path / "whole" / "malicious.csv").exists() else ()):
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "killed" / name), pd.read_csv(tmp_path / "whole" / name))
     client, runs = mlflow_runs(store, "resume")
     run = next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "killed"))
