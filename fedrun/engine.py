@@ -108,7 +108,7 @@ def run(
                 trained = trainer(starts, trained_on, cohort, lr, works, seed, t)
             parts.client_state.keep(cohort, starts, trained.deltas)
             view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes)
-            view = reported(view, parts.attack, lying, probe)  # what the attackers report: losses, sample counts
+            view = reported(view, parts.attack, lying, probe, selection)  # what the attackers report
             with timer("pipeline_wall_s"):  # the attackers replace what they send, then every update takes the stages
                 sent = parts.attack.updates(t, cohort, trained.deltas, lying, view)
                 sent, stage_diagnostics = parts.stages(sent, cohort, t)
@@ -243,14 +243,20 @@ class Probe:
         return ClientLosses(values[:, 0], values[:, 1])
 
 
-def reported(view: RoundView, attack, lying: np.ndarray, probe: Probe) -> RoundView:
+def reported(view: RoundView, attack, lying: np.ndarray, probe: Probe, selection) -> RoundView:
     """``view`` with what the attackers report in place of the truth: the signals ``losses`` and ``local_losses``
     and the ``sizes`` the aggregator weighs by. The honest values stay in ``true_losses`` and ``true_sizes`` (the
-    round's train_loss is measured, not reported). Without an attack the reported values are the honest ones."""
+    round's train_loss is measured, not reported). Without an attack the reported values are the honest ones. A
+    cohort that reported its losses to be drawn (Power-of-Choice, ``selection.losses``) reported them once: the
+    aggregator weighs those, not a second report."""
     cohort, t, signals = view.clients, view.round, view._signals
     measured = probe.measured(cohort) if len(cohort) else None
     signals["true_losses"] = measured if measured is not None else signals["losses"]
-    signals["losses"] = Lazy(lambda: attack.losses(t, cohort, view.true_losses, lying))
+    signals["losses"] = (
+        selection.losses
+        if selection.losses is not None
+        else Lazy(lambda: attack.losses(t, cohort, view.true_losses, lying))
+    )
     signals["local_losses"] = attack.losses(t, cohort, signals["local_losses"], lying)
     view.true_sizes, view.sizes = view.sizes, attack.sizes(cohort, view.sizes, lying)
     return view
