@@ -76,7 +76,8 @@ def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, 
     """Metrics and tags that summarise a run from its rows so far: rounds and time, megabytes uploaded
     (``upload_mb_total``), final and best test accuracy, the R-index of each target (and ``R90_mb``, the
     megabytes uploaded until it) (for the clients' local models too, and in virtual time for an
-    asynchronous run; the tag ``R90=not_reached`` when a target was not reached), and the curve's stability.
+    asynchronous run; the tag ``R90=not_reached`` when a target was not reached), the curve's stability, and under
+    an attack the attackers' mean weight and cohort share (``attack/weight_share_mean``, ``attack/cohort_share_mean``).
     NaN values are left out."""
     values, tags = {"rounds_run": len(metrics), "total_wall_s": float(metrics["round_wall_s"].sum())}, {}
     uploaded = metrics["upload_mb"].cumsum() if "upload_mb" in metrics else None  # megabytes sent up so far
@@ -85,6 +86,9 @@ def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, 
     accuracy = metrics["test_accuracy"].dropna()
     if len(accuracy):
         values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
+    for column in ("attack/weight_share", "attack/cohort_share"):  # the attackers' mean share over the rounds run
+        if column in metrics and metrics[column].notna().any():
+            values[column + "_mean"] = float(metrics[column].mean())
     values["smoothness"] = smoothness(metrics["test_accuracy"])
     values["lag1_autocorr"] = lag1_autocorr(metrics["test_accuracy"])
     for column, prefix in (("test_accuracy", ""), ("client_accuracy", "client_")):

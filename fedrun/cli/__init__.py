@@ -33,6 +33,7 @@ from fedrun.models import load_flat
 from fedrun.study import PRUNED
 from fedrun.sweepdir import sweep_parent
 from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
+from hydra_plugins.fedrun_grid_sweeper.grid_sweeper import FedrunGridSweeper
 from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import FedrunOptunaSweeper
 
 __all__ = ["main", "build", "setup", "check_run_keys", "SweepRun", "job_cores"]
@@ -40,8 +41,9 @@ __all__ = ["main", "build", "setup", "check_run_keys", "SweepRun", "job_cores"]
 # ``${fedrun.either:a,b}``: a unless it is null or empty, else b (the run dir of ``resume=<dir>`` is that dir).
 OmegaConf.register_new_resolver("fedrun.either", lambda value, default: value if value else default, replace=True)
 # Hydra finds plugins by listing the hydra_plugins namespace, which an editable install (pip install -e .) hides
-# from it (setuptools' editable finder lists no modules): the sweeper is registered here, however fedrun was installed.
+# from it (setuptools' editable finder lists no modules): the sweepers are registered here, however fedrun was installed.
 Plugins.instance().register(FedrunOptunaSweeper)
+Plugins.instance().register(FedrunGridSweeper)
 
 
 @one_line_errors  # Hydra's composition errors (an unknown key, option or group, a bad override) as one line, exit 2
