@@ -430,15 +430,22 @@ class Adaptive(UpdateAttack):
         return self.sent(reference, line_search(distance, self.start, self.step, self.ratio, self.evals))
 
 
-def alie_z_max(n: int, f: int) -> float:
-    """Baruch et al. 2019's z_max for f attackers among n workers (Section 3, the first two lines of their attack's
-    algorithm): the honest workers the attackers need on their side for a majority, s = floor(n / 2 + 1) - f, and
-    the largest z for which s of the n - f honest workers are expected farther from the mean than mu + z sigma,
-    z_max = Phi^-1((n - f - s) / (n - f)), Phi the standard normal CDF (the form Blades and ByzShield compute). The
-    probability is clipped to [1e-6, 1 - 1e-6] where the attackers need no honest worker (s <= 0) or no honest
-    worker is left to lean on."""
+Z_RULES = ("baruch", "blades")
+
+
+def alie_z_max(n: int, f: int, rule: str = "baruch") -> float:
+    """Baruch et al. 2019's z_max for f attackers among n workers. Both rules start from the honest workers the
+    attackers need on their side for a majority, s = floor(n / 2 + 1) - f (line 1 of the paper's Algorithm 1).
+    ``baruch``: z_max = max z with Phi(z) < (n - s) / n (line 2 of Algorithm 1: the largest z for which s of the n
+    workers are expected farther from the mean than mu + z sigma). ``blades``: z_max = Phi^-1((n - f - s) / (n - f)),
+    the same count among the n - f honest workers only (Blades' ``alieclient.py`` and ByzShield compute this; it is
+    smaller, and 0 for n = 20, f = 2). Phi is the standard normal CDF; the probability is clipped to
+    [1e-6, 1 - 1e-6] where the attackers need no honest worker (s <= 0) or no honest worker is left to lean on."""
     s = math.floor(n / 2 + 1) - f
-    p = (n - f - s) / (n - f) if n > f else 1.0
+    if rule == "baruch":
+        p = (n - s) / n if n > 0 else 1.0
+    else:
+        p = (n - f - s) / (n - f) if n > f else 1.0
     return NormalDist().inv_cdf(min(max(p, 1e-6), 1 - 1e-6))
 
 
@@ -448,25 +455,27 @@ class ALIE(Adaptive):
     updates (``knowledge``: the honest ones, or the attackers' own pooled, the paper's setting) minus z of their
     coordinate-wise standard deviations (n - 1 in the denominator, as ByzFL and Blades; 0 for a single update):
     close enough to the mean in every coordinate that median- and distance-based rules keep it. The sign is a
-    convention (some implementations add). z = ``alie_z_max(n, f)`` with n the cohort and f its attackers this
+    convention (some implementations add). z = ``alie_z_max(n, f, z_rule)`` with n the cohort and f its attackers this
     round, or the fixed ``z``; with ``adaptive``, the z >= 0 found by ByzFL's search against the aggregator.
 
     Args:
         z: A fixed z; null: z_max.
+        z_rule: How z_max is computed (``alie_z_max``): ``baruch`` (the paper's Algorithm 1) or ``blades``.
         **adaptive: ``Adaptive``'s search keys and the common ones.
     """
 
-    def __init__(self, z: float | None = None, **adaptive):
+    def __init__(self, z: float | None = None, z_rule: str = "baruch", **adaptive):
         super().__init__(**adaptive)
         check(z is None or number(z), "z", z, "null or a number")
-        self.z = z
+        check(z_rule in Z_RULES, "z_rule", z_rule, " or ".join(Z_RULES))
+        self.z, self.z_rule = z, z_rule
 
     def sent(self, reference, tau):
         std = reference.std(0) if len(reference) > 1 else torch.zeros_like(reference[0])
         return (reference.mean(0) - tau * std)[None]
 
     def tau(self, cohort, deltas, mask):
-        return float(self.z) if self.z is not None else alie_z_max(len(cohort), int(mask.sum()))
+        return float(self.z) if self.z is not None else alie_z_max(len(cohort), int(mask.sum()), self.z_rule)
 
 
 class IPM(Adaptive):

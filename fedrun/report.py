@@ -36,7 +36,7 @@ from fedrun.tracking import (
 )
 
 IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
-META_GROUPS = ("experiment", "method")  # config groups whose options choose options of other groups
+META_GROUPS = ("experiment", "method", "defence")  # config groups whose options choose options of other groups
 SWEEP_TAG = "tags.fedrun.role"  # "sweep" on a sweep's parent run, "trial" on a study's trial: not runs of their own
 TRIAL_TAG = "tags.fedrun.trial"  # a study's seed run: its trial (``--group-by trial``)
 SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_autocorr")
@@ -493,6 +493,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also plot test accuracy against the megabytes uploaded (accuracy_vs_upload_mb.png): compressed runs "
         "against dense ones on communication",
     )
+    parser.add_argument(
+        "--robustness",
+        action="store_true",
+        help="the matrix of sweep=robustness instead: accuracy per rule, split, attack and f with intervals, the worst "
+        "case over attacks, the attackers' weight share, the cost, and heatmaps (robustness.md, .csv, *.png)",
+    )
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
     args = parser.parse_args(argv)
 
@@ -513,6 +519,18 @@ def main(argv: list[str] | None = None) -> None:
             f"fedrun-report: error: no finished runs in {args.experiment!r}"
             + (f" matching {args.filter!r}" if args.filter else "")
         )
+    out = args.out or Path("outputs") / "report" / args.experiment
+    if args.robustness:
+        from fedrun import robustness
+
+        out.mkdir(parents=True, exist_ok=True)
+        text, tables, plots = robustness.report(finished, out, args.experiment)
+        (out / "robustness.md").write_text(text)
+        for name, table in tables.items():
+            csv_safe(table).to_csv(out / name, index=False)
+        print(text, end="")
+        print("\nwrote " + ", ".join(str(p) for p in [out / "robustness.md", *(out / n for n in tables), *plots]))
+        return
     if args.group_by:
         keys = []
         for key in args.group_by:
@@ -533,7 +551,6 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(
                 f"fedrun-report: error: metric {metric!r} was not logged by these runs (logged: {', '.join(logged)})"
             )
-    out = args.out or Path("outputs") / "report" / args.experiment
     out.mkdir(parents=True, exist_ok=True)
     if args.paired:
         name, sep, baseline = args.paired.partition("=")

@@ -173,20 +173,29 @@ def test_ipm_sends_minus_epsilon_times_the_honest_mean():
 
 
 def test_alie_z_max_by_hand():
-    # Baruch et al.: s = floor(n / 2 + 1) - f, z_max = Phi^-1((n - f - s) / (n - f)).
-    # n = 50, f = 12: s = 26 - 12 = 14, (38 - 14) / 38 = 12 / 19 = 0.6316, between Phi(0.33) = 0.6293 and
-    # Phi(0.34) = 0.6331: z = 0.336.
-    assert alie_z_max(50, 12) == pytest.approx(0.336, abs=1e-3)
-    assert NormalDist().cdf(alie_z_max(50, 12)) == pytest.approx(12 / 19, rel=1e-12)
-    # n = 4, f = 1: s = 3 - 1 = 2, (3 - 2) / 3 = 1 / 3: z = -Phi^-1(2 / 3) = -0.4307 (Phi(0.43) = 0.6664).
-    assert alie_z_max(4, 1) == pytest.approx(-0.4307, abs=1e-4)
-    assert alie_z_max(3, 1) == 0.0  # s = 1, (2 - 1) / 2 = 1/2
+    # Both rules: s = floor(n / 2 + 1) - f. The paper's Algorithm 1 (rule="baruch"): z_max = Phi^-1((n - s) / n).
+    # n = 50, f = 12: s = 26 - 12 = 14, (50 - 14) / 50 = 0.72, between Phi(0.58) = 0.7190 and Phi(0.59) = 0.7224:
+    # z = 0.583.
+    assert alie_z_max(50, 12) == pytest.approx(0.583, abs=1e-3)
+    assert NormalDist().cdf(alie_z_max(50, 12)) == pytest.approx(0.72, rel=1e-12)
+    # n = 20, f = 2 (sweep=robustness): s = 9, 11 / 20 = 0.55: z = 0.1257 (Phi(0.12) = 0.5478, Phi(0.13) = 0.5517).
+    assert alie_z_max(20, 2) == pytest.approx(0.1257, abs=1e-4)
+    assert alie_z_max(4, 1) == 0.0  # s = 2, (4 - 2) / 4 = 1/2
+    # Blades' form (rule="blades"): Phi^-1((n - f - s) / (n - f)), the count among the honest workers only.
+    # n = 50, f = 12: (38 - 14) / 38 = 12 / 19 = 0.6316, between Phi(0.33) = 0.6293 and Phi(0.34) = 0.6331: z = 0.336.
+    assert alie_z_max(50, 12, "blades") == pytest.approx(0.336, abs=1e-3)
+    assert NormalDist().cdf(alie_z_max(50, 12, "blades")) == pytest.approx(12 / 19, rel=1e-12)
+    # n = 4, f = 1: s = 2, (3 - 2) / 3 = 1 / 3: z = -Phi^-1(2 / 3) = -0.4307 (Phi(0.43) = 0.6664).
+    assert alie_z_max(4, 1, "blades") == pytest.approx(-0.4307, abs=1e-4)
+    assert alie_z_max(20, 2, "blades") == 0.0  # s = 9, (18 - 9) / 18 = 1/2: the honest mean itself
+    assert alie_z_max(3, 1, "blades") == 0.0  # s = 1, (2 - 1) / 2 = 1/2
 
 
 def test_alie_sends_mean_minus_z_std():
     assert sent(ALIE(count=1, z=1.0))[3].tolist() == [1.0, 2.0]  # [3, 4] - 1 * [2, 2]
-    z = alie_z_max(4, 1)
-    assert sent(ALIE(count=1))[3].tolist() == pytest.approx([3 - 2 * z, 4 - 2 * z], rel=1e-15)
+    z = alie_z_max(4, 1, "blades")
+    assert z < 0 and sent(ALIE(count=1, z_rule="blades"))[3].tolist() == pytest.approx([3 - 2 * z, 4 - 2 * z], rel=1e-15)
+    assert sent(ALIE(count=1))[3].tolist() == [3.0, 4.0]  # the paper's rule: z_max(4, 1) = 0, the mean itself
 
 
 def test_minmax_keeps_within_the_largest_honest_distance():

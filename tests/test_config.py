@@ -16,8 +16,8 @@ OPTIONS = sorted(
     (d.name, f.stem) for d in CONF.iterdir() if d.is_dir() and not d.name.startswith("_") for f in d.glob("*.yaml")
 )
 # The groups that build an object from their node alone (a model needs the data's shape; presets are not objects).
-OBJECT_GROUPS = tuple(g for g in CONFIG_GROUPS if g not in ("model", "method", "experiment"))
-GLOBAL_GROUPS = ("experiment", "sweep", "method")  # presets that set keys across groups
+OBJECT_GROUPS = tuple(g for g in CONFIG_GROUPS if g not in ("model", "method", "defence", "experiment"))
+GLOBAL_GROUPS = ("experiment", "sweep", "method", "defence")  # presets that set keys across groups
 # Small shapes that each model option accepts: images for the CNN, anything for the others.
 MODEL_INPUT = {"cnn": (1, 8, 8), "char_lstm": (12,)}
 MODEL_DTYPE = {"char_lstm": torch.int64}  # symbol indices
