@@ -26,6 +26,7 @@ class FederatedData:
         natural_split: For datasets that come split per client, one index array into train per client.
         client_tests_in: Which split the run's ``client_tests`` index: ``train`` (held out of each client's training
             samples, ``client_test_fraction``) or ``test`` (each LEAF user's own test samples, ``client_tests``).
+        root: The server's root set (FLTrust): indices into train that no client holds, or None.
     """
 
     x_train: torch.Tensor
@@ -37,6 +38,7 @@ class FederatedData:
     y_val: torch.Tensor | None = None
     natural_split: list[np.ndarray] | None = field(default=None, repr=False)
     client_tests_in: str = "train"
+    root: np.ndarray | None = field(default=None, repr=False)
 
     def held_out(self, x_train, y_train, x_test, y_test):
         """Of the (prepared) tensors, the pair that ``client_tests`` index."""

@@ -88,6 +88,7 @@ def run(
     fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)
     fstar.cache.update(loop.fstar)
     bits = Bits.of(parts.stages, initial)
+    root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
     try:
         bar = progress(first, schedule.rounds, "rounds", "round")
         for t in bar:
@@ -107,7 +108,7 @@ def run(
             with timer("train_wall_s"):
                 trained = trainer(starts, trained_on, cohort, lr, works, seed, t)
             parts.client_state.keep(cohort, starts, trained.deltas)
-            view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes)
+            view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes, root)
             view = reported(view, parts.attack, lying, probe, selection)  # what the attackers report
             with timer("pipeline_wall_s"):  # the attackers replace what they send, then every update takes the stages
                 sent = parts.attack.updates(t, cohort, trained.deltas, lying, view)
@@ -196,10 +197,11 @@ def who_trains(parts: Parts, selection, t: int, sizes, schedule: Schedule, seed:
     return selection.keep(np.array([work is not None for work in plan], dtype=bool)), works, selected
 
 
-def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fstar, tensors, sizes) -> RoundView:
+def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fstar, tensors, sizes, root) -> RoundView:
     """What the aggregator may read this round, as the clients would honestly report it; the lazy signals cost
-    nothing unless read."""
+    nothing unless read. ``root``: the server's root set and the work it trains with, or None."""
     cohort, w, previous, seed, batch_size = selection.cohort, loop.params, loop.previous, fstar.seed, fstar.batch_size
+    server = np.array([len(sizes)])  # the server trains on its root set under a key no client has
     return RoundView(
         cohort,
         sizes[cohort],
@@ -218,6 +220,10 @@ def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fsta
         measure=lambda signal: trainer.per_client(signal, w, data),
         previous_deltas=Lazy(
             lambda: None if previous is None else trainer(previous, data, cohort, lr, works, seed, t).deltas
+        ),
+        # FLTrust's g_0: the round's model trained on the server's root set with the clients' work.
+        server_update=Lazy(
+            lambda: None if root is None else trainer(w, [root[0]], server, lr, [root[1]], seed, t).deltas[0]
         ),
     )
 
@@ -310,7 +316,7 @@ def timings(timer: "Timer", view: RoundView) -> dict:
     return {
         "aggregate_wall_s": timer["aggregate_wall_s"] - view.signals_s + timer["pipeline_wall_s"],
         "loss_wall_s": view.wall_s.get("true_losses", 0.0),
-        "train_wall_s": timer["train_wall_s"] + view.wall_s.get("previous_deltas", 0.0),
+        "train_wall_s": timer["train_wall_s"] + view.wall_s.get("previous_deltas", 0.0) + view.wall_s.get("server_update", 0.0),
         "selection_wall_s": timer["selection_wall_s"],
     }
 

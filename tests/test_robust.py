@@ -15,6 +15,7 @@ from fedrun.aggregators import (
     Bulyan,
     CenteredClip,
     FedAvg,
+    FLTrust,
     GeoMed,
     Krum,
     Median,
@@ -431,3 +432,157 @@ def test_poisson_rounds_too_small_for_f_are_skipped_and_the_others_aggregated():
     assert skipped == [row["cohort_size"] <= 4 for row in rows]
     assert any(skipped) and not all(skipped)
     assert all(math.isfinite(row["test_accuracy"]) for row in rows)
+
+
+# --- FLTrust ------------------------------------------------------------------------------------------------------
+
+
+def test_fltrust_by_hand():
+    # Cao et al. 2021, Eq. 1-3, with g_0 = [1, 0]: TS = ReLU(cos) = 1, 0, 0, 1/sqrt(2); each update rescaled to
+    # ||g_0|| = 1: [1, 0] and [1, 1] / sqrt(2); update = (1 [1, 0] + 0.7071 [0.7071, 0.7071]) / 1.7071
+    # = [1.5, 0.5] / 1.7071 = [0.87868, 0.29289]. alpha = TS ||g_0|| / (||g_i|| sum TS): 1 / 2 / 1.7071 = 0.29289 for
+    # the first, 0.7071 / 1.4142 / 1.7071 = 0.29289 for the last, 0 for the orthogonal and the opposite one.
+    x = torch.tensor([[2.0, 0.0], [0.0, 3.0], [-1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+    report = RoundView(np.arange(4), np.ones(4), server_update=torch.tensor([1.0, 0.0], dtype=torch.float64))
+    out = FLTrust().aggregate(torch.zeros(2, dtype=torch.float64), x, report)
+    assert_allclose(out.update, [1.5 / (1 + 0.5**0.5), 0.5 / (1 + 0.5**0.5)], rtol=1e-12)
+    assert_allclose(out.alpha, [0.2928932188134524, 0, 0, 0.2928932188134524], rtol=1e-12)
+    assert out.diagnostics["robust/discarded"] == 2 and out.diagnostics["robust/trust_min"] == 0.0
+    assert out.diagnostics["robust/trust_mean"] == pytest.approx((1 + 0.5**0.5) / 4)
+
+
+def test_fltrust_trusts_nobody_against_the_server():
+    x = torch.tensor([[-1.0, 0.0], [0.0, -2.0]], dtype=torch.float64)
+    report = RoundView(np.arange(2), np.ones(2), server_update=torch.tensor([1.0, 1.0], dtype=torch.float64))
+    out = FLTrust().aggregate(torch.zeros(2, dtype=torch.float64), x, report)
+    assert out.update.tolist() == [0.0, 0.0] and out.alpha.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("root_size", [0, -1, 1.5, True, "100"])
+def test_fltrust_root_size_is_checked(root_size):
+    with pytest.raises(ConfigError, match="root_size"):
+        FLTrust(root_size=root_size)
+
+
+def test_fltrust_through_the_engine_trains_the_server_on_its_root_set():
+    from fedrun.attacks import SignFlip
+
+    # The server holds samples 280-319; seven clients the rest. A client holding exactly the root set, trained full
+    # batch, sends g_0 itself (up to the summation order): FLTrust trusts it fully and the update is its own.
+    root = np.arange(280, 320)
+    data = FederatedData(X[:320], Y[:320], X[320:], Y[320:], num_classes=3, root=root)
+    torch.manual_seed(torch_seed(0, "init"))
+    model = MLP((4,), 3, hidden=(8,)).double()
+    rows, alphas = [], []
+    run(
+        model,
+        data,
+        [root],
+        Parts(FLTrust()),
+        SGD,
+        Schedule(rounds=2, local_steps=3, batch_size=40),
+        torch.device("cpu"),
+        0,
+        on_round=lambda row, per_client: (rows.append(row), alphas.append(per_client["alpha"])),
+    )
+    assert [a.tolist() for a in alphas] == [pytest.approx([1.0], rel=1e-9)] * 2
+    assert all(row["robust/trust_min"] == pytest.approx(1.0, rel=1e-9) for row in rows)
+    # Against two sign flippers of seven clients, the flipped updates point away from g_0: no weight, and it learns.
+    clients = [np.arange(40 * c, 40 * (c + 1)) for c in range(7)]
+    torch.manual_seed(torch_seed(0, "init"))
+    model, rows = MLP((4,), 3, hidden=(8,)).double(), []
+    run(
+        model,
+        data,
+        clients,
+        Parts(FLTrust(), attack=SignFlip(count=2)),
+        SGD,
+        Schedule(rounds=6, local_steps=3, batch_size=10),
+        torch.device("cpu"),
+        0,
+        on_round=lambda row, per_client: rows.append(row),
+    )
+    assert all(row["attack/weight_share"] == 0.0 for row in rows)
+    assert rows[-1]["test_accuracy"] > 0.6 and rows[-1]["train_wall_s"] > 0
+
+
+def test_the_root_set_is_drawn_from_the_seed_and_held_out_of_every_client(compose_config):
+    from fedrun.cli.build import setup
+
+    built = setup(compose_config("aggregator=fltrust", "partition=dirichlet"))
+    root, clients, n = built["data"].root, built["clients"], len(built["data"].y_train)
+    assert len(root) == 100 and len(np.unique(root)) == 100 and np.all(np.diff(root) > 0)
+    held = np.concatenate(clients)
+    assert not np.isin(held, root).any()  # no client holds a root sample
+    assert len(held) + 100 == n  # and every other sample is someone's (dirichlet partitions all it is given)
+    again = setup(compose_config("aggregator=fltrust", "partition=dirichlet"))["data"].root
+    other = setup(compose_config("aggregator=fltrust", "partition=dirichlet", "seed=1"))["data"].root
+    assert np.array_equal(root, again) and not np.array_equal(root, other)
+    assert setup(compose_config("aggregator=fedavg"))["data"].root is None
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["aggregator.root_size=100000"], "^aggregator.root_size=100000 is invalid: allowed is fewer than the"),
+        (
+            ["partition=population", "schedule.cohort=10"],
+            "^aggregator=.fltrust. is invalid: allowed is a partition other than population",
+        ),
+    ],
+)
+def test_a_root_set_that_cannot_be_drawn_is_one_line(compose_config, overrides, message):
+    from fedrun.cli.build import setup
+
+    with pytest.raises(ConfigError, match=message):
+        setup(compose_config("aggregator=fltrust", *overrides))
+
+
+# --- Pre-aggregation: nnm and bucketing ---------------------------------------------------------------------------
+
+
+def test_nnm_by_hand_on_byzfls_vectors():
+    # Allouah et al. 2023, Algorithm 1, f = 1: each row becomes the mean of its n - f = 2 nearest (itself included).
+    # Distances: |x0 - x1| = |x1 - x2| = sqrt(27), |x0 - x2| = sqrt(108). Row 0: {0, 1}; row 1: {1, and 0 or 2 at the
+    # same distance: the lower position, 0}; row 2: {2, 1}. Mixed: [2.5, 3.5, 4.5] twice and [5.5, 6.5, 7.5].
+    mix = Median(f=1, pre="nnm").mixing(BYZFL.double(), 1, 1)
+    assert_allclose(mix @ BYZFL.double(), [[2.5, 3.5, 4.5], [2.5, 3.5, 4.5], [5.5, 6.5, 7.5]])
+    # The median of the mixed rows is [2.5, 3.5, 4.5], taken from mixed row 1 (the middle of the stable sort), which
+    # is half client 0 and half client 1: alpha [0.5, 0.5, 0].
+    out = aggregate(Median(f=1, pre="nnm"), BYZFL)
+    assert_allclose(out.update, [2.5, 3.5, 4.5])
+    assert_allclose(out.alpha, [0.5, 0.5, 0.0])
+    assert_allclose(aggregate(TrimmedMean(f=0, pre="nnm"), BYZFL).update, [4.0, 5.0, 6.0])  # f = 0: every row the mean
+
+
+def test_bucketing_averages_random_buckets():
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    clip = functools.partial(CenteredClip, tau=1e9, iterations=1, start="zero", pre="bucketing")  # the rows' mean
+    out = aggregate(clip(bucket_size=2), x)
+    # Buckets of 2, 2 and 1: the two-client buckets' members weigh 1/3 / 2 each, the lone client 1/3.
+    assert_allclose(sorted(out.alpha), [1 / 6] * 4 + [1 / 3])
+    assert_allclose(out.update, torch.as_tensor(out.alpha) @ x, rtol=1e-12)
+    even = aggregate(clip(bucket_size=2), x[:4])  # equal buckets: the mean of the bucket means is the mean
+    assert_allclose(even.update, x[:4].mean(0), rtol=1e-12)
+    rule = clip(bucket_size=2)
+    assert torch.equal(rule.mixing(x, 0, 3), rule.mixing(x, 0, 3))  # drawn from (seed, round)
+    assert not torch.equal(rule.mixing(x, 0, 3), rule.mixing(x, 0, 4))
+
+
+@pytest.mark.parametrize("rule", [Median, TrimmedMean, Krum, GeoMed], ids=lambda r: r.__name__)
+def test_buckets_of_one_are_the_rule_alone(rule):
+    x = torch.randn(7, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    plain, bucketed = aggregate(rule(f=1), x), aggregate(rule(f=1, pre="bucketing", bucket_size=1), x)
+    assert_allclose(bucketed.update, plain.update, rtol=1e-12, atol=1e-15)
+    assert_allclose(bucketed.alpha, plain.alpha, rtol=1e-12, atol=1e-15)
+
+
+def test_pre_aggregation_settings_are_checked():
+    with pytest.raises(ConfigError, match="^pre='nnm' is invalid: allowed is none or bucketing for CenteredClip"):
+        CenteredClip(pre="nnm")
+    with pytest.raises(ConfigError, match="bucket_size"):
+        Median(pre="bucketing", bucket_size=0)
+    # Krum needs rows > 2f + 2: 12 clients in buckets of 2 are 6 rows, too few for f = 2.
+    krum = Krum(f=2, pre="bucketing")
+    with pytest.raises(ConfigError, match=r"^aggregator\.f=2 is invalid: .*12 clients a round in 6 buckets allows f at most 1"):
+        krum.bind(Context(Schedule(rounds=1), np.ones(12, dtype=int), 0, "uniform"))

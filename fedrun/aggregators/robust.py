@@ -36,6 +36,7 @@ import torch
 from fedrun.aggregators.base import Aggregation, Aggregator
 from fedrun.cohort import RoundView
 from fedrun.errors import ConfigError, check
+from fedrun.seeding import numpy_rng
 from fedrun.state import Context
 
 
@@ -96,8 +97,47 @@ class RobustAggregator(Aggregator):
     alpha_informative = True  # alpha says whom the rule kept
     COLUMNS: tuple[str, ...] = ()  # the rule's own diagnostics, NaN in a skipped round
 
-    def __init__(self, weighting: str = "uniform"):
+    PRE = ("none", "bucketing")  # the pre-aggregations the rule takes (``nnm`` needs an f: ByzantineRobust's)
+
+    def __init__(self, weighting: str = "uniform", pre: str = "none", bucket_size: int = 2):
         super().__init__(weighting)
+        check(pre in self.PRE, "pre", pre, " or ".join(self.PRE) + f" for {type(self).__name__}")
+        check(
+            isinstance(bucket_size, int) and not isinstance(bucket_size, bool) and bucket_size >= 1,
+            "bucket_size",
+            bucket_size,
+            "an integer >= 1",
+        )
+        self.pre, self.bucket_size, self.seed = pre, bucket_size, 0
+
+    def bind(self, context: Context) -> None:
+        self.seed = context.seed  # bucketing's stream
+
+    def rows(self, n: int) -> int:
+        """How many vectors the rule aggregates for n clients: ceil(n / bucket_size) after bucketing."""
+        return -(-n // self.bucket_size) if self.pre == "bucketing" else n
+
+    def mixing(self, x: torch.Tensor, f: int, round_: int) -> torch.Tensor | None:
+        """The pre-aggregation as a matrix M (rows x clients) whose rows M x the rule aggregates, or None.
+
+        ``nnm``: nearest-neighbour mixing (Allouah et al. 2023, "Fixing by mixing", Algorithm 1): row i is the mean
+        of the n - f updates nearest x_i (itself included; ties to the lower cohort position).
+        ``bucketing``: (Karimireddy, He and Jaggi 2022, ICLR, Algorithm 1): the cohort in a random order drawn from
+        (seed, round), cut into buckets of ``bucket_size`` (the last may be smaller), each averaged.
+        """
+        n = len(x)
+        if self.pre == "nnm":
+            nearest = squared_distances(x).argsort(dim=1, stable=True)[:, : n - f]
+            mix = torch.zeros(n, n, dtype=x.dtype, device=x.device)
+            return mix.scatter_(1, nearest, 1.0 / (n - f))
+        if self.pre == "bucketing":
+            order = torch.as_tensor(numpy_rng(self.seed, "bucketing", round_).permutation(n), device=x.device)
+            mix = torch.zeros(self.rows(n), n, dtype=x.dtype, device=x.device)
+            for b, start in enumerate(range(0, n, self.bucket_size)):
+                members = order[start : start + self.bucket_size]
+                mix[b, members] = 1.0 / len(members)
+            return mix
+        return None
 
     def byzantine(self, n: int) -> int:
         """f for a round of n clients."""
@@ -117,16 +157,24 @@ class RobustAggregator(Aggregator):
             return self.empty(global_params)
         n = len(deltas)
         f = self.byzantine(n)
-        if not self.tolerates(n, f):  # a small round: skipped, never aggregated outside the breakdown point
+        skipped = not self.tolerates(self.rows(n), f)
+        if skipped:  # a small round: skipped, never aggregated outside the breakdown point
             update, alpha, own = torch.zeros_like(global_params), np.zeros(n), dict.fromkeys(self.COLUMNS, math.nan)
         else:
-            update, alpha, own = self.robust(precise(deltas), f, report)
+            x = precise(deltas)
+            mix = self.mixing(x, f, report.round)
+            if mix is None:
+                update, alpha, own = self.robust(x, f, report)
+            else:  # the rule over the mixed rows; a client's alpha is its share of the rows' alphas
+                sizes = mix.cpu().numpy() @ np.asarray(report.sizes, dtype=np.float64)
+                update, rows_alpha, own = self.robust(mix @ x, f, RoundView(np.arange(len(mix)), sizes, round=report.round))
+                alpha = rows_alpha @ mix.cpu().numpy()
             update = update.to(deltas.dtype)
         diagnostics = {
             "alpha_distance": float(np.abs(alpha - self.base_weights(report)).sum()),
             "robust/f": float(f),
             "robust/discarded": float(np.count_nonzero(alpha == 0)),
-            "robust/skipped": float(not self.tolerates(n, f)),
+            "robust/skipped": float(skipped),
             **own,
         }
         return Aggregation(update, alpha, diagnostics)
@@ -145,8 +193,17 @@ class ByzantineRobust(RobustAggregator):
     BREAKDOWN = "n > 2f"  # the condition, in words
     CITATION = ""
 
-    def __init__(self, f: int | None = None, fraction: float | None = None, weighting: str = "uniform"):
-        super().__init__(weighting)
+    PRE = ("none", "nnm", "bucketing")
+
+    def __init__(
+        self,
+        f: int | None = None,
+        fraction: float | None = None,
+        weighting: str = "uniform",
+        pre: str = "none",
+        bucket_size: int = 2,
+    ):
+        super().__init__(weighting, pre, bucket_size)
         check(
             f is None or (isinstance(f, int) and not isinstance(f, bool) and f >= 0),
             "f",
@@ -173,13 +230,15 @@ class ByzantineRobust(RobustAggregator):
     def bind(self, context: Context) -> None:
         """Refuse an f beyond the breakdown point for the run's cohort size (the expected size with Poisson
         sampling, whose smaller rounds are skipped)."""
+        super().bind(context)
         schedule = context.schedule
         n = schedule.cohort_size(context.num_clients)
-        if self.tolerates(n, self.byzantine(n)):
+        if self.tolerates(self.rows(n), self.byzantine(n)):
             return
         key, value = ("fraction", self.fraction) if self.fraction is not None else ("f", self.f or 0)
         size = f"{n} clients a round" + (" expected (poisson sampling)" if schedule.sampling == "poisson" else "")
-        most = max((g for g in range(n) if self.tolerates(n, g)), default=None)
+        size += f" in {self.rows(n)} buckets" if self.pre == "bucketing" else ""
+        most = max((g for g in range(n) if self.tolerates(self.rows(n), g)), default=None)
         reach = f"f at most {most}" if most is not None else "no f at all (too few clients)"
         quantity = "floor(fraction * n)" if key == "fraction" else "f"
         raise ConfigError(
@@ -289,8 +348,9 @@ class MultiKrum(Krum):
     def bind(self, context: Context) -> None:
         super().bind(context)
         n = context.schedule.cohort_size(context.num_clients)
-        if self.m is not None and self.m > n:
-            raise ConfigError("aggregator.m", self.m, f"an integer from 1 to the {n} clients a round")
+        if self.m is not None and self.m > self.rows(n):
+            rows = f"{self.rows(n)} buckets of the {n} clients" if self.pre == "bucketing" else f"{n} clients"
+            raise ConfigError("aggregator.m", self.m, f"an integer from 1 to the {rows} a round")
 
     def robust(self, x, f, report):
         n = len(x)
@@ -413,8 +473,16 @@ class CenteredClip(RobustAggregator):
     STATE = ("previous",)  # the last aggregate, the next round's start (``start=previous``)
     COLUMNS = ("robust/clipped", "robust/start_weight")
 
-    def __init__(self, tau: float = 10.0, iterations: int = 1, start: str = "previous", weighting: str = "uniform"):
-        super().__init__(weighting)
+    def __init__(
+        self,
+        tau: float = 10.0,
+        iterations: int = 1,
+        start: str = "previous",
+        weighting: str = "uniform",
+        pre: str = "none",
+        bucket_size: int = 2,
+    ):
+        super().__init__(weighting, pre, bucket_size)
         check(isinstance(tau, (int, float)) and tau > 0, "tau", tau, "a number > 0")
         check(isinstance(iterations, int) and iterations >= 1, "iterations", iterations, "an integer >= 1")
         check(start in ("previous", "zero", "median"), "start", start, "previous (the paper's), zero or median")
@@ -470,4 +538,40 @@ class NormBound(RobustAggregator):
         scale = torch.where(norms > self.bound, self.bound / norms.clamp(min=self.bound), torch.ones_like(norms))
         alpha = torch.as_tensor(self.base_weights(report), dtype=x.dtype, device=x.device) * scale
         own = {"robust/clipped": float((norms > self.bound).sum()), "robust/norm_median": float(norms.quantile(0.5))}
+        return alpha @ x, alpha.cpu().numpy(), own
+
+
+class FLTrust(RobustAggregator):
+    """FLTrust (Cao, Fang, Liu and Gong 2021, "FLTrust: Byzantine-robust federated learning via trust
+    bootstrapping", NDSS, Algorithm 1 and Eq. 1-4): the server trains the round's global model on its own root set
+    (``root_size`` training samples drawn from the seed and held out of every client, ``FederatedData.root``) with
+    the clients' local work, which gives g_0 (the view's ``server_update``). Each update gets the trust score
+    TS_i = ReLU(cos(g_i, g_0)) (Eq. 1), is rescaled to g_0's norm, g_i ||g_0|| / ||g_i|| (Eq. 2), and the update is
+    sum_i TS_i g_i ||g_0|| / ||g_i|| / sum_j TS_j (Eq. 3); a round where every score is 0 (every update points away
+    from g_0) gives the zero update. The paper's root set is 100 samples for MNIST.
+
+    alpha_i = TS_i ||g_0|| / (||g_i|| sum_j TS_j), client i's coefficient in the update (its sum is not 1 unless every
+    norm equals ||g_0||). ``robust/trust_min`` and ``robust/trust_mean``: the scores' minimum and mean.
+
+    Args:
+        root_size: Samples in the server's root set (>= 1).
+        weighting: Unused by the rule (its weights are the trust scores); kept for the common alpha_distance.
+    """
+
+    COLUMNS = ("robust/trust_min", "robust/trust_mean")
+
+    def __init__(self, root_size: int = 100, weighting: str = "uniform"):
+        super().__init__(weighting)
+        check(isinstance(root_size, int) and not isinstance(root_size, bool) and root_size >= 1, "root_size", root_size, "an integer >= 1")
+        self.root_size = root_size
+
+    def robust(self, x, f, report):
+        g0 = report.server_update.to(x)
+        norm0, norms = g0.norm(), x.norm(dim=1)
+        cosine = (x @ g0) / (norms * norm0).clamp(min=torch.finfo(x.dtype).tiny)
+        trust = cosine.clamp(min=0.0)  # ReLU: an update against g_0 is not trusted at all
+        own = {"robust/trust_min": float(trust.min()), "robust/trust_mean": float(trust.mean())}
+        if float(trust.sum()) == 0.0:
+            return torch.zeros_like(g0), np.zeros(len(x)), own
+        alpha = trust * norm0 / norms.clamp(min=torch.finfo(x.dtype).tiny) / trust.sum()
         return alpha @ x, alpha.cpu().numpy(), own

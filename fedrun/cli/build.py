@@ -6,6 +6,7 @@ import re
 import typing
 
 import hydra
+import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -14,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun import compat
 from fedrun.cli.entry import check_resolves
 from fedrun.errors import ConfigError
-from fedrun.partitions import LazyClients, client_sizes, hold_out
+from fedrun.partitions import LazyClients, Natural, Population, client_sizes, hold_out
 from fedrun.parts import Parts
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.state import Context, encode
@@ -111,8 +112,15 @@ def setup(cfg: DictConfig) -> dict:
     check_run_keys(cfg)
 
     data = objects["dataset"].load(seed)
+    data.root, kept = root_set(objects, len(data.y_train), seed)
     try:
-        clients = objects["partition"](data.y_train.numpy(), numpy_rng(seed, "partition"), natural=data.natural_split)
+        natural = data.natural_split
+        if data.root is not None and isinstance(objects["partition"], Natural):  # each user's own, less the root set
+            natural = [np.setdiff1d(user, data.root) for user in natural]
+            clients = objects["partition"](data.y_train.numpy(), numpy_rng(seed, "partition"), natural=natural)
+        else:  # the partition of the samples left (all of them without a root set), as indices into train
+            clients = objects["partition"](data.y_train.numpy()[kept], numpy_rng(seed, "partition"), natural=natural)
+            clients = clients if data.root is None else [kept[c] for c in clients]
     except ConfigError as exc:
         raise exc.within("partition") from None
     client_tests = None
@@ -143,6 +151,21 @@ def setup(cfg: DictConfig) -> dict:
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
+
+
+def root_set(objects: dict, n: int, seed: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """The server's root set when the aggregator asks for one (FLTrust's ``root_size``): that many training
+    indices drawn without replacement from the seed's ``root`` stream, sorted, and the indices left to partition.
+    Without one: (None, every index)."""
+    size = getattr(objects["aggregator"], "root_size", 0)
+    if not size:
+        return None, np.arange(n)
+    if size >= n:
+        raise ConfigError("aggregator.root_size", size, f"fewer than the {n} training samples")
+    if isinstance(objects["partition"], Population):
+        raise ConfigError("aggregator", "fltrust", "a partition other than population (its clients are drawn lazily)")
+    root = np.sort(numpy_rng(seed, "root").choice(n, size=size, replace=False))
+    return root, np.setdiff1d(np.arange(n), root)
 
 
 def parts_of(built: dict) -> Parts:
