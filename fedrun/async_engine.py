@@ -32,7 +32,7 @@ from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
-from fedrun.rounds import Bits, RunResult, record
+from fedrun.rounds import Bits, RunResult, attack_columns, malicious_table, record
 from fedrun.seeding import numpy_rng
 from fedrun.state import Context, Stateful
 
@@ -182,7 +182,8 @@ class AsyncEngine:
         # The clients that arrive at one instant train together (each from the model it pulled), on the device's
         # backend. Drawn speeds make them arrive one at a time, so ``auto`` keeps the loop; with equal speeds a
         # whole wave arrives together, and ``device.backend=processes`` (CPU) or ``vmap`` (GPU) trains it at once.
-        trainer = device.trainer(model, x, y, optimizer, passes(int(sizes.mean()), schedule.work), together=1)
+        tx, ty = parts.attack.training_data(x, y)  # a data attack's poisoned copy of the labels, appended once
+        trainer = device.trainer(model, tx, ty, optimizer, passes(int(sizes.mean()), schedule.work), together=1)
         first_lr, w = base_lr(optimizer), flat_parameters(model)
         loop, result, bits = self._start_all(w, seed, group_of), RunResult(w), Bits.of(parts.stages, w)
         if (saved := parts.restore(checkpoint)) is not None:  # the simulation after the instant of saved["round"]
@@ -197,11 +198,13 @@ class AsyncEngine:
                 if self.max_time is not None and now > self.max_time:
                     break
                 arrived = loop.arrivals(now)  # in client-id order (the heap's tie-break)
-                trained = self._train(trainer, arrived, loop, clients, schedule, first_lr, parts.aggregator, seed)
+                trained = self._train(trainer, arrived, loop, clients, schedule, first_lr, parts, seed)
                 for c in arrived:
                     loop.jobs[c] += 1
                     from_version, w_pulled = loop.pulled[c]
-                    sent, stage_diagnostics = parts.stages(trained[c][None], np.array([c]), loop.version + 1)
+                    one, t = np.array([c]), loop.version + 1  # the aggregation this update joins
+                    sent = parts.attack.updates(t, one, trained[c][None], parts.attack.malicious(t, one))
+                    sent, stage_diagnostics = parts.stages(sent, one, t)
                     parts.aggregator.observe(c, loop.version - from_version)
                     loop.buffer.append((c, sent[0], loop.version - from_version, w_pulled, stage_diagnostics))
                     if len(loop.buffer) < parts.aggregator.buffer_size:
@@ -231,6 +234,8 @@ class AsyncEngine:
         result.summary, result.tables = self._fairness(
             model, result.params, held_x, held_y, clients, client_tests, group_of, loop.applied
         )
+        if parts.attack:
+            result.tables["malicious.csv"] = malicious_table(parts.attack, [int(r["round"]) for r in result.rows])
         return result
 
     def _start_all(self, w: torch.Tensor, seed: int, group_of: np.ndarray) -> "AsyncLoop":
@@ -247,7 +252,10 @@ class AsyncEngine:
         buffer, loop.buffer = loop.buffer, []
         ids = np.array([b[0] for b in buffer])
         staleness = np.array([b[2] for b in buffer], dtype=np.float64)
-        report = BufferReport(ids, sizes[ids], staleness, loop.version, [b[3] for b in buffer])
+        lying = parts.attack.malicious(loop.version + 1, ids)  # the attackers of this aggregation (count_lie's)
+        report = BufferReport(
+            ids, parts.attack.sizes(ids, sizes[ids], lying), staleness, loop.version, [b[3] for b in buffer]
+        )
         update, alpha, diagnostics = parts.aggregation.aggregate(
             loop.params, torch.stack([b[1] for b in buffer]), report
         )
@@ -265,25 +273,30 @@ class AsyncEngine:
             "download_mb": len(ids) * bits.dense_mb,
         }
         row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
-        row.update(diagnostics)
+        row.update(diagnostics, **attack_columns(parts.attack, lying, alpha))
         row.update({k: float(np.mean([b[4][k] for b in buffer])) for k in buffer[0][4]})
         return row, {"alpha": alpha_all}
 
     @staticmethod
-    def _train(trainer, arrived, loop: "AsyncLoop", clients, schedule, first_lr, aggregator, seed) -> dict:
+    def _train(trainer, arrived, loop: "AsyncLoop", clients, schedule, first_lr, parts: Parts, seed) -> dict:
         """The update of each client arriving at this instant, trained together: each from the model it pulled,
         with its own (job, client) stream and the learning rate of the aggregation it will join. The k-th
         arrival (0-based) joins aggregation ``version + 1 + (buffered + k) // b``, one aggregation each time the
-        buffer of b fills. Clients with equal rates train in one call."""
+        buffer of b fills. Clients with equal rates train in one call; an attacker of that aggregation trains on
+        what a data attack gives it."""
         version, buffered, pulled, jobs = loop.version, len(loop.buffer), loop.pulled, loop.jobs
-        rates = [
-            schedule.lr(first_lr, version + 1 + (buffered + k) // aggregator.buffer_size) for k in range(len(arrived))
-        ]
+        joins = [version + 1 + (buffered + k) // parts.aggregator.buffer_size for k in range(len(arrived))]
+        rates = [schedule.lr(first_lr, t) for t in joins]
         trained = {}
         for lr in dict.fromkeys(rates):
             ids = np.array([c for c, rate in zip(arrived, rates) if rate == lr])
+            rounds = [t for t, rate in zip(joins, rates) if rate == lr]
+            data = [
+                parts.attack.data(t, np.array([c]), [clients[c]], parts.attack.malicious(t, np.array([c])))[0]
+                for c, t in zip(ids, rounds)
+            ]
             starts = torch.stack([pulled[int(c)][1] for c in ids])
-            update = trainer(starts, [clients[c] for c in ids], ids, lr, schedule.work, seed, jobs[ids] + 1)
+            update = trainer(starts, data, ids, lr, schedule.work, seed, jobs[ids] + 1)
             trained.update(zip(ids.tolist(), update.deltas))
         return trained
 

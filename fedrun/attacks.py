@@ -79,6 +79,8 @@ class Attack(Stateful):
     changes_updates = False
     lies_about_losses = False
     lies_about_sizes = False
+    # Whether an attacker's update depends on its own update alone (the asynchronous engine's arrivals see no other).
+    per_client = True
 
     def __init__(
         self, fraction: float | None = None, count: int | None = None, who: str = "fixed", knowledge: str = "omniscient"
@@ -272,6 +274,7 @@ class UpdateAttack(Attack):
     ``updates`` puts them in a copy of ``deltas``. Statistics are computed in float64 and cast back."""
 
     changes_updates = True
+    per_client = False  # the statistics of the round's updates (ALIE, IPM, min-max); the per-client ones say True
 
     def poison(self, round_, cohort, deltas: torch.Tensor, mask: torch.Tensor, view) -> torch.Tensor:
         raise NotImplementedError
@@ -305,6 +308,8 @@ class SignFlip(UpdateAttack):
         check(number(scale) and scale > 0, "scale", scale, "a number > 0")
         self.scale = float(scale)
 
+    per_client = True
+
     def poison(self, round_, cohort, deltas, mask, view):
         return -self.scale * deltas[mask]
 
@@ -323,6 +328,10 @@ class Scale(UpdateAttack):
         check(scale is None or (number(scale) and scale > 0), "scale", scale, "null or a number > 0")
         self.scale = scale
 
+    @property
+    def per_client(self) -> bool:  # scale=null boosts by the cohort's size: the round's, not an arrival's
+        return self.scale is not None
+
     def poison(self, round_, cohort, deltas, mask, view):
         return (float(len(cohort)) if self.scale is None else float(self.scale)) * deltas[mask]
 
@@ -335,6 +344,8 @@ class Gaussian(UpdateAttack):
     Args:
         sigma: The noise's standard deviation, > 0.
     """
+
+    per_client = True
 
     def __init__(self, sigma: float = 1.0, **common):
         super().__init__(**common)
@@ -609,6 +620,10 @@ class Reporting(Attack):
     @property
     def changes_updates(self) -> bool:
         return self.update is not None
+
+    @property
+    def per_client(self) -> bool:
+        return self.update is None or self.update.per_client
 
     def bind(self, context):
         super().bind(context)

@@ -164,13 +164,26 @@ RULES = [
             "engine starts each client from the model it pulls and keeps nothing)"
         ),
     ),
-    # An attack: the synchronous round's parts (what a buffered aggregation sees of an attacker is not modelled yet).
+    # An attack on the asynchronous engine: an arrival is trained and sent alone, so an attacker there poisons its
+    # data or its own update; an update built from the round's other updates (ALIE, IPM, min-max, scale by the
+    # cohort) has no round to see, and no asynchronous aggregator reads a reported loss.
     Rule(
         ("engine", "attack"),
-        lambda p: p.engine.asynchronous and bool(p.attack),
+        lambda p: p.engine.asynchronous and p.attack.changes_updates and not p.attack.per_client,
         "engine",
         lambda p: "async",
-        lambda p: f"sync with attack={name(p.attack)} (the asynchronous engine runs no attack yet)",
+        lambda p: (
+            f"sync with attack={name(p.attack)} (its update is built from the round's other updates; an "
+            "asynchronous arrival is sent alone: label_flip, random_labels, sign_flip, gaussian, scale with a "
+            "scale, count_lie run there)"
+        ),
+    ),
+    Rule(
+        ("engine", "attack"),
+        lambda p: p.engine.asynchronous and p.attack.lies_about_losses,
+        "engine",
+        lambda p: "async",
+        lambda p: f"sync with attack={name(p.attack)} (no asynchronous aggregator reads a reported loss)",
     ),
     # The asynchronous engine.
     Rule(

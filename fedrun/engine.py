@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import pandas as pd
 import torch
 from torch import nn
 
@@ -24,7 +23,7 @@ from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import client_sizes
 from fedrun.parts import Parts, layout
-from fedrun.rounds import Bits, RunResult, Schedule, Timer, progress, record
+from fedrun.rounds import Bits, RunResult, Schedule, Timer, attack_columns, malicious_table, progress, record
 from fedrun.sampling import LOSS_BYTES
 from fedrun.seeding import numpy_rng
 from fedrun.state import Context
@@ -268,23 +267,6 @@ def reported(view: RoundView, attack, lying: np.ndarray, probe: Probe, selection
     return view
 
 
-def malicious_table(attack, rounds: list[int]) -> pd.DataFrame:
-    """The malicious clients: the fixed set, or each round's (``attack.who=redrawn``) with its round."""
-    if attack.who == "fixed":
-        return pd.DataFrame({"client": attack.malicious_ids()})
-    drawn = [(r, int(c)) for r in rounds for c in attack.malicious_ids(r)]
-    return pd.DataFrame(drawn, columns=["round", "client"])
-
-
-def attack_columns(attack, lying: np.ndarray, alpha: np.ndarray) -> dict:
-    """``attack/weight_share``: the attackers' share of the round's aggregation weight (their alpha; 0 when none
-    was drawn), and ``attack/cohort_share``: their share of the cohort; only when the run has an attack."""
-    if not attack:
-        return {}
-    share = float(np.asarray(alpha)[lying].sum()) if len(alpha) else 0.0
-    return {"attack/weight_share": share, "attack/cohort_share": float(lying.mean()) if len(lying) else 0.0}
-
-
 def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule) -> dict:
     """The round's row before its stages', aggregator's and timing columns (every row has every column, NaN when
     not evaluated, so that metrics.csv can be appended to)."""
@@ -316,7 +298,9 @@ def timings(timer: "Timer", view: RoundView) -> dict:
     return {
         "aggregate_wall_s": timer["aggregate_wall_s"] - view.signals_s + timer["pipeline_wall_s"],
         "loss_wall_s": view.wall_s.get("true_losses", 0.0),
-        "train_wall_s": timer["train_wall_s"] + view.wall_s.get("previous_deltas", 0.0) + view.wall_s.get("server_update", 0.0),
+        "train_wall_s": timer["train_wall_s"]
+        + view.wall_s.get("previous_deltas", 0.0)
+        + view.wall_s.get("server_update", 0.0),
         "selection_wall_s": timer["selection_wall_s"],
     }
 

@@ -155,7 +155,9 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
                     row = [rule, attack]
                     for f in fs:
                         cell = (rule, split, "none" if f == 0 else attack, f)
-                        row.append(_acc(by_cell.loc[cell, column], by_cell.loc[cell, half]) if cell in by_cell.index else "-")
+                        row.append(
+                            _acc(by_cell.loc[cell, column], by_cell.loc[cell, half]) if cell in by_cell.index else "-"
+                        )
                     rows.append(row)
             text.append(_table(header, rows))
     text.append("## Cost\n")
@@ -164,7 +166,12 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
     for rule in rules:
         mine = table[table["rule"] == rule]
         rows.append(
-            [rule, f"{mine['wall_s_mean'].mean():.2f}", f"{mine['wall_s_mean'].max():.2f}", f"{mine['upload_mb_mean'].mean():.1f}"]
+            [
+                rule,
+                f"{mine['wall_s_mean'].mean():.2f}",
+                f"{mine['wall_s_mean'].max():.2f}",
+                f"{mine['upload_mb_mean'].mean():.1f}",
+            ]
         )
     text.append(_table(["rule", "seconds (mean)", "seconds (slowest cell)", "MB uploaded"], rows))
     short = table[table["runs"] < table["runs"].max()]
@@ -201,7 +208,9 @@ def heatmaps(table: pd.DataFrame, worst_table: pd.DataFrame, out: Path, experime
             image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
             for (i, j), v in np.ndenumerate(grid):
                 if not np.isnan(v):
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
+                    ax.text(
+                        j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black"
+                    )
             ax.set_xticks(range(len(cell_cols)), col_labels, fontsize=7)
             ax.set_yticks(range(len(cell_rows)), row_labels if index % cols == 0 else [""] * len(cell_rows), fontsize=7)
             ax.set_title(rule, fontsize=9)

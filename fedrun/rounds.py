@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
@@ -226,3 +227,20 @@ class Bits:
 def progress(first: int, rounds: int, desc: str, unit: str) -> tqdm:
     """The progress bar over rounds ``first`` to ``rounds`` (resumed runs start where they were)."""
     return tqdm(range(first, rounds + 1), desc=desc, unit=unit, dynamic_ncols=True, initial=first - 1, total=rounds)
+
+
+def malicious_table(attack, rounds: list[int]) -> pd.DataFrame:
+    """The malicious clients: the fixed set, or each round's (``attack.who=redrawn``) with its round."""
+    if attack.who == "fixed":
+        return pd.DataFrame({"client": attack.malicious_ids()})
+    drawn = [(r, int(c)) for r in rounds for c in attack.malicious_ids(r)]
+    return pd.DataFrame(drawn, columns=["round", "client"])
+
+
+def attack_columns(attack, lying: np.ndarray, alpha: np.ndarray) -> dict:
+    """``attack/weight_share``: the attackers' share of the round's aggregation weight (their alpha; 0 when none
+    was drawn), and ``attack/cohort_share``: their share of the cohort; only when the run has an attack."""
+    if not attack:
+        return {}
+    share = float(np.asarray(alpha)[lying].sum()) if len(alpha) else 0.0
+    return {"attack/weight_share": share, "attack/cohort_share": float(lying.mean()) if len(lying) else 0.0}

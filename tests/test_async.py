@@ -435,3 +435,47 @@ def test_the_fstar_estimate_trains_its_clients_together_equal_to_each_alone_on_e
     assert_allclose(got.mean, [expected[c][0] for c in (2, 0, 1)], rtol=tolerance, atol=tolerance)
     assert_allclose(got.authors, [expected[c][1] for c in (2, 0, 1)], rtol=tolerance, atol=tolerance)
     assert set(estimate.cache) == {(0, 3), (1, 3), (2, 3)}
+
+
+# --- Attacks on the asynchronous engine ---------------------------------------------------------------------------
+
+
+def attacked(engine_run, attack, rows):
+    from fedrun.attacks import Attack
+
+    schedule = Schedule(rounds=4, local_steps=3, batch_size=4)
+    common = (model(), DATA, CLIENTS)
+    tail = (SGD, schedule, torch.device("cpu"), 0)
+    if engine_run == "sync":
+        parts = Parts(FedAvg(weighting="uniform"), attack=attack or Attack())
+        return run(*common, parts, *tail, on_round=lambda row, alpha: rows.append(row))
+    parts = Parts(FedBuff(buffer_size=3), attack=attack or Attack())
+    return AsyncEngine(constant(1.0, 1.0, 1.0))(*common, parts, *tail, on_round=lambda row, alpha: rows.append(row))
+
+
+@pytest.mark.parametrize("name", ["label_flip", "sign_flip", "gaussian", "scale"])
+def test_an_attack_on_fedbuff_with_b_equal_to_clients_is_the_attack_on_synchronous_fedavg(name):
+    from fedrun.attacks import Gaussian, LabelFlip, Scale, SignFlip
+
+    make = {
+        "label_flip": lambda: LabelFlip(count=1, num_classes=3),
+        "sign_flip": lambda: SignFlip(count=1),
+        "gaussian": lambda: Gaussian(count=1, sigma=0.1),
+        "scale": lambda: Scale(count=1, scale=3.0),
+    }[name]
+    sync_rows, async_rows, clean_rows = [], [], []
+    sync, buffered = attacked("sync", make(), sync_rows), attacked("async", make(), async_rows)
+    clean = attacked("async", None, clean_rows)
+    torch.testing.assert_close(buffered.params, sync.params)
+    assert not torch.equal(buffered.params, clean.params)  # the attack changed the run
+    assert [r["attack/weight_share"] for r in async_rows] == pytest.approx([1 / 3] * 4)  # FedBuff's 1/b each
+    assert [r["attack/cohort_share"] for r in async_rows] == pytest.approx([1 / 3] * 4)
+    assert list(buffered.tables["malicious.csv"]["client"]) == list(sync.tables["malicious.csv"]["client"])
+
+
+def test_an_async_attack_with_nobody_malicious_is_the_run_without_attack():
+    from fedrun.attacks import LabelFlip, SignFlip
+
+    clean = attacked("async", None, [])
+    for attack in (SignFlip(count=0), LabelFlip(count=0, num_classes=3)):
+        assert torch.equal(attacked("async", attack, []).params, clean.params)

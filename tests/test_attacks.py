@@ -194,7 +194,9 @@ def test_alie_z_max_by_hand():
 def test_alie_sends_mean_minus_z_std():
     assert sent(ALIE(count=1, z=1.0))[3].tolist() == [1.0, 2.0]  # [3, 4] - 1 * [2, 2]
     z = alie_z_max(4, 1, "blades")
-    assert z < 0 and sent(ALIE(count=1, z_rule="blades"))[3].tolist() == pytest.approx([3 - 2 * z, 4 - 2 * z], rel=1e-15)
+    assert z < 0 and sent(ALIE(count=1, z_rule="blades"))[3].tolist() == pytest.approx(
+        [3 - 2 * z, 4 - 2 * z], rel=1e-15
+    )
     assert sent(ALIE(count=1))[3].tolist() == [3.0, 4.0]  # the paper's rule: z_max(4, 1) = 0, the mean itself
 
 

@@ -10,7 +10,7 @@ import torch
 from fedrun import compat
 from fedrun.aggregators import MVR, FedAvg, FedBuff, FedNova, FedSoftMax, RoundView
 from fedrun.async_engine import AsyncEngine
-from fedrun.attacks import Attack, SignFlip
+from fedrun.attacks import ALIE, Attack, LossLie, SignFlip
 from fedrun.datasets import Dataset
 from fedrun.engine import SyncEngine
 from fedrun.errors import ConfigError
@@ -77,8 +77,15 @@ CASES = [
         "asynchronous engine starts each client from the model it pulls and keeps nothing)",
     ),
     (
-        lambda: {"engine": asynchronous(), "attack": SignFlip(fraction=0.1)},
-        "engine='async' is invalid: allowed is sync with attack=SignFlip (the asynchronous engine runs no attack yet)",
+        lambda: {"engine": asynchronous(), "attack": ALIE(fraction=0.1)},
+        "engine='async' is invalid: allowed is sync with attack=ALIE (its update is built from the round's other "
+        "updates; an asynchronous arrival is sent alone: label_flip, random_labels, sign_flip, gaussian, scale with a "
+        "scale, count_lie run there)",
+    ),
+    (
+        lambda: {"engine": asynchronous(), "attack": LossLie(fraction=0.1, offset=1.0)},
+        "engine='async' is invalid: allowed is sync with attack=LossLie (no asynchronous aggregator reads a reported "
+        "loss)",
     ),
     (
         lambda: {"engine": asynchronous(), "sampler": PowerOfChoice()},

@@ -584,5 +584,7 @@ def test_pre_aggregation_settings_are_checked():
         Median(pre="bucketing", bucket_size=0)
     # Krum needs rows > 2f + 2: 12 clients in buckets of 2 are 6 rows, too few for f = 2.
     krum = Krum(f=2, pre="bucketing")
-    with pytest.raises(ConfigError, match=r"^aggregator\.f=2 is invalid: .*12 clients a round in 6 buckets allows f at most 1"):
+    with pytest.raises(
+        ConfigError, match=r"^aggregator\.f=2 is invalid: .*12 clients a round in 6 buckets allows f at most 1"
+    ):
         krum.bind(Context(Schedule(rounds=1), np.ones(12, dtype=int), 0, "uniform"))

@@ -167,7 +167,9 @@ class RobustAggregator(Aggregator):
                 update, alpha, own = self.robust(x, f, report)
             else:  # the rule over the mixed rows; a client's alpha is its share of the rows' alphas
                 sizes = mix.cpu().numpy() @ np.asarray(report.sizes, dtype=np.float64)
-                update, rows_alpha, own = self.robust(mix @ x, f, RoundView(np.arange(len(mix)), sizes, round=report.round))
+                update, rows_alpha, own = self.robust(
+                    mix @ x, f, RoundView(np.arange(len(mix)), sizes, round=report.round)
+                )
                 alpha = rows_alpha @ mix.cpu().numpy()
             update = update.to(deltas.dtype)
         diagnostics = {
@@ -562,7 +564,12 @@ class FLTrust(RobustAggregator):
 
     def __init__(self, root_size: int = 100, weighting: str = "uniform"):
         super().__init__(weighting)
-        check(isinstance(root_size, int) and not isinstance(root_size, bool) and root_size >= 1, "root_size", root_size, "an integer >= 1")
+        check(
+            isinstance(root_size, int) and not isinstance(root_size, bool) and root_size >= 1,
+            "root_size",
+            root_size,
+            "an integer >= 1",
+        )
         self.root_size = root_size
 
     def robust(self, x, f, report):

@@ -71,7 +71,9 @@ def check_rules(rules) -> list[dict]:
 
     plain = OmegaConf.to_container(rules, resolve=True) if OmegaConf.is_config(rules) else rules
     if not isinstance(plain, list) or not all(isinstance(r, dict) for r in plain):
-        raise ValueError(f"hydra.sweeper.collapse={plain!r}: a list of {{when: {{...}}, becomes: {{...}}, drop: [...]}}")
+        raise ValueError(
+            f"hydra.sweeper.collapse={plain!r}: a list of {{when: {{...}}, becomes: {{...}}, drop: [...]}}"
+        )
     for rule in plain:
         unknown = set(rule) - {"when", "becomes", "drop"}
         if unknown or not rule.get("when"):
@@ -96,7 +98,9 @@ class FedrunGridSweeper(BasicSweeper):
         jobs = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
         kept, left_out = collapsed(jobs, self.collapse)
         if left_out:
-            print(f"fedrun: sweep: {len(jobs)} jobs, {left_out} equal to another by hydra.sweeper.collapse: {len(kept)} run")
+            print(
+                f"fedrun: sweep: {len(jobs)} jobs, {left_out} equal to another by hydra.sweeper.collapse: {len(kept)} run"
+            )
         if max_batch_size is None:
             return [kept]
         return [kept[i : i + max_batch_size] for i in range(0, len(kept), max_batch_size)]
