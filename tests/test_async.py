@@ -479,3 +479,32 @@ def test_an_async_attack_with_nobody_malicious_is_the_run_without_attack():
     clean = attacked("async", None, [])
     for attack in (SignFlip(count=0), LabelFlip(count=0, num_classes=3)):
         assert torch.equal(attacked("async", attack, []).params, clean.params)
+
+
+def test_a_robust_rule_over_a_buffer_of_every_client_is_the_rule_on_synchronous_rounds():
+    from fedrun.aggregators import BufferedRobust, Median
+    from fedrun.attacks import SignFlip
+
+    schedule = Schedule(rounds=4, local_steps=3, batch_size=4)
+    tail = (SGD, schedule, torch.device("cpu"), 0)
+    sync_rows, async_rows = [], []
+    sync = run(
+        model(), DATA, CLIENTS, Parts(Median(f=1), attack=SignFlip(count=1)), *tail,
+        on_round=lambda row, alpha: sync_rows.append(row),
+    )  # fmt: skip
+    buffered = AsyncEngine(constant(1.0, 1.0, 1.0))(
+        model(), DATA, CLIENTS, Parts(BufferedRobust(Median(f=1), buffer_size=3), attack=SignFlip(count=1)), *tail,
+        on_round=lambda row, alpha: async_rows.append(row),
+    )  # fmt: skip
+    torch.testing.assert_close(buffered.params, sync.params)
+    for key in ("robust/discarded", "attack/weight_share"):
+        assert [r[key] for r in async_rows] == pytest.approx([r[key] for r in sync_rows])
+
+
+def test_a_buffer_too_small_for_the_rules_f_is_refused_before_the_first_event():
+    from fedrun.aggregators import BufferedRobust, Krum
+    from fedrun.state import Context
+
+    with pytest.raises(ConfigError, match=r"^aggregator\.buffer_size=3 is invalid: allowed is a buffer the rule"):
+        BufferedRobust(Krum(f=1), buffer_size=3).bind(Context(Schedule(), np.ones(3, dtype=int), 0, "uniform"))
+    BufferedRobust(Krum(f=1), buffer_size=5).bind(Context(Schedule(), np.ones(3, dtype=int), 0, "uniform"))  # 5 > 4

@@ -1,7 +1,14 @@
 """Aggregators: how the server combines a cohort's updates (weights alpha plus a server step)."""
 
 from fedrun.aggregators.base import Aggregation, Aggregator
-from fedrun.aggregators.buffered import AsyncAggregator, BufferReport, FedAsync, FedBuff, FedStaleWeight
+from fedrun.aggregators.buffered import (
+    AsyncAggregator,
+    BufferedRobust,
+    BufferReport,
+    FedAsync,
+    FedBuff,
+    FedStaleWeight,
+)
 from fedrun.aggregators.loss_weighted import (
     FedAvg,
     FedBetter,
@@ -37,6 +44,7 @@ __all__ = [
     "RoundView",
     "FedAsync",
     "FedBuff",
+    "BufferedRobust",
     "FedStaleWeight",
     "FedAvg",
     "FedBetter",

@@ -12,7 +12,9 @@ import numpy as np
 import torch
 
 from fedrun.aggregators.base import Aggregation
-from fedrun.errors import check
+from fedrun.aggregators.robust import RobustAggregator
+from fedrun.cohort import RoundView
+from fedrun.errors import ConfigError, check
 from fedrun.state import Stateful
 
 
@@ -188,3 +190,42 @@ class FedAsync(AsyncAggregator):
         a = self.mixing * self.s(float(buffer.staleness[0]))
         local = buffer.pulled[0] + deltas[0]
         return Aggregation(a * (local - global_params), np.ones(1), {"mixing_weight": a})
+
+
+class BufferedRobust(AsyncAggregator):
+    """A synchronous robust rule (``rule``: median, trimmed mean, Krum, geometric median, centered clipping, ...)
+    over each full buffer of b asynchronous updates, as it would aggregate a round of b clients: what it discards
+    and its alpha are the buffer's. Staleness is not weighed (the rule sees the b updates as they arrived); the rule's
+    f counts attackers among the b. Its breakdown point is checked against b before the first event.
+
+    Args:
+        rule: The robust rule (a ``fedrun.aggregators.robust.RobustAggregator``).
+        buffer_size: See ``AsyncAggregator``.
+    """
+
+    weights_follow_clients = True  # as the robust rules: privacy refuses it
+    alpha_informative = True
+
+    def __init__(self, rule, buffer_size: int = 10):
+        super().__init__(buffer_size)
+        check(isinstance(rule, RobustAggregator), "rule", type(rule).__name__, "a robust rule (median, krum, ...)")
+        self.rule = rule
+
+    def state_dict(self) -> dict:
+        return {"rule": self.rule.state_dict()}  # centered clipping's last aggregate
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rule.load_state_dict(state.get("rule", {}))
+
+    def bind(self, context) -> None:
+        self.rule.seed = context.seed  # bucketing's stream
+        b = self.buffer_size
+        f = self.rule.byzantine(b)
+        if not self.rule.tolerates(self.rule.rows(b), f):
+            raise ConfigError(
+                "aggregator.buffer_size", b, f"a buffer the rule tolerates with f={f} ({type(self.rule).__name__})"
+            )
+
+    def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, buffer: BufferReport) -> Aggregation:
+        view = RoundView(np.asarray(buffer.clients), np.asarray(buffer.sizes), round=buffer.version + 1)
+        return self.rule.aggregate(global_params, deltas, view)
