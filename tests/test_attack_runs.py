@@ -54,8 +54,12 @@ def train(parts, rounds=4, cohort=5, checkpoint=None):
 
 
 def option(name: str, **overrides):
-    """The attack option ``conf/attack/<name>.yaml``, built as the CLI builds it."""
-    node = OmegaConf.load(Path(__file__).parents[1] / "conf" / "attack" / f"{name}.yaml")
+    """The attack option ``conf/attack/<name>.yaml``, composed and built as the CLI builds it (an option may extend
+    another through its defaults list: loss_lie_flip)."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="fedrun.conf", version_base="1.3"):
+        node = compose(config_name="config", overrides=[f"attack={name}"]).attack
     return hydra.utils.instantiate(OmegaConf.merge(node, overrides))
 
 
@@ -125,13 +129,21 @@ def test_an_attacked_run_resumes_from_its_checkpoint_to_the_same_numbers(tmp_pat
     assert strip(rows) == strip(whole_rows[2:])
 
 
-def test_the_asynchronous_engine_refuses_an_attack_in_one_line():
+def test_the_asynchronous_engine_takes_an_arrivals_own_attack_and_refuses_a_round_built_one_in_one_line():
     from fedrun import compat
     from fedrun.errors import ConfigError
 
     engine = type("Engine", (), {"asynchronous": True, "concurrency": None})()
-    with pytest.raises(ConfigError, match=r"^engine='async' is invalid: allowed is sync with attack=SignFlip"):
-        compat.check({"engine": engine, "attack": attacks.SignFlip(fraction=0.1)})
+    for attack in (attacks.SignFlip(fraction=0.1), attacks.LabelFlip(fraction=0.1), attacks.CountLie(fraction=0.1)):
+        compat.check({"engine": engine, "attack": attack})  # an attacker's update arrives like any other
+    with pytest.raises(ConfigError, match=r"^engine='async' is invalid: allowed is sync with attack=ALIE \(its update"):
+        compat.check({"engine": engine, "attack": attacks.ALIE(fraction=0.1)})
+    with pytest.raises(
+        ConfigError, match=r"^engine='async' is invalid: allowed is sync with attack=Scale \(its update"
+    ):
+        compat.check({"engine": engine, "attack": attacks.Scale(fraction=0.1)})  # scale=null: by the cohort's size
+    with pytest.raises(ConfigError, match=r"^engine='async' is invalid: .*no asynchronous aggregator reads a reported"):
+        compat.check({"engine": engine, "attack": attacks.LossLie(fraction=0.1, offset=1.0)})
 
 
 @pytest.mark.e2e

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
-from tests.conftest import mlflow_runs
+from conftest import mlflow_runs
 
 pytestmark = pytest.mark.slow
 
