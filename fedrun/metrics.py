@@ -116,3 +116,9 @@ def run_summary(rows: list[dict], r_targets: Sequence[float], measured: dict | N
     values, tags = summarise(pd.DataFrame(rows), r_targets) if rows else ({}, {})
     values.update({k: v for k, v in (measured or {}).items() if not math.isnan(v)})
     return values, tags
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table of text cells, for the reports."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows]) + "\n"

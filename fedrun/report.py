@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedrun.metrics import mean_ci
+from fedrun.metrics import markdown_table, mean_ci
 from fedrun.tracking import (
     CONFIG_GROUPS,
     DEFAULT_URI,
@@ -248,13 +248,8 @@ def paired_markdown(table: pd.DataFrame, keys: list[str], key: str, baseline: st
     return (
         f"Paired by seed, against {label(key)} = {baseline}: mean difference (this group - baseline) ± 95% CI "
         "(pairs: how many lower/equal/higher than the baseline)\n\n"
-        + _markdown_table(names + ["pairs"] + [f"Δ {m}" for m in metrics], rows)
+        + markdown_table(names + ["pairs"] + [f"Δ {m}" for m in metrics], rows)
     )
-
-
-def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows]) + "\n"
 
 
 def _natural(value) -> tuple:
@@ -304,7 +299,7 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
                     _median_cell(row[f"{m}_median"], row.get("rounds_max", math.nan), R_INDEX.match(m)["time"])
                 )
         rows.append(cells)
-    return _markdown_table(header, rows)
+    return markdown_table(header, rows)
 
 
 def legend_name(keys: list[str], values: tuple) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedrun.metrics import mean_ci
+from fedrun.metrics import markdown_table, mean_ci
 
 ACCURACY, SHARE = "metrics.final_test_accuracy", "metrics.attack/weight_share_mean"
 WALL, UPLOAD = "metrics.total_wall_s", "metrics.upload_mb_total"
@@ -106,11 +106,6 @@ def _acc(mean: float, half: float) -> str:
     return f"{mean:.3f}" if np.isnan(half) else f"{mean:.3f} ± {half:.3f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
-
-
 def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, runs: pd.DataFrame) -> str:
     """The report: the worst case per rule, then every cell's accuracy and weight share, then the cost."""
     clients = float(table["clients"].max()) if len(table) else np.nan
@@ -140,7 +135,7 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
                 w = key.loc[(rule, split, f)]
                 row.append(_acc(w["accuracy_mean"], w["accuracy_ci95"]) + ("" if f == 0 else f" ({w['attack']})"))
         rows.append(row)
-    text.append(_table(header, rows))
+    text.append(markdown_table(header, rows))
     by_cell = table.set_index(CELL)
     for title, column, half in (
         ("Final test accuracy", "accuracy_mean", "accuracy_ci95"),
@@ -159,7 +154,7 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
                             _acc(by_cell.loc[cell, column], by_cell.loc[cell, half]) if cell in by_cell.index else "-"
                         )
                     rows.append(row)
-            text.append(_table(header, rows))
+            text.append(markdown_table(header, rows))
     text.append("## Cost\n")
     text.append("Per run: the rounds' wall-clock seconds and the megabytes uploaded, mean over the rule's cells.\n")
     rows = []
@@ -173,7 +168,7 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
                 f"{mine['upload_mb_mean'].mean():.1f}",
             ]
         )
-    text.append(_table(["rule", "seconds (mean)", "seconds (slowest cell)", "MB uploaded"], rows))
+    text.append(markdown_table(["rule", "seconds (mean)", "seconds (slowest cell)", "MB uploaded"], rows))
     short = table[table["runs"] < table["runs"].max()]
     if len(short):
         text.append(f"\n{len(short)} cells have fewer runs than the others (unfinished or failed jobs).\n")
