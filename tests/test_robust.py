@@ -519,6 +519,15 @@ def test_the_root_set_is_drawn_from_the_seed_and_held_out_of_every_client(compos
     other = setup(compose_config("aggregator=fltrust", "partition=dirichlet", "seed=1"))["data"].root
     assert np.array_equal(root, again) and not np.array_equal(root, other)
     assert setup(compose_config("aggregator=fedavg"))["data"].root is None
+    # A natural split: each user keeps its own samples, less those the server drew.
+    natural = setup(
+        compose_config(
+            "dataset=synthetic", "partition=natural", "model=mlp", "aggregator=fltrust", "aggregator.root_size=20"
+        )
+    )
+    held = np.concatenate(natural["clients"])
+    assert len(natural["data"].root) == 20 and not np.isin(held, natural["data"].root).any()
+    assert len(held) + 20 == len(natural["data"].y_train)
 
 
 @pytest.mark.parametrize(

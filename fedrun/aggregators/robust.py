@@ -166,11 +166,12 @@ class RobustAggregator(Aggregator):
             if mix is None:
                 update, alpha, own = self.robust(x, f, report)
             else:  # the rule over the mixed rows; a client's alpha is its share of the rows' alphas
-                sizes = mix.cpu().numpy() @ np.asarray(report.sizes, dtype=np.float64)
+                shares = mix.cpu().numpy()
+                sizes = shares @ np.asarray(report.sizes, dtype=np.float64)
                 update, rows_alpha, own = self.robust(
                     mix @ x, f, RoundView(np.arange(len(mix)), sizes, round=report.round)
                 )
-                alpha = rows_alpha @ mix.cpu().numpy()
+                alpha = rows_alpha @ shares
             update = update.to(deltas.dtype)
         diagnostics = {
             "alpha_distance": float(np.abs(alpha - self.base_weights(report)).sum()),

@@ -112,15 +112,16 @@ def setup(cfg: DictConfig) -> dict:
     check_run_keys(cfg)
 
     data = objects["dataset"].load(seed)
-    data.root, kept = root_set(objects, len(data.y_train), seed)
+    data.root = root_set(objects, len(data.y_train), seed)
+    labels, natural, rng = data.y_train.numpy(), data.natural_split, numpy_rng(seed, "partition")
     try:
-        natural = data.natural_split
-        if data.root is not None and isinstance(objects["partition"], Natural):  # each user's own, less the root set
-            natural = [np.setdiff1d(user, data.root) for user in natural]
-            clients = objects["partition"](data.y_train.numpy(), numpy_rng(seed, "partition"), natural=natural)
-        else:  # the partition of the samples left (all of them without a root set), as indices into train
-            clients = objects["partition"](data.y_train.numpy()[kept], numpy_rng(seed, "partition"), natural=natural)
-            clients = clients if data.root is None else [kept[c] for c in clients]
+        if data.root is None:
+            clients = objects["partition"](labels, rng, natural=natural)
+        elif isinstance(objects["partition"], Natural):  # each user's own samples, less the root set
+            clients = objects["partition"](labels, rng, natural=[np.setdiff1d(user, data.root) for user in natural])
+        else:  # the partition of the samples left, as indices into train
+            kept = np.setdiff1d(np.arange(len(labels)), data.root)
+            clients = [kept[c] for c in objects["partition"](labels[kept], rng, natural=natural)]
     except ConfigError as exc:
         raise exc.within("partition") from None
     client_tests = None
@@ -153,19 +154,17 @@ def setup(cfg: DictConfig) -> dict:
     return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
 
 
-def root_set(objects: dict, n: int, seed: int) -> tuple[np.ndarray | None, np.ndarray]:
+def root_set(objects: dict, n: int, seed: int) -> np.ndarray | None:
     """The server's root set when the aggregator asks for one (FLTrust's ``root_size``): that many training
-    indices drawn without replacement from the seed's ``root`` stream, sorted, and the indices left to partition.
-    Without one: (None, every index)."""
+    indices drawn without replacement from the seed's ``root`` stream, sorted; None without one."""
     size = getattr(objects["aggregator"], "root_size", 0)
     if not size:
-        return None, np.arange(n)
+        return None
     if size >= n:
         raise ConfigError("aggregator.root_size", size, f"fewer than the {n} training samples")
     if isinstance(objects["partition"], Population):
         raise ConfigError("aggregator", "fltrust", "a partition other than population (its clients are drawn lazily)")
-    root = np.sort(numpy_rng(seed, "root").choice(n, size=size, replace=False))
-    return root, np.setdiff1d(np.arange(n), root)
+    return np.sort(numpy_rng(seed, "root").choice(n, size=size, replace=False))
 
 
 def parts_of(built: dict) -> Parts:
