@@ -218,7 +218,7 @@ class BufferedRobust(AsyncAggregator):
         self.rule.load_state_dict(state.get("rule", {}))
 
     def bind(self, context) -> None:
-        self.rule.seed = context.seed  # bucketing's stream
+        RobustAggregator.bind(self.rule, context)  # its seed (bucketing's stream); its own bind checks a round's cohort
         b = self.buffer_size
         f = self.rule.byzantine(b)
         if not self.rule.tolerates(self.rule.rows(b), f):
