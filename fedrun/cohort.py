@@ -87,14 +87,15 @@ class RoundView:
     """What the server can know about one round's cohort. Every signal is computed on first read and cached,
     so a signal no aggregator reads costs nothing; adding one is one entry where the engine builds the view.
 
-    Signals the engine provides:
-        losses: F_i(w_t), each client's ``ClientLosses`` under the round's global model (a pass over their data).
-        local_losses: Each client's running training loss over its last local epoch.
-        steps: Local steps each client took.
-        coefficient_norms: FedNova's ||a_i||_1 of each client's local solver.
-        previous_deltas: The updates each client makes from the previous global model on the same
-            mini-batches (training the cohort a second time; None in round 1).
-        fstar: ``fstar(client_ids, epochs)`` estimates F_i* (cached per client).
+    Signals the engine provides (attributes of the view):
+
+    - ``losses``: F_i(w_t), each client's ``ClientLosses`` under the round's global model (a pass over their data).
+    - ``local_losses``: Each client's running training loss over its last local epoch.
+    - ``steps``: Local steps each client took.
+    - ``coefficient_norms``: FedNova's ||a_i||_1 of each client's local solver.
+    - ``previous_deltas``: The updates each client makes from the previous global model on the same
+      mini-batches (training the cohort a second time; None in round 1).
+    - ``fstar``: ``fstar(client_ids, epochs)`` estimates F_i* (cached per client).
 
     Args:
         clients: Client ids of the cohort.

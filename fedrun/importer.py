@@ -280,7 +280,10 @@ class ImportFailed(Exception):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="fedrun-import", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="fedrun-import",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Documentation: docs/how-to/resume.md (how to), docs/reference/cli.md (every command)",
     )
     parser.add_argument("directories", nargs="+", type=Path, help="run output dirs")
     parser.add_argument(

@@ -743,7 +743,7 @@ class Privacy(Stateful):
         self._given = (self.noise_multiplier, clip_count_noise)  # the config's; bind() computes from them anew
         self.ledger: Accountant | LocalAccountant | None = None
         self.deployment: Accountant | None = None
-        self.update_noise = None  # z_Delta: z, or less with adaptive clipping (its count takes the rest)
+        self.update_noise = None  # z_Delta: z, or more with adaptive clipping (z^-2 = z_Delta^-2 + (2 sigma_b)^-2: the count takes part of the budget)
         self.denominator, self.seed, self.stopped = None, 0, ""
 
     def __bool__(self) -> bool:

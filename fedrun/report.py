@@ -442,7 +442,10 @@ def step_name(runs: pd.DataFrame) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="fedrun-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="fedrun-report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Documentation: docs/how-to/report.md (how to), docs/reference/cli.md (every command)",
     )
     parser.add_argument("--experiment", required=True, help="MLflow experiment name (tracking.experiment)")
     parser.add_argument("--tracking-uri", default=DEFAULT_URI, help="default: %(default)s (relative to here)")

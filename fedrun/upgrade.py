@@ -165,7 +165,10 @@ def _upgrade(directory: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m fedrun.upgrade", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m fedrun.upgrade",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Documentation: docs/how-to/resume.md (how to), docs/reference/cli.md (every command)",
     )
     parser.add_argument("directories", nargs="+", type=Path, help="run output dirs (each with a checkpoint.pt)")
     args = parser.parse_args()

@@ -12,6 +12,7 @@ are written into the source tree before Sphinx reads it and are not kept in git,
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
@@ -309,9 +310,16 @@ def cli_page() -> str:
 def generate(app=None) -> list[Path]:
     """Write the generated pages (only those whose text changed, so Sphinx rebuilds what changed)."""
     OUT.mkdir(parents=True, exist_ok=True)
-    pages = {OUT / "index.md": index_page(), DOCS / "reference" / "cli.md": cli_page()}
+    generated = DOCS / "reference" / "_generated"
+    generated.mkdir(exist_ok=True)
+    pages = {
+        OUT / "index.md": index_page(),
+        DOCS / "reference" / "cli.md": cli_page(),
+        generated / "checks.md": checks_page(),
+        generated / "compat.md": compat_page(),
+    }
     pages.update({OUT / f"{g.replace('/', '_')}.md": group_page(g) for g in groups()})
-    for stale in set(OUT.glob("*.md")) - set(pages):
+    for stale in (set(OUT.glob("*.md")) | set(generated.glob("*.md"))) - set(pages):
         stale.unlink()
     for path, text in pages.items():
         if not path.exists() or path.read_text() != text:
@@ -322,6 +330,71 @@ def generate(app=None) -> list[Path]:
 def setup(app):
     app.connect("builder-inited", generate)
     return {"parallel_read_safe": True, "version": "1"}
+
+
+
+
+def _literal_text(node, source: str) -> str:
+    """A message argument as a reader would see it: a string, or an f-string with its ``{...}`` fields kept as
+    written; other expressions as their source."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(
+            part.value if isinstance(part, ast.Constant) else "{" + ast.get_source_segment(source, part.value) + "}"
+            for part in node.values
+        )
+    if isinstance(node, ast.Lambda):
+        return _literal_text(node.body, source)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _literal_text(node.left, source) + _literal_text(node.right, source)
+    return ast.get_source_segment(source, node) or ""
+
+
+def checks_page() -> str:
+    """Every value check in fedrun's code (``check(ok, key, value, allowed)`` of ``fedrun.errors``), found by
+    parsing the modules, and every row of the compatibility table (``fedrun/compat.py``'s ``RULES``)."""
+    package = DOCS.parent / "fedrun"
+    rows = []
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "check"
+                and len(node.args) == 4
+            ):
+                key, allowed = _literal_text(node.args[1], source), _literal_text(node.args[3], source)
+                rows.append((str(path.relative_to(DOCS.parent)), key, allowed))
+    out = [
+        "| module | key | allowed |",
+        "| --- | --- | --- |",
+        *(f"| `{m}` | `{_cell(k)}` | {_cell(a)} |" for m, k, a in sorted(set(rows))),
+        "",
+        f"{len(set(rows))} checks. A key is relative to the group that builds the class (`temperature` is reported as "
+        "`aggregator.temperature`); `{...}` is filled in from the run.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def compat_page() -> str:
+    """The compatibility table's rows, parsed from ``fedrun/compat.py``."""
+    path = DOCS.parent / "fedrun" / "compat.py"
+    source = path.read_text()
+    tree = ast.parse(source)
+    rules = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "RULES"
+    )
+    out = ["| parts | refused key | allowed |", "| --- | --- | --- |"]
+    for call in rules.elts:
+        needs = ", ".join(ast.literal_eval(call.args[0]))
+        key, allowed = _literal_text(call.args[2], source), _literal_text(call.args[4], source)
+        out.append(f"| {needs} | `{_cell(key)}` | {_cell(allowed)} |")
+    out += ["", f"{len(rules.elts)} rules, checked in this order; the first that applies is the run's one line.", ""]
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
