@@ -1,4 +1,4 @@
-"""``fedrun-report --robustness``: the matrix of ``sweep=robustness`` (README "Clients that lie").
+"""``fedrun-report --robustness``: the matrix of ``sweep=robustness`` (docs/results/robustness.md).
 
 Every finished run is one seed of a cell (rule, split, attack, f): the rule is the run's ``defence`` choice (its
 ``aggregator`` where it has none), the split its ``partition``, f the number of attackers it drew (the tag

@@ -1,6 +1,6 @@
 """Reproduce a seed paper's headline result: its sweeps through ``fedrun -m``, then ``fedrun-report``.
 
-One command per paper (``python scripts/reproduce.py 000``); REPRODUCING.md says what each one measures
+One command per paper (``python scripts/reproduce.py 000``); docs/results/ says what each one measures
 and what it found. Each part of a paper is one ``fedrun -m`` sweep in its own dir under
 ``--out/<paper>/<part>``; run the same command again after an interruption and every part resumes
 (``resume=<dir>``: finished jobs are skipped, stopped ones continue from their checkpoints). All runs of a
@@ -92,7 +92,7 @@ PAPERS = {
     "000": Paper(
         "Loss-weighted aggregation (FedMax, FedSoftMax): R80/R90 on MNIST, Table 3",
         (
-            # T in 0.1-10: the paper's 5-30 (an inverse temperature on a loss summed over batches, line 372; README) is
+            # T in 0.1-10: the paper's 5-30 (an inverse temperature on a loss summed over batches, line 372; docs/explanation/aggregators.md) is
             # T = 1.7-10 on fedrun's mean loss; 0.1 and 0.3 lean towards FedMax.
             Part(
                 "temperature",
@@ -257,7 +257,7 @@ PAPERS = {
                     "seed={seeds}",
                 ),
             ),
-            # T = 0.2 on the authors' loss scale (their code's l_i, about the mean loss / 50, on the last local epoch; README):
+            # T = 0.2 on the authors' loss scale (their code's l_i, about the mean loss / 50, on the last local epoch; docs/explanation/aggregators.md):
             # exp(-l_i / 0.2), about exp(-mean loss / 10).
             Part(
                 "fedsoftbetter_authors",

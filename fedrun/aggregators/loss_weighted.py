@@ -43,7 +43,7 @@ class LossWeighted(Aggregator):
         loss_on: ``global``: F_i of the global model before local training (the theory's F_i(w_t));
             ``local``: the client's running training loss over its last local epoch (the authors' code).
         loss_scale: ``mean`` (mean loss per sample) or ``authors`` (sum of per-batch mean losses divided
-            by the sample count, as in the authors' code; see the README for the temperature mapping).
+            by the sample count, as in the authors' code; see docs/explanation/aggregators.md for the temperature mapping).
         weighting: See ``Aggregator``.
         trim: f >= 0, the clients dropped before the weighing: the f with the largest signed score ``sign * L_i``
             (the largest L_i for FedMax, FedMax(k), FedSoftMax; the smallest for their "better" mirrors, the
