@@ -114,7 +114,9 @@ def main(argv=None) -> int:
             print(error, file=sys.stderr)
             return 1
         counts = {kind: sum(b.kind == kind for b in found) for kind in ("run", "skip", "file")}
-        print(f"{page}: {counts['run']} blocks run, {counts['skip']} not run, {counts['file']} files written in {workdir}")
+        print(
+            f"{page}: {counts['run']} blocks run, {counts['skip']} not run, {counts['file']} files written in {workdir}"
+        )
     return 0
 
 

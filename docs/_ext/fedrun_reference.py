@@ -158,8 +158,18 @@ def _value(value) -> str:
     return str(value)
 
 
+def _code(text: str) -> str:
+    """Text for a code span in a Markdown table cell: only pipes and newlines escaped."""
+    return str(text).replace("\n", " ").replace("|", "\\|")
+
+
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text for a Markdown table cell: pipes and newlines escaped, and outside code spans the characters Markdown
+    would read as emphasis (``_target_`` in a comment is a name, not italics)."""
+    parts = re.split(r"(`+[^`]*`+)", text.replace("\n", " "))
+    return "".join(part if part.startswith("`") else re.sub(r"([_*])", r"\\\1", part) for part in parts).replace(
+        "|", "\\|"
+    )
 
 
 def _raw_comment(raw: str, key: str) -> str:
@@ -188,7 +198,11 @@ def keys(node, cls=None, prefix: str = "", raw: str = "") -> list[tuple[str, str
             if meaning:  # a mapping without a meaning of its own is its keys' prefix only
                 rows.append((dotted, "(mapping)", meaning))
             rows += keys(value, nested_cls, f"{dotted}.", raw)
-        elif isinstance(value, CommentedSeq) and value and all(isinstance(v, CommentedMap) and "_target_" in v for v in value):
+        elif (
+            isinstance(value, CommentedSeq)
+            and value
+            and all(isinstance(v, CommentedMap) and "_target_" in v for v in value)
+        ):
             rows.append((dotted, f"a list of {len(value)}", own or meanings.get(str(key), "")))
             rows += keys(value, None, f"{dotted}.", raw)
         else:
@@ -227,7 +241,7 @@ def option_section(group: str, option: str) -> str:
         if group.startswith("hydra/"):
             key_prefix = "hydra.launcher."
         out += ["| key | default | meaning |", "| --- | --- | --- |"]
-        out += [f"| `{key_prefix}{k}` | `{_cell(v)}` | {_cell(m) or NO_MEANING} |" for k, v, m in rows]
+        out += [f"| `{key_prefix}{k}` | `{_code(v)}` | {_cell(m) or NO_MEANING} |" for k, v, m in rows]
         out.append("")
     elif not extends:
         out += ["No keys: choosing it is the whole setting.", ""]
@@ -236,7 +250,7 @@ def option_section(group: str, option: str) -> str:
 
 def group_page(group: str) -> str:
     """The whole page of one group."""
-    title = f"`{group}`"
+    title = f"`{group}` group"
     overview = GROUPS / f"{group.replace('/', '_')}.md"
     opts = options(group)
     default = default_option(group)
@@ -284,7 +298,10 @@ def index_page() -> str:
     plain = CommentedMap((k, v) for k, v in root.items() if k not in ("defaults", "hydra"))
     for key in plain:
         plain.ca.items[key] = root.ca.items.get(key)
-    out += [f"| `{k}` | `{_cell(v)}` | {_cell(m) or NO_MEANING} |" for k, v, m in keys(plain, raw=(CONF / "config.yaml").read_text())]
+    out += [
+        f"| `{k}` | `{_code(v)}` | {_cell(m) or NO_MEANING} |"
+        for k, v, m in keys(plain, raw=(CONF / "config.yaml").read_text())
+    ]
     out += ["", "```{toctree}", ":hidden:", ""] + [g.replace("/", "_") for g in groups()] + ["```", ""]
     return "\n".join(out)
 
@@ -294,11 +311,24 @@ def cli_page() -> str:
     bin_dir = Path(sys.executable).parent
     commands = [
         ("fedrun", [str(bin_dir / "fedrun"), "--help"], "Runs one experiment, or a sweep with `-m`."),
-        ("fedrun-report", [str(bin_dir / "fedrun-report"), "--help"], "Tables, plots and robustness matrices from runs."),
+        (
+            "fedrun-report",
+            [str(bin_dir / "fedrun-report"), "--help"],
+            "Tables, plots and robustness matrices from runs.",
+        ),
         ("fedrun-import", [str(bin_dir / "fedrun-import"), "--help"], "A run dir into MLflow, as a new run."),
-        ("python -m fedrun.upgrade", [sys.executable, "-m", "fedrun.upgrade", "--help"], "Run dirs written before November 2026 converted once."),
+        (
+            "python -m fedrun.upgrade",
+            [sys.executable, "-m", "fedrun.upgrade", "--help"],
+            "Run dirs written before November 2026 converted once.",
+        ),
     ]
-    out = ["# Commands", "", "Each command's `--help`, as the installed command prints it (generated at every build).", ""]
+    out = [
+        "# Commands",
+        "",
+        "Each command's `--help`, as the installed command prints it (generated at every build).",
+        "",
+    ]
     for name, argv, what in commands:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
@@ -330,8 +360,6 @@ def generate(app=None) -> list[Path]:
 def setup(app):
     app.connect("builder-inited", generate)
     return {"parallel_read_safe": True, "version": "1"}
-
-
 
 
 def _literal_text(node, source: str) -> str:
@@ -369,7 +397,7 @@ def checks_page() -> str:
     out = [
         "| module | key | allowed |",
         "| --- | --- | --- |",
-        *(f"| `{m}` | `{_cell(k)}` | {_cell(a)} |" for m, k, a in sorted(set(rows))),
+        *(f"| `{m}` | `{_code(k)}` | {_cell(a)} |" for m, k, a in sorted(set(rows))),
         "",
         f"{len(set(rows))} checks. A key is relative to the group that builds the class (`temperature` is reported as "
         "`aggregator.temperature`); `{...}` is filled in from the run.",
@@ -392,7 +420,7 @@ def compat_page() -> str:
     for call in rules.elts:
         needs = ", ".join(ast.literal_eval(call.args[0]))
         key, allowed = _literal_text(call.args[2], source), _literal_text(call.args[4], source)
-        out.append(f"| {needs} | `{_cell(key)}` | {_cell(allowed)} |")
+        out.append(f"| {needs} | `{_code(key)}` | {_cell(allowed)} |")
     out += ["", f"{len(rules.elts)} rules, checked in this order; the first that applies is the run's one line.", ""]
     return "\n".join(out)
 
