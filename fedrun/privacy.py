@@ -23,7 +23,7 @@ ledger records what ran (``schedule.sampling``):
   the sensitivity 2C is counted exactly once for each accountant. dp-accounting's RDP reads a GaussianDpEvent's
   noise multiplier over the sensitivity whatever the relation, so the event is Gaussian(z / 2); its PLD accountant
   builds a replace-one Gaussian's loss from the two shifted distributions, which doubles the per-client bound
-  itself, so the event is Gaussian(z) (``tests/test_privacy.py`` pins both against the exact Gaussian mechanism).
+  itself, so the event is Gaussian(z) (``tests/unit/test_privacy.py`` pins both against the exact Gaussian mechanism).
 - full participation (``fixed`` with every client each round): no amplification, ``Gaussian(z)``, zero-out.
 
 With ``mechanism: local`` each client clips and noises its own update before sending it (local DP): the server sees

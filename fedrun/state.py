@@ -124,7 +124,7 @@ class Stateful:
     """
 
     # None: not declared, which a checkpoint refuses (a part that keeps nothing declares ()): no vars(self) default,
-    # so that what a part carries is written down and survives refactors (tests/test_state.py walks every class).
+    # so that what a part carries is written down and survives refactors (tests/unit/test_state.py walks every class).
     STATE: tuple[str, ...] | None = None
 
     def bind(self, context: Context) -> None:

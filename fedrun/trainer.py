@@ -5,7 +5,7 @@ and the loss pass, it runs *per-client signals*: a signal is one plain function 
 -> float`` of the global model's flat parameters and one client's data, and every backend runs it unchanged
 (the loop here, the worker processes on their own model copies, vmap as the loop). An aggregator that needs a new
 number per client (each client's gradient norm at the global model, say) writes that function and reads
-``report.per_client(signal)``: no engine or backend changes (tests/test_pipeline.py shows one).
+``report.per_client(signal)``: no engine or backend changes (tests/unit/test_pipeline.py shows one).
 
 Every engine trains through it: the round loop, the asynchronous engine (the clients of one instant together,
 each from the model it pulled) and the F* estimate (its clients together, epoch by epoch).

@@ -4,7 +4,7 @@ Two kinds of change. Those that need no code to run are done in memory each time
 and ``setup`` never branch on a dir's age: ``migrate`` turns a checkpoint's flat dict (before format 2, 2026-11) into
 ``{"parts": {name: state}, "loop": {...}}``, and ``migrate_config`` adds the config groups a dir predates (privacy,
 sampler, compression) as the run ran without them. Run dirs written by 968a63f resume through them to the
-same numbers as an uninterrupted run (tests/test_old_checkpoints.py).
+same numbers as an uninterrupted run (tests/e2e/test_old_checkpoints.py).
 
 The other kind is below: checkpoints written by fedrun before explicit state, converted once into today's plain
 format.

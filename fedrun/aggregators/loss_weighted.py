@@ -5,7 +5,7 @@ favour large L_i; their "better" mirrors (FedBetter, FedBetter(k), FedSoftBetter
 
 Every rule trusts the L_i its clients report, so one client that lies about its loss takes the weight: FedMax
 gives it all of it, FedSoftMax (p uniform) 90% once it reports T ln(9 (n - 1)) above the others
-(tests/test_aggregators.py derives it). Two defences act on every rule of the family (issue 36):
+(tests/unit/aggregators/test_aggregators.py derives it). Two defences act on every rule of the family (issue 36):
 
 - ``trim`` f: the f clients with the most extreme reported L_i in the direction the rule favours (the largest
   for the "worse" rules, the smallest for the "better" ones, where a liar reports a tiny loss) are dropped

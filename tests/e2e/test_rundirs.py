@@ -375,7 +375,7 @@ def test_fedrun_import_goes_to_the_user_s_store_not_the_one_the_dir_names(tmp_pa
     for given in ([], ["--uri", "http://mine:5000"]):
         monkeypatch.setattr(sys, "argv", ["fedrun-import", str(tmp_path), *given])
         importer.main()
-    users = OmegaConf.load(Path(__file__).parents[1] / "conf" / "config.yaml").tracking.uri  # what fedrun uses
+    users = OmegaConf.load(Path(__file__).parents[2] / "conf" / "config.yaml").tracking.uri  # what fedrun uses
     assert calls == [users, "http://mine:5000"]
 
 

@@ -230,8 +230,7 @@ def test_bad_values_name_the_key(make, key):
 
 
 def test_only_aggregators_whose_alpha_follows_the_clients_log_its_series(compose_config):
-    """alpha's per-client series go to MLflow only where alpha depends on what the clients measured (README,
-    "Metrics in MLflow"): the loss-weighted family and the hybrid, FedStaleWeight, FedBuff with staleness scaling."""
+    """alpha's per-client series go to MLflow only where alpha depends on what the clients measured (docs/reference/metrics.md): the loss-weighted family and the hybrid, FedStaleWeight, FedBuff with staleness scaling."""
     from hydra.utils import instantiate
 
     expected = {

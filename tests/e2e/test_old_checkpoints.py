@@ -19,7 +19,7 @@ from fedrun.tracking import PER_CLIENT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-FIXTURES = Path(__file__).parent / "data" / "ckpt_968a63f"
+FIXTURES = Path(__file__).parents[1] / "data" / "ckpt_968a63f"
 CASES = ["sync", "async", "central", "local", "importance"]  # what each one covers: the script's comments
 
 

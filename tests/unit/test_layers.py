@@ -4,7 +4,7 @@ an engine (imports inside functions count: a cycle deferred to call time is stil
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 TOP = ("fedrun.cli", "hydra_plugins")  # the edge: composes and runs everything below it
 ENGINES = ("fedrun.engine", "fedrun.async_engine")  # run the parts; no part reaches back into them
 

@@ -158,7 +158,7 @@ def test_missing_dataset_files_say_what_to_put_where(fedrun, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="the presets use MNIST and Fashion-MNIST")
 def test_every_preset_runs_shrunk(fedrun):
-    leaf = ["femnist", "shakespeare"]  # LEAF's files are the user's: tests/test_leaf.py runs them on tiny ones
+    leaf = ["femnist", "shakespeare"]  # LEAF's files are the user's: tests/unit/test_leaf.py runs them on tiny ones
     fedrun(
         "-m",
         f"experiment=glob(*,exclude=[{','.join(leaf)}])",
@@ -168,7 +168,7 @@ def test_every_preset_runs_shrunk(fedrun):
         "schedule.eval_every=1",
         "tracking.enabled=false",
     )
-    presets = [p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml")]
+    presets = [p.stem for p in (Path(__file__).parents[2] / "conf" / "experiment").glob("*.yaml")]
     assert len(job_dirs(fedrun.cwd, "multiruns")) == len([p for p in presets if p not in leaf])
 
 
@@ -181,7 +181,7 @@ def test_named_sweep_runs_every_point(fedrun, store):
     assert sorted(r.data.params["aggregator.k"] for r in runs) == ["0.1", "0.2", "0.5", "1", "1.0"]
 
 
-@pytest.mark.slow  # two runs (20 s); tests/test_async.py checks the engine in the fast tier
+@pytest.mark.slow  # two runs (20 s); tests/unit/test_async_engine.py checks the engine in the fast tier
 def test_async_run_logs_virtual_time_staleness_and_fairness_and_repeats_exactly(fedrun, store):
     speeds = "engine.speeds=[{name:fast,clients:3,distribution:uniform,low:1.0,high:2.0},{name:slow,clients:2,distribution:uniform,low:8.0,high:12.0}]"
     args = [

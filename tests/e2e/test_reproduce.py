@@ -1,4 +1,4 @@
-"""The reproduction commands of REPRODUCING.md never rot: every override of every sweep composes, and every
+"""The reproduction commands of docs/results/ never rot: every override of every sweep composes, and every
 command runs end to end with tiny settings (one seed, two rounds, the first value of each list)."""
 
 import itertools
@@ -10,11 +10,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 import reproduce  # noqa: E402
 
 pytestmark = pytest.mark.e2e
-SCRIPT = Path(__file__).parents[1] / "scripts" / "reproduce.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "reproduce.py"
 
 
 @pytest.mark.parametrize("paper", list(reproduce.PAPERS))

@@ -1,5 +1,5 @@
 """Attacks in the round (issue 36): where they act, what a run logs of them, and that an attack on nobody changes
-nothing. The attacks' own numbers are tests/test_attacks.py's; the robust rules' tests/test_robust.py's."""
+nothing. The attacks' own numbers are tests/unit/test_attacks.py's; the robust rules' tests/unit/aggregators/test_robust.py's."""
 
 import functools
 from pathlib import Path
@@ -28,7 +28,7 @@ Y = (X @ torch.randn(4, 3, generator=g, dtype=torch.float64)).argmax(1)
 DATA = FederatedData(X, Y, X[:40], Y[:40], num_classes=3)
 CLIENTS = [np.arange(20 * c, 20 * (c + 1)) for c in range(10)]
 SGD = functools.partial(torch.optim.SGD, lr=0.3)
-ATTACKS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "attack").glob("*.yaml") if p.stem != "none")
+ATTACKS = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "attack").glob("*.yaml") if p.stem != "none")
 
 
 def model():
