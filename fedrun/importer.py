@@ -278,7 +278,8 @@ class ImportFailed(Exception):
         super().__init__(f"{type(cause).__name__}: {first} (its MLflow run {run_id} is marked FAILED)")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's arguments (the docs' command reference prints its help)."""
     parser = argparse.ArgumentParser(
         prog="fedrun-import",
         description=__doc__,
@@ -290,6 +291,11 @@ def main(argv: list[str] | None = None) -> None:
         "--uri", default=DEFAULT_URI, help="MLflow tracking URI (default: fedrun's, %(default)s, relative to here)"
     )
     parser.add_argument("--experiment", help="MLflow experiment (default: the run's tracking.experiment)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for directory in args.directories:
         try:

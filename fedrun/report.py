@@ -440,7 +440,8 @@ def step_name(runs: pd.DataFrame) -> str:
     return "round (aggregation for async runs)" if "async" in engines else "round"
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's arguments (the docs' command reference prints its help)."""
     parser = argparse.ArgumentParser(
         prog="fedrun-report",
         description=__doc__,
@@ -498,6 +499,11 @@ def main(argv: list[str] | None = None) -> None:
         "case over attacks, the attackers' weight share, the cost, and heatmaps (robustness.md, .csv, *.png)",
     )
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     uri = resolve_uri(args.tracking_uri, Path.cwd())

@@ -163,7 +163,8 @@ def _upgrade(directory: Path) -> bool:
     return True
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command's arguments (the docs' command reference prints its help)."""
     parser = argparse.ArgumentParser(
         prog="python -m fedrun.upgrade",
         description=__doc__,
@@ -171,6 +172,11 @@ def main() -> None:
         epilog="Documentation: docs/how-to/resume.md (how to), docs/reference/cli.md (every command)",
     )
     parser.add_argument("directories", nargs="+", type=Path, help="run output dirs (each with a checkpoint.pt)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     for directory in args.directories:
         try:

@@ -307,33 +307,26 @@ def index_page() -> str:
 
 
 def cli_page() -> str:
-    """The commands and their ``--help``, run from the installed console scripts."""
-    bin_dir = Path(sys.executable).parent
-    commands = [
-        ("fedrun", [str(bin_dir / "fedrun"), "--help"], "Runs one experiment, or a sweep with `-m`."),
-        (
-            "fedrun-report",
-            [str(bin_dir / "fedrun-report"), "--help"],
-            "Tables, plots and robustness matrices from runs.",
-        ),
-        ("fedrun-import", [str(bin_dir / "fedrun-import"), "--help"], "A run dir into MLflow, as a new run."),
+    """The commands and their ``--help``: fedrun's from the installed console script (Hydra renders it), the others
+    from their parsers (``build_parser``), as their ``--help`` prints them."""
+    from fedrun import importer, report, upgrade
+
+    done = subprocess.run([str(Path(sys.executable).parent / "fedrun"), "--help"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"fedrun --help exited {done.returncode}: {done.stderr[-500:]}")
+    helps = [
+        ("fedrun", "Runs one experiment, or a sweep with `-m`.", done.stdout),
+        ("fedrun-report", "Tables, plots and robustness matrices from runs.", report.build_parser().format_help()),
+        ("fedrun-import", "A run dir into MLflow, as a new run.", importer.build_parser().format_help()),
         (
             "python -m fedrun.upgrade",
-            [sys.executable, "-m", "fedrun.upgrade", "--help"],
             "Run dirs written before November 2026 converted once.",
+            upgrade.build_parser().format_help(),
         ),
     ]
-    out = [
-        "# Commands",
-        "",
-        "Each command's `--help`, as the installed command prints it (generated at every build).",
-        "",
-    ]
-    for name, argv, what in commands:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr[-500:]}")
-        out += [f"## {name}", "", what, "", "```text", done.stdout.rstrip(), "```", ""]
+    out = ["# Commands", "", "Each command's `--help`, as the command prints it (generated at every build).", ""]
+    for name, what, text in helps:
+        out += [f"## {name}", "", what, "", "```text", text.rstrip(), "```", ""]
     return "\n".join(out)
 
 
