@@ -90,7 +90,7 @@ def run(
     root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
     try:
         bar = progress(first, schedule.rounds, "rounds", "round")
-        for t in bar:
+        for t in range(first, schedule.rounds + 1):
             if parts.exhausted():  # the run ends here, FINISHED (privacy's max_epsilon: the tag stopped_by)
                 break
             started, timer = time.perf_counter(), Timer()
@@ -134,6 +134,7 @@ def run(
                 checkpoint.after_round(
                     t, row["round_wall_s"], last, lambda: snapshot("sync", t, last, parts, vars(loop), result.rows)
                 )
+            bar.update()
             if last:
                 break
         bar.close()

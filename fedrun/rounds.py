@@ -225,8 +225,10 @@ class Bits:
 
 
 def progress(first: int, rounds: int, desc: str, unit: str) -> tqdm:
-    """The progress bar over rounds ``first`` to ``rounds`` (resumed runs start where they were)."""
-    return tqdm(range(first, rounds + 1), desc=desc, unit=unit, dynamic_ncols=True, initial=first - 1, total=rounds)
+    """The progress bar over rounds ``first`` to ``rounds`` (resumed runs start where they were), moved by the loop
+    with ``update()`` once a round is done: iterating over the bar would count a round only when the next one
+    begins, so a run that ends (or stops early) would show its last round as undone."""
+    return tqdm(desc=desc, unit=unit, dynamic_ncols=True, initial=first - 1, total=rounds)
 
 
 def malicious_table(attack, rounds: list[int]) -> pd.DataFrame:
