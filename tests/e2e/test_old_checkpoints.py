@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 import yaml
 from conftest import FEDRUN
-from test_reliability import deterministic
 
+from e2e.test_reliability import deterministic
 from fedrun.tracking import PER_CLIENT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -287,7 +287,7 @@ def test_a_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
 
 @pytest.mark.slow
 def test_a_resume_while_the_run_is_running_is_refused_with_its_pid_and_accepted_once_it_was_killed(tmp_path, store):
-    from test_reliability import kill_after, rows_written, start
+    from e2e.test_reliability import kill_after, rows_written, start
 
     out = tmp_path / "run"
     running = start(tmp_path, out, store, "schedule.rounds=200", "partition.num_clients=5", "checkpoint.every=1")
