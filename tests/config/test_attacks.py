@@ -6,12 +6,10 @@ from pathlib import Path
 
 import hydra
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fedrun import attacks
 from fedrun.aggregators import FedAvg, FedSoftMax
 from fedrun.checkpoint import Checkpoint
 from fedrun.datasets import FederatedData
@@ -127,46 +125,3 @@ def test_an_attacked_run_resumes_from_its_checkpoint_to_the_same_numbers(tmp_pat
     assert torch.equal(resumed.params, whole.params)
     strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith("wall_s")} for r in rs]  # noqa: E731
     assert strip(rows) == strip(whole_rows[2:])
-
-
-def test_the_asynchronous_engine_takes_an_arrivals_own_attack_and_refuses_a_round_built_one_in_one_line():
-    from fedrun import compat
-    from fedrun.errors import ConfigError
-
-    engine = type("Engine", (), {"asynchronous": True, "concurrency": None})()
-    for attack in (attacks.SignFlip(fraction=0.1), attacks.LabelFlip(fraction=0.1), attacks.CountLie(fraction=0.1)):
-        compat.check({"engine": engine, "attack": attack})  # an attacker's update arrives like any other
-    with pytest.raises(ConfigError, match=r"^engine='async' is invalid: allowed is sync with attack=ALIE \(its update"):
-        compat.check({"engine": engine, "attack": attacks.ALIE(fraction=0.1)})
-    with pytest.raises(
-        ConfigError, match=r"^engine='async' is invalid: allowed is sync with attack=Scale \(its update"
-    ):
-        compat.check({"engine": engine, "attack": attacks.Scale(fraction=0.1)})  # scale=null: by the cohort's size
-    with pytest.raises(ConfigError, match=r"^engine='async' is invalid: .*no asynchronous aggregator reads a reported"):
-        compat.check({"engine": engine, "attack": attacks.LossLie(fraction=0.1, offset=1.0)})
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_an_attack_through_fedrun_logs_its_share_its_clients_and_its_tags(fedrun, store):
-    from conftest import mlflow_runs
-
-    done = fedrun(
-        "attack=sign_flip",
-        "attack.fraction=0.2",
-        "aggregator=median",
-        "aggregator.f=2",
-        "schedule.rounds=3",
-        "hydra.run.dir=out",
-        experiment="attack",
-    )
-    assert done.returncode == 0
-    out = fedrun.cwd / "out"
-    rows = pd.read_csv(out / "metrics.csv")
-    assert {"attack/weight_share", "attack/cohort_share", "robust/discarded"} <= set(rows.columns)
-    malicious = pd.read_csv(out / "malicious.csv")["client"].tolist()
-    assert len(malicious) == 4  # 20 % of the 20 clients
-    _, runs = mlflow_runs(store, "attack")
-    tags = runs[0].data.tags
-    assert tags["attack"] == "sign_flip" and tags["attack_malicious_count"] == "4"
-    assert tags["attack_malicious_ids"] == ",".join(str(c) for c in malicious)

@@ -158,7 +158,7 @@ def test_missing_dataset_files_say_what_to_put_where(fedrun, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="the presets use MNIST and Fashion-MNIST")
 def test_every_preset_runs_shrunk(fedrun):
-    leaf = ["femnist", "shakespeare"]  # LEAF's files are the user's: tests/unit/test_leaf.py runs them on tiny ones
+    leaf = ["femnist", "shakespeare"]  # LEAF's files are the user's: tests/e2e/test_leaf.py runs them on tiny ones
     fedrun(
         "-m",
         f"experiment=glob(*,exclude=[{','.join(leaf)}])",

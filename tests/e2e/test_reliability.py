@@ -18,42 +18,6 @@ from fedrun.tracking import mlflow_name
 pytestmark = pytest.mark.e2e
 
 
-def test_a_torn_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    checkpoint = Checkpoint(tmp_path, every=1)
-    checkpoint.save({"round": 1, "params": torch.ones(3)})
-
-    def torn(state, handle):  # the process dies half-way through writing the next one
-        handle.write(b"PK\x03\x04 half a zip")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(torch, "save", torn)
-    with pytest.raises(KeyboardInterrupt):
-        checkpoint.save({"round": 2, "params": torch.zeros(3)})
-    monkeypatch.undo()
-    state = Checkpoint(tmp_path, resume=True).restored()
-    assert state["round"] == 1 and torch.equal(state["params"], torch.ones(3))
-
-
-def test_checkpoints_are_due_every_n_rounds_at_the_end_and_on_a_stop(tmp_path):
-    def saved_at(checkpoint, rounds, round_wall_s=0.1):
-        saved = []
-        for t in rounds:
-            if checkpoint.due(t, round_wall_s):
-                checkpoint.saved_round = t  # what save() records
-                saved.append(t)
-        return saved
-
-    assert saved_at(Checkpoint(tmp_path, every=3), range(1, 10)) == [3, 6, 9]
-    assert saved_at(Checkpoint(tmp_path, every=3), [2, 5, 7, 8, 10]) == [
-        5,
-        7,
-        10,
-    ]  # asynchronous instants jump past 3, 6, 9
-    assert Checkpoint(tmp_path, every=3).due(4, 0.1, last=True)
-    assert saved_at(Checkpoint(tmp_path), range(1, 21)) == [10, 20]
-    assert saved_at(Checkpoint(tmp_path), range(1, 4), round_wall_s=11.0) == [1, 2, 3]  # slow rounds: every round
-
-
 def start(cwd, out, store, *args):
     cmd = [
         FEDRUN,

@@ -1,10 +1,9 @@
 """Run dirs from elsewhere (a shared filesystem) are data, never code: a resumed run builds only what fedrun's options
 build, a backend named by a dir is not imported, one process writes a run dir at a time, fedrun-import checks the
-dir before it creates anything. The crafted dirs are built here."""
+dir before it creates anything. The crafted dirs are built in tests/config/test_rundirs.py."""
 
 import fcntl
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -12,63 +11,18 @@ import time
 from pathlib import Path
 
 import pytest
+from config.test_rundirs import crafted_run
 from conftest import FEDRUN
 from omegaconf import OmegaConf
 
 import fedrun.checkpoint as checkpoint
 import fedrun.cli.resume as resume
-from fedrun.cli import setup
 from fedrun.errors import ConfigError
 
 # Read at use (not imported by name), so that each test fails for its own reason on a fedrun without them.
 LOCK_FILE, TRUST_VARIABLE = "fedrun.lock", "FEDRUN_TRUST"
 
 IMPORT = str(Path(FEDRUN).with_name("fedrun-import"))
-
-
-class Payload:
-    """A pickle that creates ``marker`` when it is loaded (any loader that unpickles runs it)."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return open, (str(self.marker), "w")
-
-
-# The loaders the review found running a run dir's pickle, each with the keyword that names the file.
-LOADERS = {
-    "torch.load": {"f": None, "weights_only": False},
-    "numpy.load": {"file": None, "allow_pickle": True},
-    "joblib.load": {"filename": None},
-    "pandas.read_pickle": {"filepath_or_buffer": None},
-}
-
-
-def crafted_run(directory: Path, compose_config, loader: str) -> Path:
-    """A run dir whose ``dataset`` group (the first one built) loads the dir's own pickle with ``loader``."""
-    directory.mkdir()
-    (directory / "payload.pkl").write_bytes(pickle.dumps(Payload(directory.parent / "marker")))
-    config = OmegaConf.to_container(compose_config("schedule.rounds=3", "tracking.enabled=false"), resolve=True)
-    arguments = {k: str(directory / "payload.pkl") if v is None else v for k, v in LOADERS[loader].items()}
-    config["dataset"] = {"_target_": loader, **arguments}
-    OmegaConf.save(OmegaConf.create(config), directory / "config.yaml")
-    return directory
-
-
-@pytest.mark.parametrize("loader", list(LOADERS))
-def test_a_resumed_config_that_loads_the_dir_s_pickle_is_refused_before_anything_is_built(
-    tmp_path, compose_config, loader
-):
-    run = crafted_run(tmp_path / "run", compose_config, loader)
-    outcome = None
-    try:
-        setup(resume.saved_config(run, str(run)))  # what ``fedrun resume=`` builds
-    except Exception as exc:
-        outcome = exc
-    assert not (tmp_path / "marker").exists()  # the payload never ran
-    assert isinstance(outcome, ConfigError)
-    assert f"names '{loader}' at dataset._target_, and nothing was built" in str(outcome)
 
 
 def test_fedrun_resume_of_a_crafted_dir_exits_2_in_one_line_and_runs_nothing(tmp_path, compose_config):
@@ -100,117 +54,6 @@ def test_a_resume_of_a_dir_with_a_link_in_hydra_s_files_is_refused_before_hydra_
     for spelt in ("++resume=run", "+resume=run", "resume='run'"):  # Hydra reads each as resume=run
         with pytest.raises(ConfigError, match="a dir without symbolic links"):
             resume.refuse_linked_resume([spelt], str(tmp_path))
-
-
-def test_every_target_at_any_depth_and_a_device_s_backend_are_checked():
-    device = {"_target_": "fedrun.backends.Device", "backend": "loop"}
-    config = {
-        "aggregator": {
-            "_target_": "fedrun.aggregators.Hybrid",
-            "phases": [
-                {"aggregator": {"_target_": "torch.load", "f": "x"}},
-                {"aggregator": {"_target_": "builtins.eval"}},
-            ],
-        },
-        "optimizer": {"_target_": "torch.optim.SGD", "_partial_": True, "lr": {"_target_": "numpy.load"}},
-        "model": {"_target_": "fedrun.models.CNN", "_args_": [{"_target_": "pandas.read_pickle"}]},
-        "device": {**device, "backend": "mypackage.Trainer"},
-        "dataset": {**device, "backend": "fedrun.vmap.VmapTrainer"},  # a fedrun backend, in any group
-        "server": {"_target_": ["not", "a", "string"]},
-        "heterogeneity": {"_target_": "fedrun.heterogeneity.EqualWork"},
-    }
-    assert resume.foreign_code(config) == [
-        ("aggregator.phases.0.aggregator._target_", "torch.load"),
-        ("aggregator.phases.1.aggregator._target_", "builtins.eval"),
-        ("optimizer.lr._target_", "numpy.load"),
-        ("model._args_.0._target_", "pandas.read_pickle"),
-        ("device.backend", "mypackage.Trainer"),
-        ("server._target_", ["not", "a", "string"]),
-    ]
-
-
-def test_a_run_started_with_ones_own_class_resumes_when_the_command_names_it_again(
-    tmp_path, compose_config, monkeypatch
-):
-    run = tmp_path / "run"
-    run.mkdir()
-    saved = compose_config("device.backend=mypackage.trainers.MyTrainer", "model._target_=mypackage.nets.Net")
-    OmegaConf.save(saved, run / "config.yaml", resolve=True)
-    with pytest.raises(ConfigError) as refused:
-        resume.saved_config(run, str(run))
-    assert f"{TRUST_VARIABLE}=mypackage.nets.Net,mypackage.trainers.MyTrainer fedrun resume={run}" in str(refused.value)
-    monkeypatch.setenv(TRUST_VARIABLE, "mypackage.trainers.MyTrainer")  # one of the two: still refused
-    with pytest.raises(ConfigError, match="names 'mypackage.nets.Net' at model._target_"):
-        resume.saved_config(run, str(run))
-    monkeypatch.setenv(TRUST_VARIABLE, "mypackage.nets.Net, mypackage.trainers.MyTrainer")
-    assert resume.saved_config(run, str(run)).device.backend == "mypackage.trainers.MyTrainer"
-
-
-def test_a_saved_config_with_interpolations_or_a_dir_with_symbolic_links_is_refused(tmp_path, compose_config):
-    run = tmp_path / "run"
-    run.mkdir()
-    config = OmegaConf.to_container(compose_config(), resolve=True)
-    config["dataset"] = "${oc.decode:'{_target_: torch.load, f: x}'}"  # a node that only resolving builds
-    OmegaConf.save(OmegaConf.create(config), run / "config.yaml")
-    with pytest.raises(ConfigError, match=r"a config.yaml saved by fedrun \(resolved; dataset is"):
-        resume.saved_config(run, str(run))
-    OmegaConf.save(compose_config(), run / "config.yaml", resolve=True)
-    (run / "metrics.csv").symlink_to(tmp_path / "yours.txt")  # a resume rewrites metrics.csv
-    with pytest.raises(ConfigError, match="a run dir without symbolic links"):
-        resume.saved_config(run, str(run))
-
-
-def test_a_resumed_sweep_s_job_dir_is_checked_too(tmp_path, compose_config):
-    job = tmp_path / "sweep" / "0"
-    job.mkdir(parents=True)
-    cfg = compose_config(f"resume={tmp_path / 'sweep'}")
-    config = OmegaConf.to_container(cfg, resolve=True)
-    config["dataset"] = {"_target_": "torch.load", "f": "payload.pkl"}
-    OmegaConf.save(OmegaConf.create(config), job / "config.yaml")
-    with pytest.raises(ConfigError, match="names 'torch.load' at dataset._target_"):
-        resume.sweep_job(cfg, job)
-    # a class the sweep's own command line names is the user's
-    mine = compose_config(f"resume={tmp_path / 'sweep'}", "device.backend=mypackage.Trainer")
-    OmegaConf.save(mine, job / "config.yaml", resolve=True)
-    assert resume.sweep_job(mine, job) is None
-
-
-MARKER_MODULE = "from pathlib import Path\nPath({marker!r}).write_text('imported')\n"
-
-
-def test_a_backend_that_names_a_module_of_someone_else_is_not_imported_to_check_it(tmp_path, monkeypatch):
-    from fedrun.backends import Device
-
-    marker = tmp_path / "marker"
-    (tmp_path / "planted.py").write_text(MARKER_MODULE.format(marker=str(marker)))
-    package = tmp_path / "plantedpkg" / "sub"
-    package.mkdir(parents=True)
-    (package.parent / "__init__.py").write_text(MARKER_MODULE.format(marker=str(marker)))  # a parent's code, too
-    (package / "__init__.py").write_text("")
-    (package / "trainers.py").write_text(MARKER_MODULE.format(marker=str(marker)))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in ("planted.Trainer", "plantedpkg.sub.trainers.Trainer"):
-        device = Device("cpu", backend=name)  # found without running its module
-        assert device.backend == name and not marker.exists()
-    for missing in ("plantedpkg.nothing.Trainer", "planted.sub.Trainer", "nowhere_at_all.Trainer"):
-        with pytest.raises(ConfigError, match="the import path of a fedrun.trainer.Trainer class"):
-            Device("cpu", backend=missing)
-    assert not marker.exists()
-    with pytest.raises(ConfigError, match="device.backend='planted.Trainer'"):  # imported when the user asks for it
-        Device("cpu", backend="planted.Trainer").load_backend()
-    assert marker.exists()
-
-
-def test_resume_of_a_dir_naming_a_planted_backend_never_imports_it(tmp_path, compose_config, monkeypatch):
-    marker = tmp_path / "marker"
-    (tmp_path / "planted_backend.py").write_text(MARKER_MODULE.format(marker=str(marker)))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    run = tmp_path / "run"
-    run.mkdir()
-    OmegaConf.save(compose_config("device.backend=planted_backend.Trainer"), run / "config.yaml", resolve=True)
-    with pytest.raises(ConfigError, match="names 'planted_backend.Trainer' at device.backend"):
-        setup(resume.saved_config(run, str(run)))
-    assert not marker.exists()
 
 
 HOLD = "import sys, time\nfrom fedrun.checkpoint import lock\nlock(sys.argv[1], 'k', 'v')\nprint('held', flush=True)\ntime.sleep(60)\n"
@@ -274,17 +117,6 @@ def test_a_sweep_dir_another_process_sweeps_is_refused_in_one_line_before_any_jo
     assert sorted(p.name for p in sweep.iterdir()) == [LOCK_FILE]  # no job ran
 
 
-def test_a_lock_file_that_is_a_symbolic_link_is_never_written_through(tmp_path):
-    yours = tmp_path / "yours.txt"
-    yours.write_text("keep me\n")
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / LOCK_FILE).symlink_to(yours)
-    with pytest.raises(ConfigError, match=f"a run dir whose {LOCK_FILE} fedrun can open"):
-        checkpoint.lock(run, "resume", run)
-    assert yours.read_text() == "keep me\n"
-
-
 @pytest.mark.slow
 def test_a_resume_while_the_run_is_running_is_refused_with_its_pid_and_accepted_once_it_was_killed(tmp_path, store):
     from e2e.test_reliability import kill_after, rows_written, start
@@ -318,31 +150,6 @@ def test_a_resume_while_the_run_is_running_is_refused_with_its_pid_and_accepted_
 # fedrun-import: each crafted dir is refused in one line before the store is touched (the database is not even
 # created), so no half-imported run is left RUNNING.
 CONFIG = "schedule: {rounds: 2}\ntracking: {experiment: imported}\n"
-BAD_DIRS = {
-    "formula": ('round,test_accuracy\n1,=HYPERLINK("http://x")\n', "metrics.csv line 2 test_accuracy", "a number"),
-    "word": ("round,test_accuracy\n1,high\n", "metrics.csv line 2 test_accuracy='high'", "a number"),
-    "round abc": ("round,test_accuracy\nabc,0.5\n", "metrics.csv line 2 round='abc'", "a round"),
-    "round of 20 digits": ("round,test_accuracy\n" + "9" * 20 + ",0.5\n", "metrics.csv line 2 round", "a round"),
-    "a path as a name": ("round,../../x\n1,0.5\n", "metrics.csv column='../../x'", "a name MLflow accepts"),
-    "a long name": (f"round,{'a' * 1000}\n1,0.5\n", "metrics.csv column='aaaa", "at most 250"),
-    "no round": ("test_accuracy\n0.5\n", "metrics.csv=", "a round column"),
-    "a short row": ("round,test_accuracy\n1\n", "metrics.csv line 2", "2 cells"),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD_DIRS))
-def test_fedrun_import_refuses_a_bad_metrics_file_before_it_creates_anything(tmp_path, case):
-    from fedrun.importer import import_run
-
-    metrics, key, allowed = BAD_DIRS[case]
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.csv").write_text(metrics)
-    (run / "config.yaml").write_text(CONFIG)
-    with pytest.raises(ConfigError) as refused:
-        import_run(run, f"sqlite:///{tmp_path / 'store.db'}", None)
-    assert str(refused.value).startswith(key) and allowed in str(refused.value)
-    assert not (tmp_path / "store.db").exists()
 
 
 def test_fedrun_import_refuses_bad_names_elsewhere_in_one_line(tmp_path):

@@ -58,22 +58,6 @@ def test_device_threads_overrides_the_share_and_is_recorded(fedrun, store):
     assert run.data.tags["torch_threads"] == "1" and run.data.params["device.threads"] == "1"
 
 
-def test_cores_per_job_follow_joblib_n_jobs_and_ray_num_cpus():
-    from omegaconf import OmegaConf
-
-    from fedrun.cli import job_cores
-
-    def launcher(**keys):
-        return OmegaConf.create({"launcher": keys})
-
-    cores = usable_cores()
-    assert job_cores(launcher()) == cores  # the basic launcher's one job at a time
-    assert job_cores(launcher(n_jobs=2)) == max(1, cores // 2)
-    assert job_cores(launcher(n_jobs=-1)) == 1  # joblib's -1: as many jobs as cores
-    assert job_cores(launcher(n_jobs=64)) == 1
-    assert job_cores(launcher(ray={"remote": {"num_cpus": 3}})) == 3  # what Ray gives each task
-
-
 @pytest.mark.slow
 def test_runs_have_short_names_the_overrides_as_a_tag_and_a_model_training_experiment(fedrun, store):
     done = fedrun(

@@ -13,6 +13,7 @@ from fedrun.backends import LoopTrainer
 from fedrun.cohort import Lazy, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
+from fedrun.errors import ConfigError
 from fedrun.models import CNN, MLP
 from fedrun.optimizers import ProxSGD
 from fedrun.parts import Parts
@@ -474,3 +475,29 @@ def test_a_backend_of_ones_own_is_chosen_by_its_import_path_and_anything_else_is
     for wrong in ("threads", "fedrun.backends.Nothing", f"{__name__}.NotATrainer", "no.such.module.Trainer"):
         with pytest.raises(ConfigError, match="the import path of a fedrun.trainer.Trainer class"):
             Device("cpu", backend=wrong)
+
+
+MARKER_MODULE = "from pathlib import Path\nPath({marker!r}).write_text('imported')\n"
+
+
+def test_a_backend_that_names_a_module_of_someone_else_is_not_imported_to_check_it(tmp_path, monkeypatch):
+    from fedrun.backends import Device
+
+    marker = tmp_path / "marker"
+    (tmp_path / "planted.py").write_text(MARKER_MODULE.format(marker=str(marker)))
+    package = tmp_path / "plantedpkg" / "sub"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text(MARKER_MODULE.format(marker=str(marker)))  # a parent's code, too
+    (package / "__init__.py").write_text("")
+    (package / "trainers.py").write_text(MARKER_MODULE.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("planted.Trainer", "plantedpkg.sub.trainers.Trainer"):
+        device = Device("cpu", backend=name)  # found without running its module
+        assert device.backend == name and not marker.exists()
+    for missing in ("plantedpkg.nothing.Trainer", "planted.sub.Trainer", "nowhere_at_all.Trainer"):
+        with pytest.raises(ConfigError, match="the import path of a fedrun.trainer.Trainer class"):
+            Device("cpu", backend=missing)
+    assert not marker.exists()
+    with pytest.raises(ConfigError, match="device.backend='planted.Trainer'"):  # imported when the user asks for it
+        Device("cpu", backend="planted.Trainer").load_backend()
+    assert marker.exists()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedrun import compat
+from fedrun import attacks, compat
 from fedrun.aggregators import MVR, FedAvg, FedBuff, FedNova, FedSoftMax, RoundView
 from fedrun.async_engine import AsyncEngine
 from fedrun.attacks import ALIE, Attack, LossLie, SignFlip
@@ -278,3 +278,20 @@ def test_no_rule_tests_a_class():
     # type() only names a part's class in a message (``name``), never in a condition.
     outside = [n for n in tree.body if not (isinstance(n, ast.FunctionDef) and n.name == "name")]
     assert all("type" not in called(n) for n in outside)
+
+
+def test_the_asynchronous_engine_takes_an_arrivals_own_attack_and_refuses_a_round_built_one_in_one_line():
+    from fedrun import compat
+    from fedrun.errors import ConfigError
+
+    engine = type("Engine", (), {"asynchronous": True, "concurrency": None})()
+    for attack in (attacks.SignFlip(fraction=0.1), attacks.LabelFlip(fraction=0.1), attacks.CountLie(fraction=0.1)):
+        compat.check({"engine": engine, "attack": attack})  # an attacker's update arrives like any other
+    with pytest.raises(ConfigError, match=r"^engine='async' is invalid: allowed is sync with attack=ALIE \(its update"):
+        compat.check({"engine": engine, "attack": attacks.ALIE(fraction=0.1)})
+    with pytest.raises(
+        ConfigError, match=r"^engine='async' is invalid: allowed is sync with attack=Scale \(its update"
+    ):
+        compat.check({"engine": engine, "attack": attacks.Scale(fraction=0.1)})  # scale=null: by the cohort's size
+    with pytest.raises(ConfigError, match=r"^engine='async' is invalid: .*no asynchronous aggregator reads a reported"):
+        compat.check({"engine": engine, "attack": attacks.LossLie(fraction=0.1, offset=1.0)})

@@ -1,11 +1,10 @@
 """LEAF's FEMNIST and Shakespeare (fedrun.leaf) on tiny files in LEAF's exact layout, written here; LEAF's models
-(parameter counts, shapes, a gradient check); the presets through the real ``fedrun`` command."""
+(parameter counts, shapes, a gradient check) (the presets through the real ``fedrun`` command: tests/e2e/test_leaf.py)."""
 
 import functools
 import json
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
@@ -171,19 +170,6 @@ def test_a_leaf_error_is_its_line_alone_without_a_progress_bar(tmp_path, capsys)
     assert capsys.readouterr().err == ""  # tqdm printed its 0% line here before
 
 
-def test_a_bad_leaf_file_is_one_line_and_exit_2_through_fedrun(fedrun, tmp_path):
-    femnist_files(tmp_path / "data")
-    leaf_json(tmp_path / "data", users=3)
-    args = ("experiment=femnist", f"dataset.root={tmp_path / 'data'}", "schedule.cohort=2", "tracking.enabled=false")
-    done = fedrun(*args, check=False)
-    assert done.returncode == 2
-    assert done.stderr.splitlines() == [
-        f"fedrun: error: dataset.root='{tmp_path / 'data' / 'train' / 'b.json'}' is invalid: allowed is a LEAF file "
-        "whose users is a list of user names (here 3); LEAF's layout: "
-        '{"users": [names], "num_samples": [counts], "user_data": {name: {"x": [...], "y": [...]}}}'
-    ]
-
-
 def test_a_character_outside_leafs_vocabulary_is_refused_naming_it(tmp_path):
     shakespeare_files(tmp_path)
     write(tmp_path / "test" / "test.json", {"ROLE": {"x": ["caf\u00e9" + "a" * 76], "y": ["a"]}})
@@ -250,74 +236,6 @@ def test_vmap_refuses_the_lstm_in_one_line_and_the_other_backends_agree():
         device = Device("cpu", backend=backend, workers=2)
         results.append(run(model, data, clients, Parts(FedAvg()), make, schedule, device, seed=0).params)
     assert torch.allclose(results[0], results[1], atol=1e-10)
-
-
-@pytest.mark.slow
-def test_both_presets_run_two_rounds_through_fedrun_from_the_default_root(fedrun, tmp_path, monkeypatch):
-    femnist_files(tmp_path / "femnist")
-    shakespeare_files(tmp_path / "shakespeare")
-    monkeypatch.setenv("FEDRUN_DATA", str(tmp_path))  # dataset.root null: $FEDRUN_DATA/<name>
-    done = fedrun(
-        "-m",
-        "experiment=femnist,shakespeare",
-        "schedule.rounds=2",
-        "schedule.cohort=2",
-        "schedule.eval_every=1",
-        "++dataset.client_tests=true",  # ++: Hydra composes the sweep's base config (digits) with it too
-        "device.threads=1",
-        "hydra.sweep.dir=sweep",
-        experiment="leaf",
-    )
-    assert "femnist train: 3 users, 12 samples" in done.stderr + done.stdout
-    for job, sizes in ((0, [5, 3, 4]), (1, [6, 4])):
-        metrics = pd.read_csv(fedrun.cwd / "sweep" / str(job) / "metrics.csv")
-        assert metrics["round"].tolist() == [1, 2] and (metrics["cohort_size"] == 2).all()
-        assert metrics["test_accuracy"].between(0, 1).all() and metrics["client_accuracy"].between(0, 1).all()
-        assert pd.read_csv(fedrun.cwd / "sweep" / str(job) / "partition.csv")["samples"].tolist() == sizes
-
-
-def test_each_users_leaf_test_samples_are_its_held_out_data(tmp_path, compose_config):
-    from fedrun.aggregators import FedAvg
-    from fedrun.cli import setup
-    from fedrun.clients import evaluate
-    from fedrun.engine import run
-    from fedrun.models import Logistic, flat_parameters
-    from fedrun.rounds import Schedule
-
-    femnist_files(tmp_path)
-    parts = setup(
-        compose_config(
-            "experiment=femnist",
-            f"dataset.root={tmp_path}",
-            "dataset.client_tests=true",
-            "model=logistic",
-            "schedule.cohort=2",
-        )
-    )
-    data, tests = parts["data"], parts["client_tests"]
-    assert data.client_tests_in == "test" and [len(t) for t in tests] == [2, 1, 2]
-    # With a zero learning rate each local model is the global one: client_accuracy is then the mean over the
-    # cohort of the global model's accuracy on each client's own test samples, which must be read from the test split.
-    torch.manual_seed(0)
-    model = Logistic((1, 28, 28), 62)
-    w = flat_parameters(model)
-    rows = []
-    run(
-        model,
-        data,
-        parts["clients"],
-        Parts(FedAvg()),
-        functools.partial(torch.optim.SGD, lr=0.0),
-        Schedule(rounds=1, local_epochs=1, batch_size=5),
-        Device("cpu", backend="loop"),
-        seed=0,
-        client_tests=tests,
-        on_round=lambda row, per_client: rows.append(row),
-    )
-    expected = np.mean([evaluate(model, w, data.x_test[t], data.y_test[t])[0] for t in tests])
-    assert rows[0]["client_accuracy"] == pytest.approx(expected)
-    with pytest.raises(ConfigError, match="dataset.client_test_fraction=0.2.*0 with client_tests=true"):
-        setup(compose_config("experiment=femnist", "dataset.client_tests=true", "dataset.client_test_fraction=0.2"))
 
 
 def test_the_vmap_backend_trains_leafs_cnn_as_the_loop_does():

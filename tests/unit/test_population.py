@@ -1,12 +1,11 @@
 """Populations of a million clients (fedrun.partitions.Population): clients made when they train, the same each
 time, nothing kept per client; the engines and the asynchronous engine's draw over idle clients without listing
-them; one run through the real ``fedrun`` command."""
+them (one run through the real ``fedrun`` command: tests/e2e/test_population.py)."""
 
 import functools
 import tracemalloc
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from conftest import TINY_DATA as DATA
@@ -141,39 +140,6 @@ def test_the_asynchronous_engine_takes_a_population_with_a_concurrency():
         )
 
 
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        # round(C N) of a million with the default C = 1: a minute of drawing, then a 42.8 GB gather (issue 34)
-        ([], r"schedule.cohort=None .*from 1 to 1,000,000 with partition=population.*trains 1,000,000 clients"),
-        (["schedule.cohort=2000000"], r"schedule.cohort=2000000 .*from 1 to 1,000,000 with partition=population"),
-        (["schedule.sampling=poisson"], r"schedule.clients_per_round=1.0 .*a rate below 1 with partition=population"),
-        (["aggregator=fedbuff"], r"engine.concurrency=None .*from 1 to 1,000,000 with partition=population"),
-        # 7.3 TiB of selection counts: numpy's MemoryError after the dataset was read
-        (
-            ["partition.num_clients=1000000000000", "schedule.cohort=10"],
-            r"partition.num_clients=1000000000000 .*an integer from 1 to [\d,]+: .*64 bytes a client.*59,605 GiB",
-        ),
-        (["partition.labels_per_client=true", "schedule.cohort=10"], "partition.labels_per_client=True .*an integer"),
-        (["partition.num_clients=true", "schedule.cohort=1"], "partition.num_clients=True .*an integer >= 1"),
-    ],
-    ids=["no-cohort", "cohort-over-n", "poisson-1", "async-unbounded", "num-clients-1e12", "labels-true", "n-true"],
-)
-def test_a_population_refuses_what_it_cannot_hold_before_the_dataset_is_read(
-    compose_config, monkeypatch, overrides, message
-):
-    from fedrun.cli import setup
-    from fedrun.datasets import Dataset
-
-    def read(*args, **kwargs):
-        raise AssertionError("the dataset was read before the refusal")
-
-    monkeypatch.setattr(Dataset, "load", read)
-    with pytest.raises(ConfigError, match=message) as info:
-        setup(compose_config("partition=population", "dataset=digits", *overrides))
-    assert "\n" not in str(info.value)
-
-
 def test_the_population_bound_follows_the_memory_a_client_costs(monkeypatch):
     from fedrun import partitions
 
@@ -182,20 +148,3 @@ def test_the_population_bound_follows_the_memory_a_client_costs(monkeypatch):
     Population(num_clients=2**26)
     with pytest.raises(ConfigError, match="num_clients=67108865 .*from 1 to 67,108,864.*machine has 4 GiB"):
         Population(num_clients=2**26 + 1)
-
-
-@pytest.mark.slow
-def test_a_million_client_run_through_fedrun(fedrun):
-    fedrun(
-        "partition=population",
-        "schedule.cohort=10",
-        "schedule.rounds=2",
-        "model=logistic",
-        "device.threads=1",
-        "hydra.run.dir=run",
-    )
-    run_dir = fedrun.cwd / "run"
-    assert not (run_dir / "partition.csv").exists()  # listing a million clients would draw them all
-    alpha = pd.read_csv(run_dir / "alpha.csv")  # long: a row per client of each round
-    assert list(alpha.columns) == ["round", "client", "alpha"] and len(alpha) == 20
-    assert pd.read_csv(run_dir / "selected.csv").groupby("round")["selected"].sum().tolist() == [10, 10]

@@ -215,13 +215,6 @@ def test_the_selected_series_is_written_beside_alpha(tmp_path):
     assert table.shape == (2, 1 + len(CLIENTS)) and (table.drop(columns="round").sum(axis=1) == 3).all()
 
 
-def test_importance_sampling_refuses_stragglers_that_drop_out(compose_config):
-    from fedrun.cli import setup
-
-    with pytest.raises(ConfigError, match="heterogeneity.mode='drop'.*partial with sampler=importance"):
-        setup(compose_config("sampler=importance", "heterogeneity=stragglers", "heterogeneity.mode=drop"))
-
-
 def test_importance_sampling_stays_unbiased_with_partial_stragglers():
     from fedrun.cohort import LocalWork
     from fedrun.heterogeneity import Stragglers

@@ -1,0 +1,36 @@
+"""fedrun-import (fedrun/importer.py): a bad metrics file is refused in one line before the store is created."""
+
+import pytest
+
+from fedrun.errors import ConfigError
+
+# fedrun-import: each crafted dir is refused in one line before the store is touched (the database is not even
+# created), so no half-imported run is left RUNNING.
+CONFIG = "schedule: {rounds: 2}\ntracking: {experiment: imported}\n"
+
+
+BAD_DIRS = {
+    "formula": ('round,test_accuracy\n1,=HYPERLINK("http://x")\n', "metrics.csv line 2 test_accuracy", "a number"),
+    "word": ("round,test_accuracy\n1,high\n", "metrics.csv line 2 test_accuracy='high'", "a number"),
+    "round abc": ("round,test_accuracy\nabc,0.5\n", "metrics.csv line 2 round='abc'", "a round"),
+    "round of 20 digits": ("round,test_accuracy\n" + "9" * 20 + ",0.5\n", "metrics.csv line 2 round", "a round"),
+    "a path as a name": ("round,../../x\n1,0.5\n", "metrics.csv column='../../x'", "a name MLflow accepts"),
+    "a long name": (f"round,{'a' * 1000}\n1,0.5\n", "metrics.csv column='aaaa", "at most 250"),
+    "no round": ("test_accuracy\n0.5\n", "metrics.csv=", "a round column"),
+    "a short row": ("round,test_accuracy\n1\n", "metrics.csv line 2", "2 cells"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DIRS))
+def test_fedrun_import_refuses_a_bad_metrics_file_before_it_creates_anything(tmp_path, case):
+    from fedrun.importer import import_run
+
+    metrics, key, allowed = BAD_DIRS[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text(metrics)
+    (run / "config.yaml").write_text(CONFIG)
+    with pytest.raises(ConfigError) as refused:
+        import_run(run, f"sqlite:///{tmp_path / 'store.db'}", None)
+    assert str(refused.value).startswith(key) and allowed in str(refused.value)
+    assert not (tmp_path / "store.db").exists()
