@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates tests/data/ckpt_968a63f/<case>/: run dirs written by fedrun at commit 968a63f, stopped by SIGTERM after
-# a checkpoint, which tests/test_old_checkpoints.py resumes with today's code (issue 35: the checkpoint-format
+# a checkpoint, which tests/e2e/test_old_checkpoints.py resumes with today's code (issue 35: the checkpoint-format
 # refactor must keep them resumable).
 #
 #   scripts/make_968a63f_checkpoints.sh        # from the repository root, in its virtual environment

@@ -4,7 +4,7 @@ overrides, launched by the configured launcher) with jobs that are known to be e
 ``hydra.sweeper.collapse`` lists rules. A job whose overrides give every value of a rule's ``when`` becomes the job
 with the rule's ``becomes`` overrides set and its ``drop`` keys removed; a job equal to one earlier in the product
 is then left out. ``sweep=robustness`` uses it for the cells without attackers: an attack with ``attack.count=0`` is
-the run without attack, exactly (``tests/e2e/test_attack_runs.py``), so every attack's f = 0 job is the one job
+the run without attack, exactly (``tests/config/test_attacks.py``), so every attack's f = 0 job is the one job
 ``attack=none`` instead of five equal runs. The sweep says how many jobs it left out and why before it launches.
 Hydra's basic sweeper has no such filter (hydra-core 1.3: ``BasicSweeper.split_arguments`` is a plain product).
 """
