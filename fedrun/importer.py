@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fedrun-import",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Documentation: docs/how-to/resume.md (how to), docs/reference/cli.md (every command)",
+        epilog="Documentation: docs/how-to/resume.md (how to), docs/reference/index.md (every command and option)",
     )
     parser.add_argument("directories", nargs="+", type=Path, help="run output dirs")
     parser.add_argument(

@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fedrun-report",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Documentation: docs/how-to/report.md (how to), docs/reference/cli.md (every command)",
+        epilog="Documentation: docs/how-to/report.md (how to), docs/reference/index.md (every command and option)",
     )
     parser.add_argument("--experiment", required=True, help="MLflow experiment name (tracking.experiment)")
     parser.add_argument("--tracking-uri", default=DEFAULT_URI, help="default: %(default)s (relative to here)")

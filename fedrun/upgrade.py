@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m fedrun.upgrade",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Documentation: docs/how-to/resume.md (how to), docs/reference/cli.md (every command)",
+        epilog="Documentation: docs/how-to/resume.md (how to), docs/reference/index.md (every command and option)",
     )
     parser.add_argument("directories", nargs="+", type=Path, help="run output dirs (each with a checkpoint.pt)")
     return parser

@@ -55,7 +55,7 @@ def _groups() -> dict[str, list[str]]:
 def _keys(node, prefix=""):
     """Dotted keys of a YAML option, descending into mappings and into list items that build a class."""
     for key, value in node.items():
-        if key in ("defaults", "_target_"):
+        if key in ("defaults", "_target_", "_partial_", "_convert_"):  # Hydra's instantiate flags, not arguments
             continue
         if isinstance(value, dict) and value:
             yield from _keys(value, f"{prefix}{key}.")
