@@ -88,8 +88,8 @@ def run(
     fstar.cache.update(loop.fstar)
     bits = Bits.of(parts.stages, initial)
     root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
+    bar = progress(first, schedule.rounds, "rounds", "round")
     try:
-        bar = progress(first, schedule.rounds, "rounds", "round")
         for t in range(first, schedule.rounds + 1):
             if parts.exhausted():  # the run ends here, FINISHED (privacy's max_epsilon: the tag stopped_by)
                 break
@@ -140,6 +140,7 @@ def run(
         bar.close()
         finish(result, parts)
     finally:
+        bar.close()  # before the caller's one-line error, so that the line is the last one printed
         trainer.close()
     return result
 
