@@ -13,6 +13,7 @@ are written into the source tree before Sphinx reads it and are not kept in git,
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import re
@@ -49,10 +50,16 @@ def options(group: str) -> list[str]:
 
 def default_option(group: str) -> str | None:
     """The option conf/config.yaml selects for ``group`` (None: the group is off by default or not in the root)."""
-    for entry in _load(CONF / "config.yaml")["defaults"]:
+    for entry in _root_defaults(CONF):
         if isinstance(entry, dict) and group in entry:
             return entry[group]
     return None
+
+
+@functools.cache
+def _root_defaults(conf: Path) -> list:
+    """conf/config.yaml's defaults list, read once per conf tree (every option's section asks for it)."""
+    return list(_load(conf / "config.yaml")["defaults"])
 
 
 def _default_group(entry) -> str | None:
