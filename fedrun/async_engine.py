@@ -158,6 +158,7 @@ class AsyncEngine:
         on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
         client_tests: list[np.ndarray] | None = None,
         checkpoint: Checkpoint | None = None,
+        client_vals: list[np.ndarray] | None = None,  # per-client judging is the synchronous engine's: not read here
     ):
         """Simulate until ``schedule.rounds`` aggregations (server versions) or ``max_time``.
 

@@ -123,6 +123,24 @@ def client_accuracy(
     return np.array(accuracy)
 
 
+def judged_accuracy(
+    model: nn.Module, models: torch.Tensor, x: torch.Tensor, y: torch.Tensor, splits: list[np.ndarray]
+) -> np.ndarray:
+    """Each client's accuracy on its own held-out ``splits`` under its model: ``models`` is one flat model for all
+    (one pass over every split) or one row per client. NaN for a client with no held-out sample."""
+    counts = [len(split) for split in splits]
+    if models.dim() == 1:
+        index = torch.as_tensor(np.concatenate(splits) if splits else np.zeros(0, int), device=x.device)
+        _, correct = per_sample_loss(model, models, x[index], y[index])
+        pieces = correct.double().cpu().split(counts)
+    else:
+        pieces = [
+            per_sample_loss(model, models[row], x[index], y[index])[1].double().cpu()
+            for row, index in enumerate(torch.as_tensor(split, device=x.device) for split in splits)
+        ]
+    return np.array([float(p.mean()) if len(p) else np.nan for p in pieces])
+
+
 def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator: torch.Generator):
     """Mini-batch index tensors: ``epochs`` reshuffled passes, or exactly ``steps`` batches across passes."""
     done = 0
@@ -138,17 +156,38 @@ def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator:
 
 
 def _loss_closure(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, chosen: torch.Tensor
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    chosen: torch.Tensor,
+    pull: tuple[float, list[torch.Tensor]] | None = None,
 ):
-    """The closure solvers step with: the mean loss over the ``chosen`` samples, gradients freshly computed."""
+    """The closure solvers step with: the mean loss over the ``chosen`` samples, gradients freshly computed.
+    ``pull``: (lambda, anchor per parameter) adds (lambda / 2) ||w - anchor||^2 (Ditto's personal objective); the
+    loss returned, and recorded as the local loss, is the data term alone."""
 
     def closure():
         optimizer.zero_grad(set_to_none=True)
         loss = cross_entropy(model(x[chosen]), y[chosen])
-        loss.backward()
-        return loss
+        if pull is None:
+            loss.backward()
+            return loss
+        strength, anchors = pull
+        penalty = sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors) if p.requires_grad)
+        (loss + 0.5 * strength * penalty).backward()
+        return loss.detach()
 
     return closure
+
+
+def _anchors(model: nn.Module, anchor: torch.Tensor) -> list[torch.Tensor]:
+    """A flat anchor as one tensor per parameter of ``model``, in ``flat_parameters`` order."""
+    out, start = [], 0
+    for p in model.parameters():
+        out.append(anchor[start : start + p.numel()].view_as(p))
+        start += p.numel()
+    return out
 
 
 def plain_sgd_step(optimizer: torch.optim.Optimizer):
@@ -248,17 +287,23 @@ def train_cohort(
     for row, (part, client, job) in enumerate(zip(parts, client_ids, works)):
         start, client_round = per_client_start(global_params, row), per_client_round(round_, row)
         load_flat(model, start)
-        optimizer = make_optimizer(model.parameters(), lr=lr)  # fresh state: clients keep nothing across rounds
+        for name, parameter in model.named_parameters():  # FedRep's phases: the frozen part keeps its start
+            parameter.requires_grad_(name not in job.freeze)
+        # fresh state: clients keep nothing across rounds (a frozen parameter is no solver's: it gets no step)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], lr=lr)
         index = torch.as_tensor(part, device=x.device)
+        pull = (job.prox, _anchors(model, job.anchor.to(start))) if job.prox else None
         if hasattr(optimizer, "start_round"):  # solvers whose step follows the round (STORM's eta_t)
-            optimizer.start_round(client_round, _loss_closure(model, optimizer, x, y, index))  # all its samples
+            optimizer.start_round(client_round, _loss_closure(model, optimizer, x, y, index, pull))  # all its samples
         generator = torch_generator(seed, stream, client_round, int(client))
         plain = plain_sgd_step(optimizer)
         batch_losses, batch_sizes = [], []
         for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, generator):
-            closure = _loss_closure(model, optimizer, x, y, index[batch.to(x.device)])
+            closure = _loss_closure(model, optimizer, x, y, index[batch.to(x.device)], pull)
             batch_losses.append((plain(closure) if plain else optimizer.step(closure)).detach())
             batch_sizes.append(len(batch))
+        for parameter in model.parameters():
+            parameter.requires_grad_(True)
         deltas[row] = flat_parameters(model) - start
         steps[row] = len(batch_losses)
         norms[row] = solver_coefficient_norm(optimizer, len(batch_losses), lr)

@@ -7,7 +7,7 @@ Nothing here trains or aggregates, so aggregators import this module, not the cl
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,11 +15,24 @@ import torch
 
 @dataclass(frozen=True)
 class LocalWork:
-    """How much a client trains in one round: ``local_epochs`` passes, or exactly ``local_steps`` mini-batches."""
+    """How much a client trains in one round: ``local_epochs`` passes, or exactly ``local_steps`` mini-batches.
+
+    A personalisation method (``fedrun.personal``) may also say what is trained and towards what: ``freeze``
+    names parameters that stay as they started (FedRep's phases), and ``prox`` > 0 adds (prox / 2) ||w - anchor||^2
+    to the local loss (Ditto's personal objective, whose anchor is the round's global model, not the start).
+    """
 
     batch_size: int
     local_epochs: int = 1
     local_steps: int | None = None
+    freeze: tuple[str, ...] = ()
+    prox: float = 0.0
+    anchor: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def plain(self) -> bool:
+        """Whether every parameter trains on the plain local loss (what every backend's fast path assumes)."""
+        return not self.freeze and not self.prox
 
 
 @dataclass

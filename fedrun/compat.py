@@ -24,7 +24,8 @@ Capabilities, by part:
 - ``pipeline``: true when it has stages; each stage's ``crosses_clients()``: what it does to one update depends on
   other clients' updates (now or through its state); ``stage.clips``: it bounds each update's norm.
 - ``client_state.keeps``: it holds something per client between rounds (``fedrun.parts.ClientState``: a
-  personal head, a personal model), which only the synchronous engine hands back.
+  personal head, a personal model), which only the synchronous engine hands back; ``client_state.personal``: each
+  client is served and judged by a model of its own (``fedrun.personal``: fine-tuning keeps nothing but is one).
 - ``attack``: true when some clients are malicious (``fedrun.attacks.Attack``).
 - ``privacy``: true when private; ``privacy.mechanism``: ``central`` or ``local``.
 - ``partition.draws_clients_when_they_train``: a population whose clients exist only once drawn, so a round must
@@ -156,12 +157,13 @@ RULES = [
     # A client state that keeps something per client: its starts and views are the synchronous round's.
     Rule(
         ("engine", "client_state"),
-        lambda p: p.engine.asynchronous and p.client_state.keeps,
+        lambda p: p.engine.asynchronous and (p.client_state.keeps or p.client_state.personal),
         "engine",
         lambda p: "async",
         lambda p: (
-            f"sync with a client state that keeps per-client state ({name(p.client_state)}: the asynchronous "
-            "engine starts each client from the model it pulls and keeps nothing)"
+            f"sync with a client state that keeps per-client state or serves each client its own model "
+            f"({name(p.client_state)}: the asynchronous engine starts each client from the model it pulls, keeps "
+            "nothing and judges the global model only)"
         ),
     ),
     # An attack on the asynchronous engine: an arrival is trained and sent alone, so an attacker there poisons its

@@ -55,13 +55,19 @@ class Dataset:
     Args:
         val_fraction: Fraction of the training split held out as a validation split, in [0, 1).
         client_test_fraction: Fraction of each client's samples held out as its own test split, in
-            [0, 1); > 0 logs ``client_accuracy`` (the loss-weighted papers' accuracy).
+            [0, 1); > 0 logs ``client_accuracy`` (the loss-weighted papers' accuracy) and judges every client's
+            model on it each evaluated round (the ``personal/`` columns; PFLlib holds out 0.25).
+        client_val_fraction: Fraction of each client's remaining training samples held out as its own
+            validation split, in [0, 1), with ``client_test_fraction`` > 0: the ``personal/val_`` columns, on
+            which a run's round is selected (never on test).
     """
 
-    def __init__(self, val_fraction: float = 0.0, client_test_fraction: float = 0.0):
+    def __init__(self, val_fraction: float = 0.0, client_test_fraction: float = 0.0, client_val_fraction: float = 0.0):
         check(0.0 <= val_fraction < 1.0, "val_fraction", val_fraction, "a fraction in [0, 1)")
         check(0.0 <= client_test_fraction < 1.0, "client_test_fraction", client_test_fraction, "a fraction in [0, 1)")
+        check(0.0 <= client_val_fraction < 1.0, "client_val_fraction", client_val_fraction, "a fraction in [0, 1)")
         self.val_fraction, self.client_test_fraction = val_fraction, client_test_fraction
+        self.client_val_fraction = client_val_fraction
 
     def _splits(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[np.ndarray] | None]:
         """Returns (x_train, y_train, x_test, y_test, natural_split or None)."""
@@ -130,7 +136,7 @@ class Digits(Dataset):
         split_seed: Seed of the train/test split, fixed so every run sees the same test set.
         scale: ``standard`` (standardised by the training split's mean and std), ``unit`` (pixels / 16, in
             [0, 1]) or ``raw`` (the stored 0-16 values).
-        val_fraction, client_test_fraction: See ``Dataset``.
+        val_fraction, client_test_fraction, client_val_fraction: See ``Dataset``.
     """
 
     def __init__(
@@ -140,8 +146,9 @@ class Digits(Dataset):
         scale: str = "standard",
         val_fraction: float = 0.0,
         client_test_fraction: float = 0.0,
+        client_val_fraction: float = 0.0,
     ):
-        super().__init__(val_fraction, client_test_fraction)
+        super().__init__(val_fraction, client_test_fraction, client_val_fraction)
         check(0.0 < test_fraction < 1.0, "test_fraction", test_fraction, "a fraction in (0, 1)")
         self.test_fraction, self.split_seed, self.scale = test_fraction, split_seed, _check_scale(scale)
 
@@ -181,7 +188,7 @@ class TorchvisionImages(Dataset):
         scale: ``standard`` (pixels / 255, standardised with the dataset's published per-channel mean and
             std), ``unit`` (pixels / 255, in [0, 1]) or ``raw`` (0-255 as floats, as the loss-weighted papers'
             code feeds MNIST and Fashion-MNIST: their ``src/datasets.py`` neither divides nor normalises).
-        val_fraction, client_test_fraction: See ``Dataset``.
+        val_fraction, client_test_fraction, client_val_fraction: See ``Dataset``.
     """
 
     torchvision_class: str
@@ -196,8 +203,9 @@ class TorchvisionImages(Dataset):
         scale: str = "standard",
         val_fraction: float = 0.0,
         client_test_fraction: float = 0.0,
+        client_val_fraction: float = 0.0,
     ):
-        super().__init__(val_fraction, client_test_fraction)
+        super().__init__(val_fraction, client_test_fraction, client_val_fraction)
         self.root = Path(root).expanduser() if root else default_root()
         self.download, self.scale = download, _check_scale(scale)
 
@@ -305,7 +313,7 @@ class Synthetic(Dataset):
         iid: Generate the Synthetic-IID variant instead.
         test_fraction: Fraction of each client's samples held out for the test split.
         data_seed: Seed of the generator, fixed so that run seeds vary training, not the data.
-        val_fraction, client_test_fraction: See ``Dataset``.
+        val_fraction, client_test_fraction, client_val_fraction: See ``Dataset``.
     """
 
     def __init__(
@@ -320,8 +328,9 @@ class Synthetic(Dataset):
         data_seed: int = 0,
         val_fraction: float = 0.0,
         client_test_fraction: float = 0.0,
+        client_val_fraction: float = 0.0,
     ):
-        super().__init__(val_fraction, client_test_fraction)
+        super().__init__(val_fraction, client_test_fraction, client_val_fraction)
         check(alpha >= 0, "alpha", alpha, "a number >= 0")
         check(beta >= 0, "beta", beta, "a number >= 0")
         check(num_clients >= 1, "num_clients", num_clients, "an integer >= 1")

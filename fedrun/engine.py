@@ -15,14 +15,15 @@ from torch import nn
 
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint, snapshot
-from fedrun.clients import FStarEstimate, client_accuracy, evaluate
-from fedrun.cohort import ClientLosses, Lazy, RoundView
+from fedrun.clients import FStarEstimate, client_accuracy, evaluate, judged_accuracy
+from fedrun.cohort import ClientLosses, Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError
 from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import client_sizes
 from fedrun.parts import Parts, layout
+from fedrun.personal import STATISTICS, columns, statistics
 from fedrun.rounds import Bits, RunResult, Schedule, Timer, attack_columns, malicious_table, progress, record
 from fedrun.sampling import LOSS_BYTES
 from fedrun.seeding import numpy_rng
@@ -52,6 +53,7 @@ def run(
     on_round: Callable[[dict, dict], None] = lambda metrics, per_client: None,
     client_tests: list[np.ndarray] | None = None,
     checkpoint: Checkpoint | None = None,
+    client_vals: list[np.ndarray] | None = None,
 ) -> RunResult:
     """Run synchronous federated training.
 
@@ -68,15 +70,19 @@ def run(
         on_round: Called after each round with the metrics row and per-client series over all clients
             (``alpha``, ``local_steps``, ``selected``; 0 for clients not in the cohort).
         client_tests: Each client's own held-out samples (indices into train), or None. When given, the
-            mean accuracy of the cohort's local models on them is logged as ``client_accuracy``.
+            mean accuracy of the cohort's local models on them is logged as ``client_accuracy``, and each evaluated
+            round every client's model (``ClientState.models``) is judged on them (``personal/`` columns).
         checkpoint: Where and when to checkpoint, and whether to resume from its file (see fedrun.checkpoint).
+        client_vals: Each client's own validation samples (indices into train), or None: judged as
+            ``client_tests`` are (``personal/val_`` columns), the split a run's round is selected on.
 
     Returns: The final model and the metrics rows.
     """
     device, sizes = as_device(device), client_sizes(clients)  # a population's sizes: one shared array
     tensors, weighting = Tensors.on(device, model, data), getattr(parts.aggregator, "weighting", "samples")
-    parts.bind(Context(schedule, sizes, seed, weighting, layout=layout(model)))
     first_lr, initial = base_lr(optimizer), flat_parameters(model)  # w_0, where the F* estimate starts
+    workdir = checkpoint.path.parent if checkpoint is not None else None
+    parts.bind(Context(schedule, sizes, seed, weighting, layout=layout(model), initial=initial, workdir=workdir))
     loop, result, first = Loop(initial, numpy_rng(seed, "sampling")), RunResult(initial), 1
     if (saved := parts.restore(checkpoint)) is not None:  # the loop as it was after round saved["round"]
         loop, first = Loop(**saved["loop"]), saved["round"] + 1
@@ -88,6 +94,7 @@ def run(
     fstar.cache.update(loop.fstar)
     bits = Bits.of(parts.stages, initial)
     root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
+    judge = Judge(model, parts.client_state, trainer, tensors, clients, client_tests, client_vals, schedule, seed)
     bar = progress(first, schedule.rounds, "rounds", "round")
     try:
         for t in range(first, schedule.rounds + 1):
@@ -105,12 +112,12 @@ def run(
                 parts.client_state.starts(loop.params, cohort),
             )
             with timer("train_wall_s"):
-                trained = trainer(starts, trained_on, cohort, lr, works, seed, t)
+                trained = parts.client_state.train(trainer, starts, trained_on, cohort, lr, works, seed, t)
             parts.client_state.keep(cohort, starts, trained.deltas)
             view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes, root)
             view = reported(view, parts.attack, lying, probe, selection)  # what the attackers report
             with timer("pipeline_wall_s"):  # the attackers replace what they send, then every update takes the stages
-                sent = parts.attack.updates(t, cohort, trained.deltas, lying, view)
+                sent = parts.attack.updates(t, cohort, parts.client_state.upload(trained.deltas), lying, view)
                 sent, stage_diagnostics = parts.stages(sent, cohort, t)
                 parts.stages.end_round()
             local = client_accuracy_column(model, starts, trained.deltas, tensors, client_tests, cohort)
@@ -125,6 +132,8 @@ def run(
             row.update(attack_columns(parts.attack, lying, alpha))
             per_client = {"alpha": spread_over(alpha, cohort, len(clients)), "selected": selected}
             per_client["local_steps"] = spread_over(trained.steps, cohort, len(clients)).astype(int)
+            if judge:  # evaluated rounds: every client's own model on its held-out splits (NaN otherwise)
+                row.update(judge(loop.params, lr, t, per_client, measured=not diverged and schedule.evaluates(t)))
             last = record(
                 row, loop.params, diverged, lr, schedule, tensors.measure, result, on_round, per_client, bar, started
             )
@@ -293,6 +302,45 @@ def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, div
         "cohort_size": len(cohort),
     }
     return row | dict.fromkeys(tensors.columns, math.nan)
+
+
+class Judge:
+    """Each evaluated round, every client's model (``ClientState.models``: the global model, a personal one, a
+    fine-tuned one) on the client's own held-out test and validation samples: the ``personal/`` columns
+    (``fedrun.personal.statistics``) and the per-client accuracies (``personal_accuracy.csv``). False (no
+    columns) when the run holds nothing out per client."""
+
+    def __init__(self, model, client_state, trainer, tensors, clients, tests, vals, schedule, seed):
+        self.model, self.client_state, self.trainer, self.tensors = model, client_state, trainer, tensors
+        self.clients, self.tests, self.vals, self.schedule, self.seed = clients, tests, vals, schedule, seed
+
+    def __bool__(self) -> bool:
+        return bool(self.tests)
+
+    def __call__(self, params: torch.Tensor, lr: float, t: int, per_client: dict, measured: bool = True) -> dict:
+        """The round's ``personal/`` columns (NaN unless ``measured``) and its seconds; adds ``personal_accuracy``
+        to ``per_client`` when measured."""
+        if not measured:
+            return dict.fromkeys(columns(), math.nan) | {"personal_eval_wall_s": 0.0}
+        started, ids = time.perf_counter(), np.arange(len(self.clients))
+
+        def fit(starts, clients, epochs, stream):
+            work = LocalWork(self.schedule.batch_size, local_epochs=epochs)
+            parts = [self.clients[i] for i in clients]
+            return self.trainer(starts, parts, clients, lr, work, self.seed, t, stream).deltas
+
+        models = self.client_state.models(params, ids, fit)
+        row, x, y = {}, *self.tensors.held_out
+        for name, splits in (("accuracy", self.tests), ("val_accuracy", self.vals)):
+            if not splits:
+                row.update({f"personal/{name}_{s}": math.nan for s in STATISTICS})
+                continue
+            accuracy = judged_accuracy(self.model, models, x, y, splits)
+            counts = np.array([len(split) for split in splits])
+            row.update({f"personal/{name}_{s}": v for s, v in statistics(accuracy, counts).items()})
+            if name == "accuracy":
+                per_client["personal_accuracy"] = accuracy
+        return row | {"personal_eval_wall_s": time.perf_counter() - started}
 
 
 def timings(timer: "Timer", view: RoundView) -> dict:

@@ -45,7 +45,7 @@ class Leaf(Dataset):
             or ``data/<name>`` under the working directory.
         client_tests: Each client's held-out data (``client_accuracy``) is its own LEAF test samples; needs
             ``partition=natural`` and ``client_test_fraction`` 0. A user with no test sample counts in no mean.
-        val_fraction, client_test_fraction: See ``Dataset``.
+        val_fraction, client_test_fraction, client_val_fraction: See ``Dataset``.
     """
 
     folder: str  # under the default root
@@ -57,8 +57,9 @@ class Leaf(Dataset):
         client_tests: bool = False,
         val_fraction: float = 0.0,
         client_test_fraction: float = 0.0,
+        client_val_fraction: float = 0.0,
     ):
-        super().__init__(val_fraction, client_test_fraction)
+        super().__init__(val_fraction, client_test_fraction, client_val_fraction)
         check(isinstance(client_tests, bool), "client_tests", client_tests, "true or false")
         check(
             not (client_tests and client_test_fraction > 0),
@@ -216,7 +217,7 @@ class FEMNIST(Leaf):
 
     Args:
         invert: Use 1 - x (dark background), as TensorFlow Federated's and FedJAX's EMNIST readers do.
-        root, client_tests, val_fraction, client_test_fraction: See ``Leaf``.
+        root, client_tests, val_fraction, client_test_fraction, client_val_fraction: See ``Leaf``.
     """
 
     folder, sample_shape, num_classes = "femnist", (1, 28, 28), 62
@@ -228,8 +229,9 @@ class FEMNIST(Leaf):
         client_tests: bool = False,
         val_fraction: float = 0.0,
         client_test_fraction: float = 0.0,
+        client_val_fraction: float = 0.0,
     ):
-        super().__init__(root, client_tests, val_fraction, client_test_fraction)
+        super().__init__(root, client_tests, val_fraction, client_test_fraction, client_val_fraction)
         check(isinstance(invert, bool), "invert", invert, "true or false")
         self.invert = invert
 
@@ -261,7 +263,7 @@ class Shakespeare(Leaf):
     LEAF's 80-symbol vocabulary (``ALL_LETTERS``); x is int64 indices, y the next character's index.
 
     Args:
-        root, client_tests, val_fraction, client_test_fraction: See ``Leaf``.
+        root, client_tests, val_fraction, client_test_fraction, client_val_fraction: See ``Leaf``.
     """
 
     folder, sample_shape, num_classes = "shakespeare", (SEQUENCE,), len(ALL_LETTERS)

@@ -106,7 +106,56 @@ def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, 
                 values[prefix + r_name(target) + "_time"] = float(
                     metrics.loc[metrics["round"] == reached, "virtual_time"].iloc[0]
                 )
+    personal, personal_tags = personal_summary(metrics, r_targets)
+    values.update(personal)
+    tags.update(personal_tags)
     return {k: v for k, v in values.items() if not math.isnan(v)}, tags
+
+
+PERSONAL_STATISTICS = ("mean", "weighted", "p10", "min")
+
+
+def personal_summary(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, dict]:
+    """The per-client judging of a run (``personal/`` columns, ``fedrun.engine.Judge``) in three readings, each
+    of the four statistics (mean, weighted, p10, min) of the clients' test accuracies:
+
+    - ``personal/final_accuracy_<s>``: at the last evaluated round;
+    - ``personal/selected_accuracy_<s>`` at ``personal/selected_round``, the first round of highest sample-weighted
+      validation accuracy (``dataset.client_val_fraction``; the test split never chooses);
+    - ``personal/best_on_test_accuracy_<s>`` at ``personal/best_on_test_round``, the first round of highest
+      sample-weighted *test* accuracy: PFLlib's reported figure (its best round on the test split), optimistic by
+      construction, kept to compare with it.
+
+    And ``personal/R60``, ``personal/R90``: the first round the clients' mean accuracy reached each target (the tag
+    ``personal/R90=not_reached`` when it never did). Returns (metrics, tags)."""
+    if "personal/accuracy_weighted" not in metrics:
+        return {}, {}
+    judged = metrics[metrics["personal/accuracy_weighted"].notna()]
+    if not len(judged):
+        return {}, {}
+    values, tags = {}, {}
+
+    def at(reading: str, row) -> None:
+        for s in PERSONAL_STATISTICS:
+            values[f"personal/{reading}_accuracy_{s}"] = float(row[f"personal/accuracy_{s}"])
+
+    at("final", judged.iloc[-1])
+    best = judged.loc[judged["personal/accuracy_weighted"].idxmax()]  # idxmax: the first of equal maxima
+    at("best_on_test", best)
+    values["personal/best_on_test_round"] = int(best["round"])
+    validation = judged["personal/val_accuracy_weighted"] if "personal/val_accuracy_weighted" in judged else None
+    if validation is not None and validation.notna().any():
+        chosen = judged.loc[validation.idxmax()]
+        at("selected", chosen)
+        values["personal/selected_round"] = int(chosen["round"])
+        values["personal/selected_val_accuracy_weighted"] = float(chosen["personal/val_accuracy_weighted"])
+    for target in r_targets:
+        reached = r_index(metrics["round"], metrics["personal/accuracy_mean"], target)
+        if reached is None:
+            tags["personal/" + r_name(target)] = "not_reached"
+        else:
+            values["personal/" + r_name(target)] = reached
+    return values, tags
 
 
 def run_summary(rows: list[dict], r_targets: Sequence[float], measured: dict | None = None) -> tuple[dict, dict]:

@@ -439,7 +439,7 @@ class Natural(Partition):
 
 
 def hold_out(
-    parts: list[np.ndarray], fraction: float, rng: np.random.Generator
+    parts: list[np.ndarray], fraction: float, rng: np.random.Generator, key: str = "client_test_fraction"
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Split each client's samples into (train, own test): ``fraction`` of them, at least one, held out.
 
@@ -448,7 +448,7 @@ def hold_out(
     """
     train, test = [], []
     for part in parts:
-        check(len(part) >= 2, "client_test_fraction", fraction, "0 when clients have a single sample")
+        check(len(part) >= 2, key, fraction, "0 when clients have a single sample")
         shuffled = rng.permutation(part)
         n_test = min(len(part) - 1, max(1, int(round(fraction * len(part)))))
         test.append(np.sort(shuffled[:n_test]))

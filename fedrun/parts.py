@@ -21,6 +21,7 @@ import torch
 
 from fedrun import compat
 from fedrun.attacks import Attack
+from fedrun.cohort import CohortUpdate
 from fedrun.errors import ConfigError
 from fedrun.heterogeneity import EqualWork
 from fedrun.pipeline import Pipeline
@@ -46,6 +47,7 @@ class ClientState(Stateful):
     """
 
     keeps = False  # capability: whether it holds anything per client between rounds
+    personal = False  # capability: whether each client is served (and judged) by a model of its own
 
     def training_data(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The training tensors the backend holds (called once, before the backend is made): ``x``, ``y`` or
@@ -61,8 +63,24 @@ class ClientState(Stateful):
         row per cohort client."""
         return params
 
+    def train(self, trainer, starts, data, cohort, lr, works, seed, t) -> CohortUpdate:
+        """The cohort's local training from ``starts`` (``trainer``: the run's ``fedrun.trainer.Trainer``; the other
+        arguments are its own). Default: one call, the round's local work (FedRep trains in two phases; Ditto
+        trains a personal model beside)."""
+        return trainer(starts, data, cohort, lr, works, seed, t)
+
     def keep(self, cohort: np.ndarray, starts: torch.Tensor, deltas: torch.Tensor) -> None:
         """After training: each cohort client's local model is its start plus its row of ``deltas``."""
+
+    def upload(self, deltas: torch.Tensor) -> torch.Tensor:
+        """What the cohort sends of its updates (default: all of it; FedPer's clients keep their head)."""
+        return deltas
+
+    def models(self, params: torch.Tensor, clients: np.ndarray, fit) -> torch.Tensor:
+        """The model each of ``clients`` is served and judged by: ``params`` (the global model, for all) or one row
+        per client. ``fit(starts, clients, epochs, stream)`` trains them on their own training data with the round's
+        learning rate and gives the updates (fine-tuning)."""
+        return params
 
     def state_dict(self) -> dict:
         return {}
@@ -112,7 +130,7 @@ class Parts:
                 try:
                     part.bind(context)
                 except ConfigError as exc:  # a part's own key (count) gets its group (attack.count); a full one stays
-                    raise exc if "." in exc.key else exc.within(name) from None
+                    raise exc if "." in exc.key else exc.within(GROUPS.get(name, name)) from None
 
     def exhausted(self) -> bool:
         """Whether the run must end before the next round (privacy: it would pass ``max_epsilon``)."""
@@ -138,6 +156,8 @@ class Parts:
         self.load_state_dict(saved["parts"])
         return saved
 
+
+GROUPS = {"client_state": "personalization"}  # a part's config group, where its name differs
 
 DEFAULTS = {
     "sampler": Uniform,

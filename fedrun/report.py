@@ -498,8 +498,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="the matrix of sweep=robustness instead: accuracy per rule, split, attack and f with intervals, the worst "
         "case over attacks, the attackers' weight share, the cost, and heatmaps (robustness.md, .csv, *.png)",
     )
+    parser.add_argument(
+        "--personal",
+        action="store_true",
+        help="add the clients' own accuracies (personal/ metrics: dataset.client_test_fraction > 0): at the round "
+        "selected on validation (mean, weighted, p10, worst client, the round), PFLlib's best round on test "
+        "(weighted, labelled best_on_test), and a band plot of the clients' mean accuracy per round",
+    )
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
     return parser
+
+
+# What ``--personal`` adds: the honest reading first (selected on validation), then PFLlib's rule beside it.
+PERSONAL_METRICS = (
+    *(f"personal/selected_accuracy_{s}" for s in ("mean", "weighted", "p10", "min")),
+    "personal/selected_round",
+    "personal/best_on_test_accuracy_weighted",
+    "personal/best_on_test_round",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -517,6 +533,13 @@ def main(argv: list[str] | None = None) -> None:
         runs = runs[runs[SWEEP_TAG].isna()]
     runs = without_switched_off_keys(with_group_defaults(with_plain_names(runs)))
     args.metrics, args.plot = [plain_name(m) for m in args.metrics], [plain_name(m) for m in args.plot]
+    if args.personal:  # a run without a validation split has no selected round: its final figures stand in
+        column = f"metrics.{PERSONAL_METRICS[0]}"
+        selected = column in runs and runs[column].notna().any()
+        wanted = PERSONAL_METRICS if selected else tuple(m.replace("selected", "final") for m in PERSONAL_METRICS[:4])
+        wanted += () if selected else PERSONAL_METRICS[5:]
+        args.metrics += [m for m in wanted if m not in args.metrics]
+        args.plot += [m for m in ("personal/accuracy_mean",) if m not in args.plot]
     finished = runs[runs["status"] == "FINISHED"] if len(runs) else runs
     if finished.empty:
         raise SystemExit(

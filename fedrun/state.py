@@ -96,6 +96,8 @@ class Context:
         asynchronous: Whether the engine aggregates buffered updates as they arrive (no synchronous rounds).
         layout: The flat model's parameters, ``(name, start, end)`` each, in order (a part that keeps some layers
             per client finds them here).
+        initial: The initial global model w^0, flat (where a personal model starts), or None before it exists.
+        workdir: The run's output dir (where a part may keep files: spilled personal state), or None.
     """
 
     schedule: Any
@@ -104,6 +106,8 @@ class Context:
     weighting: str = "samples"
     asynchronous: bool = False
     layout: tuple = ()
+    initial: Any = None
+    workdir: Any = None
 
     @property
     def num_clients(self) -> int:

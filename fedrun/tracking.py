@@ -28,7 +28,12 @@ from fedrun.plots import plot_alpha_heatmap, plot_curves
 
 # MLflow 3 opens an experiment without this tag as a GenAI one (traces, token usage); fedrun's are model training.
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
-PER_CLIENT = ("alpha", "local_steps", "selected")  # the per-client series the engines report (``<name>.csv``)
+PER_CLIENT = (
+    "alpha",
+    "local_steps",
+    "selected",
+    "personal_accuracy",
+)  # the per-client series the engines report (``<name>.csv``)
 WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.functional import cross_entropy
 
-from fedrun.clients import _batches, client_rows, cohort_losses, per_client_round
+from fedrun.clients import _batches, client_rows, cohort_losses, per_client_round, train_cohort
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import ConfigError
 from fedrun.models import BatchSoftmax
@@ -135,6 +135,11 @@ class VmapTrainer(Trainer):
 
     def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
+        if not all(job.plain for job in works):  # a personal phase (frozen layers, Ditto's pull): the loop's training
+            return train_cohort(
+                self.model, global_params, self.x, self.y, parts, client_ids, self.make_optimizer, lr, works, seed,
+                round_, stream,
+            )  # fmt: skip
         rule = SGDRule.of(self.make_optimizer, lr)
         size = self.chunk or max(1, len(parts))
         pieces = [

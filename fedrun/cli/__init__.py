@@ -211,6 +211,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
             on_round=on_round,
             client_tests=parts["client_tests"],
             checkpoint=checkpoint,
+            client_vals=parts["client_vals"],
         )
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()

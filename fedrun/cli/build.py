@@ -1,6 +1,7 @@
 """Compose -> validate -> build: every object of a run from its config, checked against each other before any
 training starts (a bad value is one ConfigError naming its key)."""
 
+import dataclasses
 import inspect
 import re
 import typing
@@ -15,8 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun import compat
 from fedrun.cli.entry import check_resolves
 from fedrun.errors import ConfigError
+from fedrun.models import flat_parameters
 from fedrun.partitions import LazyClients, Natural, Population, client_sizes, hold_out
-from fedrun.parts import Parts
+from fedrun.parts import Parts, layout
 from fedrun.seeding import numpy_rng, torch_seed
 from fedrun.state import Context, encode
 
@@ -92,15 +94,17 @@ def setup(cfg: DictConfig) -> dict:
     objects["pipeline"] = build("pipeline", cfg.pipeline, stages=stages)
     objects["sampler"] = build("sampler", cfg.sampler)
     objects["attack"] = build("attack", cfg.attack)
+    objects["client_state"] = build("personalization", cfg.personalization)
     objects["privacy"] = privacy
     compat.check(objects)  # every combination that cannot run, before the dataset is read
     # A state a checkpoint cannot hold fails now, not at round 10.
-    for group in ("aggregator", "server", "pipeline", "sampler", "attack"):
+    for group in ("aggregator", "server", "pipeline", "sampler", "attack", "client_state"):
+        key = "personalization" if group == "client_state" else group
         try:
-            encode(objects[group].state_dict(), group)
+            encode(objects[group].state_dict(), key)
         except TypeError as exc:
             raise ConfigError(
-                group, type(objects[group]).__name__, f"a part whose state_dict() a checkpoint can hold ({exc})"
+                key, type(objects[group]).__name__, f"a part whose state_dict() a checkpoint can hold ({exc})"
             ) from None
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
@@ -140,6 +144,14 @@ def setup(cfg: DictConfig) -> dict:
             )
         except ConfigError as exc:
             raise exc.within("dataset") from None
+    client_vals = held_out_validation(objects["dataset"], clients, client_tests, seed)
+    if objects["client_state"].personal and client_tests is None and not isinstance(clients, LazyClients):
+        raise ConfigError(  # a population's personal state runs at scale unjudged; a listed client is judged
+            "dataset.client_test_fraction",
+            objects["dataset"].client_test_fraction,
+            f"> 0 with personalization={type(objects['client_state']).__name__.lower()} (every client's own model "
+            "is judged on its own held-out samples; PFLlib holds out 0.25)",
+        )
     # Settings that depend on the population (candidates <= N) fail now; its errors name their full keys.
     context = Context(
         objects["schedule"],
@@ -148,10 +160,40 @@ def setup(cfg: DictConfig) -> dict:
         getattr(objects["aggregator"], "weighting", "samples"),
         objects["engine"].asynchronous,
     )
-    parts_of(objects).bind(context, engine=objects["engine"])  # every part's settings against the run, before tracking
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    return dict(objects, optimizer=optimizer, data=data, clients=clients, client_tests=client_tests, model=model)
+    context = dataclasses.replace(
+        context, layout=layout(model), initial=flat_parameters(model)
+    )  # personal layers by name
+    parts_of(objects).bind(context, engine=objects["engine"])  # every part's settings against the run, before tracking
+    return dict(
+        objects,
+        optimizer=optimizer,
+        data=data,
+        clients=clients,
+        client_tests=client_tests,
+        client_vals=client_vals,
+        model=model,
+    )
+
+
+def held_out_validation(dataset, clients, client_tests, seed: int) -> list[np.ndarray] | None:
+    """Each client's own validation split (``dataset.client_val_fraction`` of its training samples left, from the
+    seed's ``client_val`` stream), taken out of ``clients`` in place; None when there is none."""
+    fraction = getattr(dataset, "client_val_fraction", 0.0)
+    if not fraction:
+        return None
+    if client_tests is None:
+        raise ConfigError(
+            "dataset.client_val_fraction",
+            fraction,
+            "0 unless each client has its own test split (client_test_fraction > 0)",
+        )
+    try:
+        clients[:], client_vals = hold_out(clients, fraction, numpy_rng(seed, "client_val"), key="client_val_fraction")
+    except ConfigError as exc:
+        raise exc.within("dataset") from None
+    return client_vals
 
 
 def root_set(objects: dict, n: int, seed: int) -> np.ndarray | None:

@@ -13,6 +13,19 @@ BAD = [
     (["dataset.test_fraction=1.5"], "dataset.test_fraction"),
     (["dataset.val_fraction=-0.1"], "dataset.val_fraction"),
     (["dataset.client_test_fraction=1"], "dataset.client_test_fraction"),
+    (["dataset.client_val_fraction=0.1"], "dataset.client_val_fraction"),  # without a client test split
+    (["dataset.client_test_fraction=0.2", "dataset.client_val_fraction=1"], "dataset.client_val_fraction"),
+    (["personalization=fedper"], "dataset.client_test_fraction"),  # a personal model nobody judges
+    (
+        ["personalization=fedper", "dataset.client_test_fraction=0.2", "personalization.personal=[head*]"],
+        "personalization.personal",
+    ),  # fmt: skip
+    (["personalization=fedper", "personalization.personal=x"], "personalization.personal"),
+    (["personalization=fedrep", "personalization.head_epochs=-1"], "personalization.head_epochs"),
+    (["personalization=ditto", "personalization.lam=-1"], "personalization.lam"),
+    (["personalization=ditto", "personalization.memory_mb=0"], "personalization.memory_mb"),
+    (["personalization=finetune", "personalization.epochs=-1"], "personalization.epochs"),
+    (["personalization=ditto", "aggregator=fedbuff", "dataset.client_test_fraction=0.2"], "engine"),
     (["partition.num_clients=0"], "partition.num_clients"),
     (["partition.num_clients=100000"], "partition.num_clients"),
     (["partition=shards", "partition.num_clients=100000"], "partition.num_clients"),

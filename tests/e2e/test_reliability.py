@@ -133,6 +133,18 @@ CASES = {
         "schedule.rounds=8",
         "partition.num_clients=6",
     ],
+    # personal state (FedRep's heads in a store that spills beyond 1 kB to personal/ in the run dir) and every
+    # client's accuracy each round on its own test and validation splits
+    "personal": [
+        "personalization=fedrep",
+        "personalization.memory_mb=0.001",
+        "partition=shards",
+        "dataset.client_test_fraction=0.25",
+        "dataset.client_val_fraction=0.1",
+        "schedule.clients_per_round=0.5",
+        "schedule.rounds=8",
+        "partition.num_clients=6",
+    ],
     # local DP: each client's count of rounds in the ledger, each client's noise stream
     "local": [
         "privacy=local",
@@ -166,7 +178,8 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     assert "resuming" in resumed.stderr
     pd.testing.assert_frame_equal(deterministic(tmp_path / "killed"), deterministic(tmp_path / "whole"))
     tables = ("alpha.csv", "selected.csv")[: 2 if (tmp_path / "whole" / "selected.csv").exists() else 1]
-    for name in tables + (("malicious.csv",) if (tmp_path / "whole" / "malicious.csv").exists() else ()):
+    optional = tuple(n for n in ("malicious.csv", "personal_accuracy.csv") if (tmp_path / "whole" / n).exists())
+    for name in tables + optional:
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "killed" / name), pd.read_csv(tmp_path / "whole" / name))
     client, runs = mlflow_runs(store, "resume")
     run = next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "killed"))

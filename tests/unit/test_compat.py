@@ -73,8 +73,9 @@ CASES = [
     ),
     (
         lambda: {"engine": asynchronous(), "client_state": Keeping()},
-        "engine='async' is invalid: allowed is sync with a client state that keeps per-client state (Keeping: the "
-        "asynchronous engine starts each client from the model it pulls and keeps nothing)",
+        "engine='async' is invalid: allowed is sync with a client state that keeps per-client state or serves each "
+        "client its own model (Keeping: the asynchronous engine starts each client from the model it pulls, keeps "
+        "nothing and judges the global model only)",
     ),
     (
         lambda: {"engine": asynchronous(), "attack": ALIE(fraction=0.1)},

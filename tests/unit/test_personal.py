@@ -1,0 +1,263 @@
+"""Personalised FL (fedrun/personal.py): each method against the case that pins it, the per-client statistics by
+hand, and the personal store's memory budget, spill and checkpoint."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.functional import cross_entropy
+
+from fedrun.aggregators import FedAvg
+from fedrun.checkpoint import Checkpoint
+from fedrun.datasets import FederatedData
+from fedrun.engine import run
+from fedrun.errors import ConfigError
+from fedrun.models import MLP, flat_parameters, load_flat
+from fedrun.parts import ClientState, Parts, layout
+from fedrun.personal import Ditto, FedPer, FedRep, FineTune, Local, PersonalStore, statistics
+from fedrun.rounds import Schedule
+from fedrun.seeding import torch_generator, torch_seed
+from fedrun.state import Context
+
+# Three clients whose labels are permuted differently (as in test_parts.py): a shared body, a head each.
+g = torch.Generator().manual_seed(0)
+X = torch.randn(150, 4, generator=g, dtype=torch.float64)
+TRUE = (X @ torch.randn(4, 3, generator=g, dtype=torch.float64)).argmax(1)
+PERMUTATIONS = [torch.tensor(p) for p in ([0, 1, 2], [1, 2, 0], [2, 0, 1])]
+Y = torch.cat([PERMUTATIONS[c][TRUE[50 * c : 50 * (c + 1)]] for c in range(3)])
+DATA = FederatedData(X, Y, X[:30], Y[:30], num_classes=3)
+CLIENTS = [np.arange(50 * c, 50 * c + 34) for c in range(3)]  # trains on 34
+VALS = [np.arange(50 * c + 34, 50 * c + 40) for c in range(3)]  # 6 for validation
+TESTS = [np.arange(50 * c + 40, 50 * (c + 1)) for c in range(3)]  # its own 10 held out (indices into train)
+LR = 0.3
+NAMES = ["1.weight", "1.bias", "3.weight", "3.bias"]  # the MLP's parameters
+
+
+def model():
+    torch.manual_seed(torch_seed(0, "init"))
+    return MLP((4,), 3, hidden=(8,)).double()
+
+
+def train(client_state=None, rounds=4, checkpoint=None, lr=LR, clients=CLIENTS, tests=TESTS, vals=VALS, **schedule):
+    rows, per_client = [], []
+    result = run(
+        model(),
+        DATA,
+        clients,
+        Parts(FedAvg(), client_state=client_state),
+        functools.partial(torch.optim.SGD, lr=lr),
+        Schedule(rounds=rounds, **({"local_steps": 2, "batch_size": 10} | schedule)),
+        torch.device("cpu"),
+        0,
+        on_round=lambda row, series: (rows.append(row), per_client.append(series)),
+        client_tests=tests,
+        checkpoint=checkpoint,
+        client_vals=vals,
+    )
+    return result, rows, per_client
+
+
+def strip(rows):
+    return [{k: v for k, v in r.items() if not k.endswith("wall_s")} for r in rows]
+
+
+def personal(rows, split="accuracy"):
+    return [[r[f"personal/{split}_{s}"] for s in ("mean", "weighted", "p10", "min")] for r in rows]
+
+
+def test_statistics_by_hand():
+    # Four clients with held-out samples, one without (left out of every figure).
+    accuracy, counts = np.array([1.0, 0.5, np.nan, 0.0, 0.75]), np.array([2, 4, 0, 1, 4])
+    got = statistics(accuracy, counts)
+    assert got["mean"] == pytest.approx((1 + 0.5 + 0 + 0.75) / 4)  # 0.5625
+    assert got["weighted"] == pytest.approx((2 * 1 + 4 * 0.5 + 0 + 4 * 0.75) / 11)  # 7 / 11: correct / total
+    # type 7: sorted (0, 0.5, 0.75, 1), position 0.1 * (4 - 1) = 0.3 -> 0 + 0.3 * (0.5 - 0)
+    assert got["p10"] == pytest.approx(0.15)
+    assert got["min"] == 0.0
+
+
+def test_the_global_model_is_judged_on_every_clients_split_without_personalisation():
+    result, rows, series = train()
+    w = result.params
+    load_flat(probe := model(), w)
+    by_hand = [float((probe(X[t]).argmax(1) == Y[t]).double().mean()) for t in TESTS]
+    assert series[-1]["personal_accuracy"].tolist() == pytest.approx(by_hand)
+    assert rows[-1]["personal/accuracy_min"] == pytest.approx(min(by_hand))
+    assert not np.isnan(rows[-1]["personal/val_accuracy_mean"])
+
+
+def test_fedper_with_no_personal_parameters_equals_fedavg_exactly():
+    fedavg, fedavg_rows, _ = train()
+    fedper, fedper_rows, _ = train(FedPer(personal=[]))
+    assert torch.equal(fedper.params, fedavg.params)
+    assert strip(fedper_rows) == strip(fedavg_rows)
+
+
+def test_fedper_keeps_the_head_on_the_client_and_never_sends_it():
+    fedper = FedPer()  # default: the last layer
+    result, rows, _ = train(fedper)
+    fedavg_rows = train()[1]
+    assert fedper.names == NAMES[-2:]
+    head = fedper.mask
+    assert torch.equal(result.params[head], flat_parameters(model())[head])  # the server never saw a head update
+    assert not torch.equal(result.params[~head], flat_parameters(model())[~head])
+    assert len(fedper.store) == 3
+    # labels permuted per client: a head each serves each client; the global model's one head cannot
+    assert np.mean(personal(rows[-2:])) > np.mean(personal(fedavg_rows[-2:])) + 0.2
+
+
+def test_finetune_with_zero_epochs_is_fedavgs_per_client_evaluation():
+    fedavg, fedavg_rows, _ = train()
+    tuned, tuned_rows, _ = train(FineTune(epochs=0))
+    assert torch.equal(tuned.params, fedavg.params)
+    assert personal(tuned_rows) == personal(fedavg_rows) and personal(tuned_rows, "val_accuracy") == personal(
+        fedavg_rows, "val_accuracy"
+    )
+    one = train(FineTune(epochs=1))[1]
+    assert personal(one) != personal(fedavg_rows)  # fine-tuning changes what each client is judged by
+
+
+def test_local_with_one_client_equals_centralised_training_on_its_data():
+    rounds, steps, batch = 3, 2, 10
+    state = Local()
+    train(state, rounds=rounds, clients=CLIENTS[:1], tests=TESTS[:1], vals=None, local_steps=steps, batch_size=batch)
+    # Centralised: plain SGD on the client's 34 samples, each round's batches from the (round, client 0) stream.
+    net, part = model(), torch.as_tensor(CLIENTS[0])
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for t in range(1, rounds + 1):
+        order = torch.randperm(len(part), generator=torch_generator(0, "batches", t, 0))
+        for k in range(steps):
+            chosen = part[order[k * batch : (k + 1) * batch]]
+            opt.zero_grad()
+            cross_entropy(net(X[chosen]), Y[chosen]).backward()
+            opt.step()
+    assert torch.allclose(state.store.get(0), flat_parameters(net), atol=1e-12)
+
+
+def test_fedrep_trains_the_head_then_the_body_by_hand():
+    state = FedRep(head_epochs=1)
+    result, _, _ = train(state, rounds=1, clients=CLIENTS[:1], tests=TESTS[:1], vals=None, local_steps=2)
+    net, part = model(), torch.as_tensor(CLIENTS[0])
+    head = [p for name, p in net.named_parameters() if name in state.names]
+    body = [p for name, p in net.named_parameters() if name not in state.names]
+    w0 = flat_parameters(net)
+
+    def sgd(params, chosen):
+        grads = torch.autograd.grad(cross_entropy(net(X[chosen]), Y[chosen]), params)
+        with torch.no_grad():
+            for p, grad in zip(params, grads):
+                p -= LR * grad
+
+    order = torch.randperm(34, generator=torch_generator(0, "head", 1, 0))  # phase 1: one epoch of the head
+    for k in range(0, 34, 10):
+        sgd(head, part[order[k : k + 10]])
+    order = torch.randperm(34, generator=torch_generator(0, "batches", 1, 0))  # phase 2: two steps of the body
+    for k in range(2):
+        sgd(body, part[order[10 * k : 10 * (k + 1)]])
+    mine = flat_parameters(net)
+    assert torch.allclose(state.store.get(0), mine[state.mask], atol=1e-12)  # the client keeps its new head
+    # the server got the body's update only: the global body moved as the client's did, the global head did not
+    assert torch.allclose(result.params[~state.mask], mine[~state.mask], atol=1e-12)
+    assert torch.equal(result.params[state.mask], w0[state.mask])
+
+
+def test_ditto_trains_the_global_model_as_fedavg_and_a_large_lambda_keeps_the_personal_model_at_it():
+    lr, steps = 0.01, 20
+    fedavg = train(rounds=1, lr=lr, local_steps=steps)[0]
+    pulled, free = Ditto(lam=1 / lr), Ditto(lam=0.0)  # lr * lambda = 1: the pull undoes every step away from w^t
+    assert torch.equal(train(pulled, rounds=1, lr=lr, local_steps=steps)[0].params, fedavg.params)
+    train(free, rounds=1, lr=lr, local_steps=steps)
+    w0 = flat_parameters(model())  # round 1's w^t
+    near = max(float((pulled.store.get(c) - w0).norm()) for c in range(3))
+    far = min(float((free.store.get(c) - w0).norm()) for c in range(3))
+    assert near < far / 5  # v_k = w^t - lr * grad: one step's length from w^t, not twenty steps' drift
+    # lambda = 0 is local training from w^0: the personal model is the client's local model of the round
+    assert torch.allclose(free.store.get(0), w0 + _local_delta(0, lr, steps), atol=1e-12)
+
+
+def _local_delta(client: int, lr: float, steps: int) -> torch.Tensor:
+    """Client ``client``'s round-1 update from w^0 on the personal stream (``steps`` steps of 10, across epochs)."""
+    net, part = model(), torch.as_tensor(CLIENTS[client])
+    w0, opt = flat_parameters(net), torch.optim.SGD(net.parameters(), lr=lr)
+    generator = torch_generator(0, "personal", 1, client)
+    batches = [
+        o[k : k + 10] for o in (torch.randperm(34, generator=generator) for _ in range(steps)) for k in range(0, 34, 10)
+    ]
+    for batch in batches[:steps]:
+        chosen = part[batch]
+        opt.zero_grad()
+        cross_entropy(net(X[chosen]), Y[chosen]).backward()
+        opt.step()
+    return flat_parameters(net) - w0
+
+
+@pytest.mark.parametrize("method", [FedPer, FedRep, Ditto, Local])
+def test_personal_state_is_checkpointed_and_restored_exactly(tmp_path, method):
+    whole, whole_rows, whole_series = train(method(), rounds=5)
+    train(method(), rounds=2, checkpoint=Checkpoint(tmp_path, every=1))
+    resumed, rows, series = train(method(), rounds=5, checkpoint=Checkpoint(tmp_path, resume=True))
+    assert torch.equal(resumed.params, whole.params)
+    assert strip(rows) == strip(whole_rows[2:])
+    assert [s["personal_accuracy"].tolist() for s in series] == [
+        s["personal_accuracy"].tolist() for s in whole_series[2:]
+    ]
+
+
+def test_a_memory_budget_spills_to_disk_and_gives_the_same_run(tmp_path):
+    in_memory = FedPer()
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    expected = train(in_memory, rounds=4, checkpoint=Checkpoint(tmp_path / "a", every=100))[1]
+    spilled = FedPer(memory_mb=1e-4)  # 100 bytes: one head (27 float64 = 216 bytes) in memory at a time
+    rows = train(spilled, rounds=4, checkpoint=Checkpoint(tmp_path / "b", every=100))[1]
+    assert strip(rows) == strip(expected)
+    assert len(spilled.store.memory) == 1 and len(spilled.store.disk) == 2
+    on_disk = {p.name for p in (tmp_path / "b" / "personal").glob("*.pt")}
+    assert set(spilled.store.disk.values()) <= on_disk
+
+
+def test_the_store_keeps_what_the_last_checkpoint_names_and_drops_orphans(tmp_path):
+    store = PersonalStore(budget_mb=1e-5, directory=tmp_path)  # 10 bytes: every tensor but the newest spills
+    for client in range(3):
+        store.put(client, torch.full((4,), float(client)))
+    saved = store.state_dict()  # a checkpoint: clients 0 and 1 on disk, 2 in memory
+    assert set(saved["disk"]) == {0, 1} and set(saved["memory"]) == {2}
+    assert store.get(0).tolist() == [0.0] * 4  # read back, client 1 spilled... and 2
+    store.put(0, torch.full((4,), 9.0))  # changed after the checkpoint: its old file is still named by it
+    store.put(3, torch.ones(4))
+    assert all((tmp_path / name).exists() for name in saved["disk"].values())
+    # a kill here; the resumed store reads the checkpoint, and the files written after it are orphans
+    resumed = PersonalStore(budget_mb=1e-5, directory=tmp_path)
+    resumed.load_state_dict(saved)
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == sorted(saved["disk"].values())
+    assert [resumed.get(c).tolist() for c in range(3)] == [[float(c)] * 4 for c in range(3)]
+    assert resumed.get(3) is None
+
+
+def test_a_personal_pattern_that_matches_no_parameter_is_refused_in_one_line():
+    net = model()
+    with pytest.raises(ConfigError) as error:
+        FedPer(personal=["head.*"]).bind(Context(Schedule(), np.array([1]), layout=layout(net)))
+    assert error.value.key == "personal" and "1.weight" in str(error.value)
+
+
+def test_the_default_client_state_is_not_personal():
+    assert not ClientState.personal and FedPer.personal and FineTune.personal and not FineTune.keeps
+
+
+def test_a_run_is_selected_on_validation_and_pfllibs_best_round_on_test_is_kept_beside_it():
+    from fedrun.metrics import summarise
+
+    rows = []
+    for t, (test, val) in enumerate([(0.5, 0.6), (0.8, 0.9), (float("nan"), float("nan")), (0.7, 0.9), (0.9, 0.7)], 1):
+        rows.append({"round": t, "round_wall_s": 1.0, "test_accuracy": 0.5, "personal/accuracy_weighted": test,
+                     "personal/accuracy_mean": test - 0.05, "personal/accuracy_p10": test - 0.3,
+                     "personal/accuracy_min": test - 0.4, "personal/val_accuracy_weighted": val})  # fmt: skip
+    values, tags = summarise(__import__("pandas").DataFrame(rows), [0.6, 0.9])
+    assert values["personal/selected_round"] == 2  # the first of the two rounds of highest validation accuracy
+    assert values["personal/selected_accuracy_weighted"] == 0.8
+    assert values["personal/selected_accuracy_min"] == pytest.approx(0.4)
+    assert values["personal/best_on_test_round"] == 5 and values["personal/best_on_test_accuracy_weighted"] == 0.9
+    assert values["personal/final_accuracy_p10"] == pytest.approx(0.6)  # round 5, the last judged
+    assert values["personal/R60"] == 2  # the mean (0.75) first reaches 0.6 at round 2
+    assert tags["personal/R90"] == "not_reached"  # the mean's best is 0.85
