@@ -307,6 +307,71 @@ class Dirichlet(Partition):
         )
 
 
+class Pathological(Partition):
+    """PFLlib's pathological split (``partition='pat'``; github TsingZ0/PFLlib, dataset/utils/dataset_utils.py,
+    ``separate_data``), with the run's partition stream in place of numpy's global one.
+
+    Each client has ``classes_per_client`` classes. Class by class, in label order, the class goes to the first
+    ceil(N / C * classes_per_client) clients that still lack classes (PFLlib's ``selected_clients``): with 20 clients,
+    10 classes and 2 each, clients 0-3 get classes 0 and 1, clients 4-7 classes 2 and 3, and so on. The class's samples
+    are cut between them: equal shares with ``balance``, else each but the last gets an integer drawn uniformly from
+    [max(n / 10, 1 / C), n) (n = the class's samples / its clients; the bounds truncated to integers, as numpy's
+    ``randint`` does with PFLlib's float bounds) and the last gets the rest. PFLlib cuts each class in dataset order;
+    here the pool is shuffled first (the run's partition stream), so that chunks differ by seed.
+
+    Args:
+        classes_per_client: Classes each client holds (PFLlib's ``class_per_client``, 2 for its pathological
+            settings).
+        balance: Equal shares of each class (PFLlib's ``balance``; its pathological leaderboard uses false).
+        num_clients, samples_per_client: See ``Partition``.
+    """
+
+    def __init__(
+        self,
+        num_clients: int = 20,
+        samples_per_client: int | None = None,
+        classes_per_client: int = 2,
+        balance: bool = False,
+    ):
+        super().__init__(num_clients, samples_per_client)
+        check(
+            _integer(classes_per_client) and classes_per_client >= 1,
+            "classes_per_client",
+            classes_per_client,
+            "an integer >= 1",
+        )
+        check(isinstance(balance, bool), "balance", balance, "true or false")
+        self.classes_per_client, self.balance = classes_per_client, balance
+
+    def _split(self, pool, labels, rng):
+        classes = np.unique(labels[pool])
+        n, c, k = self.num_clients, len(classes), self.classes_per_client
+        check(k <= c, "classes_per_client", k, f"at most the {c} classes")
+        # ceil(n k / c) clients a class, c classes: n k places or more, so every client gets its k classes
+        lacking, parts = np.full(n, k), [[] for _ in range(n)]
+        for label in classes:
+            members = pool[labels[pool] == label]
+            chosen = np.flatnonzero(lacking > 0)[: int(np.ceil(n / c * k))]
+            share = len(members) / len(chosen)
+            low, high = int(max(share / 10, 1 / c)), int(share)
+            check(
+                self.balance or len(chosen) == 1 or low < high,
+                "num_clients",
+                n,
+                f"fewer: class {label} has {len(members)} samples for {len(chosen)} clients (PFLlib's draw needs "
+                f"[max(n / 10, 1 / C), n) to hold an integer)",
+            )
+            if self.balance:
+                sizes = [int(share)] * (len(chosen) - 1)
+            else:
+                sizes = rng.integers(low, high, size=len(chosen) - 1).tolist()
+            sizes.append(len(members) - sum(sizes))
+            for client, chunk in zip(chosen, np.split(members, np.cumsum(sizes)[:-1])):
+                parts[client].append(chunk)
+            lacking[chosen] -= 1
+        return [np.concatenate(p) for p in parts]
+
+
 class LabelSplit(Partition):
     """Explicit groups of clients owning explicit label sets (e.g. the FedStaleWeight paper's
     10 clients on labels 4-9 and 5 clients on labels 0-3).

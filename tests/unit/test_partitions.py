@@ -222,3 +222,27 @@ def test_partitions_are_pure_functions_of_labels_config_and_seed():
 def test_more_clients_than_samples_is_rejected():
     with pytest.raises(ConfigError, match="num_clients"):
         IID(num_clients=2000)(LABELS, rng())
+
+
+def test_the_pathological_split_deals_classes_as_pfllibs_generator_does():
+    from fedrun.partitions import Pathological
+
+    # 4 classes of 10 samples, 4 clients of 2 classes: ceil(4 / 4 * 2) = 2 clients a class, the first still lacking
+    labels = np.repeat(np.arange(4), 10)
+    parts = Pathological(num_clients=4, classes_per_client=2, balance=True)(labels, np.random.default_rng(0))
+    assert [sorted(set(labels[p].tolist())) for p in parts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [len(p) for p in parts] == [10, 10, 10, 10]  # balance: 5 of each class each
+    # PFLlib's 20 clients on 10 classes: groups of 4 on one label pair, each class cut unequally (the last chunk the
+    # rest), every sample dealt once
+    labels = np.repeat(np.arange(10), 600)
+    parts = Pathological(num_clients=20)(labels, np.random.default_rng(1))
+    assert [sorted(set(labels[p].tolist())) for p in parts] == [[2 * (i // 4), 2 * (i // 4) + 1] for i in range(20)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(6000))
+    for group in range(5):
+        for label in (2 * group, 2 * group + 1):
+            chunks = [int((labels[parts[4 * group + j]] == label).sum()) for j in range(4)]
+            assert all(15 <= size < 150 for size in chunks[:3])  # [max(150 / 10, 1 / 10), 150): 150 = 600 / 4
+            assert chunks[3] == 600 - sum(chunks[:3])
+    with pytest.raises(ConfigError) as refused:  # 2 samples a class for 4 clients: [0.1, 0.5) -> [0, 0) is empty
+        Pathological(num_clients=20)(np.repeat(np.arange(10), 2), np.random.default_rng(0))
+    assert refused.value.key == "num_clients"
