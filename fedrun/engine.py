@@ -304,6 +304,9 @@ def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, div
     return row | dict.fromkeys(tensors.columns, math.nan)
 
 
+JUDGED_TOGETHER = 256  # clients whose models are built and judged together (FedPer: 256 copies of the model)
+
+
 class Judge:
     """Each evaluated round, every client's model (``ClientState.models``: the global model, a personal one, a
     fine-tuned one) on the client's own held-out test and validation samples: the ``personal/`` columns
@@ -329,13 +332,19 @@ class Judge:
             parts = [self.clients[i] for i in clients]
             return self.trainer(starts, parts, clients, lr, work, self.seed, t, stream).deltas
 
-        models = self.client_state.models(params, ids, fit)
         row, x, y = {}, *self.tensors.held_out
+        judged = {"accuracy": [], "val_accuracy": []}
+        for lo in range(0, len(ids), JUDGED_TOGETHER):  # a model per client: a chunk of them in memory at a time
+            chunk = ids[lo : lo + JUDGED_TOGETHER]
+            models = self.client_state.models(params, chunk, fit)
+            for name, splits in (("accuracy", self.tests), ("val_accuracy", self.vals)):
+                if splits:
+                    judged[name].append(judged_accuracy(self.model, models, x, y, [splits[i] for i in chunk]))
         for name, splits in (("accuracy", self.tests), ("val_accuracy", self.vals)):
             if not splits:
                 row.update({f"personal/{name}_{s}": math.nan for s in STATISTICS})
                 continue
-            accuracy = judged_accuracy(self.model, models, x, y, splits)
+            accuracy = np.concatenate(judged[name])
             counts = np.array([len(split) for split in splits])
             row.update({f"personal/{name}_{s}": v for s, v in statistics(accuracy, counts).items()})
             if name == "accuracy":

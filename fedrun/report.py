@@ -324,6 +324,48 @@ def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accu
     return out
 
 
+def personal_accuracies(client, runs: pd.DataFrame, keys: list[str]) -> dict[str, np.ndarray]:
+    """Per group, every client's accuracy on its own test split at each run's selected round (on validation; the
+    last judged round without one), pooled over the group's runs: from the runs' ``personal_accuracy.csv``."""
+    import tempfile
+
+    out = {}
+    for values, group in groups(runs, keys):
+        pooled = []
+        for _, run in group.iterrows():
+            with tempfile.TemporaryDirectory() as scratch:
+                try:
+                    path = client.download_artifacts(run["run_id"], "personal_accuracy.csv", scratch)
+                except Exception:  # a run without client test splits logs none
+                    continue
+                table = pd.read_csv(path).set_index("round")
+            chosen = run.get("metrics.personal/selected_round")
+            row = table.loc[int(chosen)] if pd.notna(chosen) and int(chosen) in table.index else table.iloc[-1]
+            pooled.append(row.to_numpy(dtype=float))
+        if pooled:
+            out[legend_name(keys, values)] = np.concatenate(pooled)
+    return out
+
+
+def plot_distribution(accuracies: dict[str, np.ndarray], path: Path, title: str) -> Path:
+    """Each group's per-client accuracies: a box (quartiles, whiskers at 1.5 IQR) and every client as a point."""
+    from fedrun.plots import plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(accuracies) + 2), 5), layout="constrained")
+    names = list(accuracies)
+    data = [accuracies[name][~np.isnan(accuracies[name])] for name in names]
+    ax.boxplot(data, showfliers=False)
+    jitter = np.random.default_rng(0)  # the points' horizontal spread only
+    for i, values in enumerate(data, 1):
+        ax.plot(i + jitter.uniform(-0.15, 0.15, len(values)), values, "o", alpha=0.45, markersize=3)
+    ax.set_xticks(range(1, len(names) + 1), [f"{n}\n(n={len(d)})" for n, d in zip(names, data)], fontsize="small")
+    ax.set(ylabel="client's accuracy on its own test split", title=title)
+    ax.grid(alpha=0.3, axis="y")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def history(client, run_id: str, metric: str) -> list:
     """A metric's series by its plain name, under its MLflow name (``0_main/test_accuracy``) or, for a run stored
     before the main metrics had a section, the plain one."""
@@ -618,6 +660,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.experiment}: mean {metric}, 95% CI band",
                 metric,
                 step,
+            )
+        )
+    if args.personal and (accuracies := personal_accuracies(client, finished, keys)):
+        plots.append(
+            plot_distribution(
+                accuracies,
+                out / "personal_accuracy_distribution.png",
+                f"{args.experiment}: each client's accuracy at the round selected on validation",
             )
         )
     if args.per_mb:

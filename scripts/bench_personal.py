@@ -62,6 +62,7 @@ def main() -> None:
         "schedule.eval_every=1000",  # the last round only: rounds measure training and personal state
         "device=cpu",
         "device.backend=loop",
+        "device.threads=1",  # one core: the variants compare with each other, not with a run given every core
     ]
     print(f"population {args.clients:,}, cohort {args.cohort}, {args.rounds} rounds (digits, the CNN)")
     rows = {name: run(base + extra) for name, extra in VARIANTS.items()}
