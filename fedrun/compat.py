@@ -166,6 +166,18 @@ RULES = [
             "nothing and judges the global model only)"
         ),
     ),
+    # MVR's second update is trained from the previous global model by the trainer itself: a personal method's starts,
+    # phases and withheld coordinates would not apply to it, so its correction would move what clients keep.
+    Rule(
+        ("aggregator", "client_state"),
+        lambda p: p.aggregator.reads_second_update and (p.client_state.keeps or p.client_state.personal),
+        "aggregator",
+        lambda p: "mvr",
+        lambda p: (
+            f"an aggregator that reads one update per client with personalization={name(p.client_state).lower()} "
+            "(MVR's second update is trained from the previous global model, not from each client's own)"
+        ),
+    ),
     # An attack on the asynchronous engine: an arrival is trained and sent alone, so an attacker there poisons its
     # data or its own update; an update built from the round's other updates (ALIE, IPM, min-max, scale by the
     # cohort) has no round to see, and no asynchronous aggregator reads a reported loss.

@@ -66,7 +66,7 @@ def main() -> None:
     ]
     print(f"population {args.clients:,}, cohort {args.cohort}, {args.rounds} rounds (digits, the CNN)")
     rows = {name: run(base + extra) for name, extra in VARIANTS.items()}
-    print(pd.DataFrame(rows).T.to_markdown(floatfmt=".3g"))
+    print(pd.DataFrame(rows).T.round(3).to_string())
 
 
 if __name__ == "__main__":

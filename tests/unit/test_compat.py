@@ -78,6 +78,12 @@ CASES = [
         "nothing and judges the global model only)",
     ),
     (
+        lambda: {"aggregator": MVR(), "client_state": Keeping()},
+        "aggregator='mvr' is invalid: allowed is an aggregator that reads one update per client with "
+        "personalization=keeping (MVR's second update is trained from the previous global model, not from each "
+        "client's own)",
+    ),
+    (
         lambda: {"engine": asynchronous(), "attack": ALIE(fraction=0.1)},
         "engine='async' is invalid: allowed is sync with attack=ALIE (its update is built from the round's other "
         "updates; an asynchronous arrival is sent alone: label_flip, random_labels, sign_flip, gaussian, scale with a "
