@@ -10,7 +10,6 @@ from torch.nn.functional import cross_entropy
 
 from fedrun.aggregators import FedAvg
 from fedrun.checkpoint import Checkpoint
-from fedrun.datasets import FederatedData
 from fedrun.engine import run
 from fedrun.errors import ConfigError
 from fedrun.models import MLP, flat_parameters, load_flat
@@ -19,14 +18,9 @@ from fedrun.personal import Ditto, FedPer, FedRep, FineTune, Local, PersonalStor
 from fedrun.rounds import Schedule
 from fedrun.seeding import torch_generator, torch_seed
 from fedrun.state import Context
+from unit.test_parts import DATA, X, Y
 
-# Three clients whose labels are permuted differently (as in test_parts.py): a shared body, a head each.
-g = torch.Generator().manual_seed(0)
-X = torch.randn(150, 4, generator=g, dtype=torch.float64)
-TRUE = (X @ torch.randn(4, 3, generator=g, dtype=torch.float64)).argmax(1)
-PERMUTATIONS = [torch.tensor(p) for p in ([0, 1, 2], [1, 2, 0], [2, 0, 1])]
-Y = torch.cat([PERMUTATIONS[c][TRUE[50 * c : 50 * (c + 1)]] for c in range(3)])
-DATA = FederatedData(X, Y, X[:30], Y[:30], num_classes=3)
+# test_parts.py's three clients of 50 samples whose labels are permuted differently: a shared body, a head each.
 CLIENTS = [np.arange(50 * c, 50 * c + 34) for c in range(3)]  # trains on 34
 VALS = [np.arange(50 * c + 34, 50 * c + 40) for c in range(3)]  # 6 for validation
 TESTS = [np.arange(50 * c + 40, 50 * (c + 1)) for c in range(3)]  # its own 10 held out (indices into train)
