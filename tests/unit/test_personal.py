@@ -2,6 +2,7 @@
 hand, and the personal store's memory budget, spill and checkpoint."""
 
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,13 +34,23 @@ def model():
     return MLP((4,), 3, hidden=(8,)).double()
 
 
-def train(client_state=None, rounds=4, checkpoint=None, lr=LR, clients=CLIENTS, tests=TESTS, vals=VALS, **schedule):
+def train(
+    client_state=None,
+    rounds=4,
+    checkpoint=None,
+    lr=LR,
+    clients=CLIENTS,
+    tests=TESTS,
+    vals=VALS,
+    aggregator=None,
+    **schedule,
+):
     rows, per_client = [], []
     result = run(
         model(),
         DATA,
         clients,
-        Parts(FedAvg(), client_state=client_state),
+        Parts(aggregator or FedAvg(), client_state=client_state),
         functools.partial(torch.optim.SGD, lr=lr),
         Schedule(rounds=rounds, **({"local_steps": 2, "batch_size": 10} | schedule)),
         torch.device("cpu"),
@@ -255,3 +266,29 @@ def test_a_run_is_selected_on_validation_and_pfllibs_best_round_on_test_is_kept_
     assert values["personal/final_accuracy_p10"] == pytest.approx(0.6)  # round 5, the last judged
     assert values["personal/R60"] == 2  # the mean (0.75) first reaches 0.6 at round 2
     assert tags["personal/R90"] == "not_reached"  # the mean's best is 0.85
+
+
+AGGREGATORS = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "aggregator").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("method", ["fedper", "fedrep", "ditto"])
+def test_each_personal_method_runs_with_every_synchronous_aggregator_or_is_refused_in_one_line(compose_config, method):
+    from hydra.utils import instantiate
+
+    ran, refused = [], []
+    for name in AGGREGATORS:
+        cfg = compose_config(f"aggregator={name}", f"personalization={method}")
+        aggregator = instantiate(cfg.aggregator)
+        if aggregator.asynchronous or getattr(aggregator, "root_size", 0):  # the async engine refuses it (test_errors);
+            continue  # FLTrust's root set comes from the dataset (tests/e2e)
+        try:
+            result, rows, _ = train(instantiate(cfg.personalization), rounds=2, lr=0.1, aggregator=aggregator)
+        except ConfigError as error:
+            refused.append((name, str(error)))
+            continue
+        assert torch.isfinite(result.params).all() and not np.isnan(rows[-1]["personal/accuracy_mean"]), name
+        ran.append(name)
+    # MVR alone refuses a personal method; Krum's family refuses 3 clients, whatever the method (their own rule)
+    assert [name for name, line in refused if "personalization=" in line] == ["mvr"]
+    assert {name for name, line in refused if "personalization=" not in line} <= {"krum", "multikrum", "bulyan"}
+    assert {"fedavg", "fedsoftmax", "fedmax", "median", "trimmed_mean", "geomed", "fednova", "hybrid"} <= set(ran)
