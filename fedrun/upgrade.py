@@ -79,6 +79,7 @@ ADDED_GROUPS = {
     "sampler": {"_target_": "fedrun.sampling.Uniform"},  # before samplers: the schedule's uniform draw
     "compression": {},  # before compression: dense updates
     "attack": {"_target_": "fedrun.attacks.Attack"},  # before attacks: every client honest
+    "personalization": {"_target_": "fedrun.parts.ClientState"},  # before personalisation: the global model for all
 }
 
 

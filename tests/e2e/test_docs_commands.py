@@ -32,7 +32,8 @@ def test_the_pages_commands_run_as_written(page, tmp_path):
 # split, central privacy, a robust rule under attack, compression with selection and clipping, the asynchronous
 # engine, FLTrust, centered clipping and a hybrid.
 RUNS = [
-    "aggregator=fedsoftmax dataset.client_test_fraction=0.2 dataset.val_fraction=0.1 aggregator.trim=1",
+    "aggregator=fedsoftmax dataset.client_test_fraction=0.2 dataset.val_fraction=0.1 aggregator.trim=1 "
+    "personalization=fedper dataset.client_val_fraction=0.2",
     "privacy=central schedule.sampling=poisson schedule.clients_per_round=0.5",
     "aggregator=krum attack=sign_flip attack.fraction=0.2 aggregator.f=2",
     "compression=topk sampler=power_of_choice pipeline=clip schedule.clients_per_round=0.5",
