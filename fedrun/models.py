@@ -1,6 +1,7 @@
 """Models: each option of the ``model`` group builds an ``nn.Module`` for a dataset's input shape and classes."""
 
 import math
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -172,6 +173,44 @@ class LeafCNN(nn.Sequential):
             nn.Linear(64 * (height // 4) * (width // 4), 2048),
             nn.ReLU(),
             nn.Linear(2048, num_classes),
+        )
+
+
+class FedAvgCNN(nn.Sequential):
+    """PFLlib's CNN for MNIST and Fashion-MNIST (github TsingZ0/PFLlib, system/flcore/trainmodel/models.py,
+    ``FedAvgCNN(in_features=1, num_classes=10, dim=1024)``): conv 5x5 32 (unpadded), ReLU, max-pool 2; conv 5x5 64,
+    ReLU, max-pool 2; dense 512 with ReLU; dense to the classes. 582,026 parameters on 28x28 inputs and 10 classes
+    (pinned in a test). The modules keep PFLlib's names (``conv1``, ``conv2``, ``fc1``, ``fc``): its FedPer and FedRep
+    head is ``fc``, which is also this model's last layer (``personalization.personal`` null).
+
+    Args:
+        input_shape: (channels, height, width), from the dataset.
+        num_classes: From the dataset.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int):
+        if len(input_shape) != 3:
+            raise ConfigError("model", "fedavg_cnn", f"mlp or logistic for inputs of shape {tuple(input_shape)}")
+        channels, height, width = input_shape
+        out = [((n - 4) // 2 - 4) // 2 for n in (height, width)]  # each side after conv5x5, pool 2, conv5x5, pool 2
+        features = 64 * math.prod(out)
+        if min(out) < 1:
+            raise ConfigError(
+                "model", "fedavg_cnn", f"cnn for {height}x{width} inputs (fedavg_cnn needs at least 16x16)"
+            )
+        super().__init__(
+            OrderedDict(
+                conv1=nn.Conv2d(channels, 32, 5),
+                relu1=nn.ReLU(),
+                pool1=nn.MaxPool2d(2),
+                conv2=nn.Conv2d(32, 64, 5),
+                relu2=nn.ReLU(),
+                pool2=nn.MaxPool2d(2),
+                flatten=nn.Flatten(),
+                fc1=nn.Linear(features, 512),
+                relu3=nn.ReLU(),
+                fc=nn.Linear(512, num_classes),
+            )
         )
 
 

@@ -6,7 +6,7 @@ import torch
 
 from fedrun.datasets import MNIST, Digits, Synthetic
 from fedrun.errors import ConfigError
-from fedrun.models import CNN, MLP, BatchSoftmax, Logistic, count_parameters
+from fedrun.models import CNN, MLP, BatchSoftmax, FedAvgCNN, Logistic, count_parameters
 
 
 def test_digits_splits_and_normalisation():
@@ -71,6 +71,19 @@ def test_cnn_matches_the_papers_and_adapts_to_8x8():
         CNN((1, 8, 8), 10, padding=0)
     with pytest.raises(ConfigError, match="mlp or logistic"):
         CNN((60,), 10)
+
+
+def test_fedavg_cnn_is_pfllibs_with_its_sizes_and_names():
+    # PFLlib's FedAvgCNN(in_features=1, num_classes=10, dim=1024): 28 -conv5-> 24 -pool-> 12 -conv5-> 8 -pool-> 4, so
+    # 64 * 4 * 4 = 1024 features; parameters by hand: conv1 25*32+32, conv2 25*32*64+64, fc1 1024*512+512, fc 512*10+10
+    model = FedAvgCNN((1, 28, 28), 10)
+    assert count_parameters(model) == (25 * 32 + 32) + (25 * 32 * 64 + 64) + (1024 * 512 + 512) + (512 * 10 + 10)
+    assert count_parameters(model) == 582_026
+    assert [n for n, _ in model.named_parameters()][-2:] == ["fc.weight", "fc.bias"]  # PFLlib's head
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+    assert model.fc1.in_features == 1024 and FedAvgCNN((3, 32, 32), 10).fc1.in_features == 1600  # PFLlib's CIFAR dim
+    with pytest.raises(ConfigError, match="model='fedavg_cnn'.*16x16"):
+        FedAvgCNN((1, 8, 8), 10)
 
 
 def test_batch_softmax_normalises_each_class_over_the_batch_as_the_authors_convnet():
