@@ -281,6 +281,9 @@ def train_cohort(
     works = work if isinstance(work, list) else [work] * len(parts)
     dimension = global_params.shape[-1]
     deltas = torch.empty(len(parts), dimension, dtype=global_params.dtype, device=global_params.device)
+    mixing = any(job.mix is not None for job in works)  # APFL: a personal model and its alpha train beside w
+    personal_deltas = torch.zeros_like(deltas) if mixing else None
+    mixes = np.full(len(parts), np.nan) if mixing else None
     local_mean, local_authors = np.full(len(parts), np.nan), np.full(len(parts), np.nan)
     steps, norms = np.zeros(len(parts), dtype=int), np.zeros(len(parts))
     model.train()
@@ -298,13 +301,20 @@ def train_cohort(
         generator = torch_generator(seed, stream, client_round, int(client))
         plain = plain_sgd_step(optimizer)
         batch_losses, batch_sizes = [], []
+        if job.mix is not None:
+            v, alpha = job.personal.to(start), float(job.mix)
         for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, generator):
+            if job.mix is not None:  # from the step's (w, v, alpha), before w moves: the same mini-batch
+                chosen = index[batch.to(x.device)]
+                v, alpha = apfl_step(model, flat_parameters(model), v, alpha, x[chosen], y[chosen], lr, job.mix_lr)
             closure = _loss_closure(model, optimizer, x, y, index[batch.to(x.device)], pull)
             batch_losses.append((plain(closure) if plain else optimizer.step(closure)).detach())
             batch_sizes.append(len(batch))
         for parameter in model.parameters():
             parameter.requires_grad_(True)
         deltas[row] = flat_parameters(model) - start
+        if job.mix is not None:
+            personal_deltas[row], mixes[row] = v - job.personal.to(start), alpha
         steps[row] = len(batch_losses)
         norms[row] = solver_coefficient_norm(optimizer, len(batch_losses), lr)
         if batch_losses:
@@ -313,7 +323,41 @@ def train_cohort(
             local_mean[row] = np.average(epoch_losses, weights=batch_sizes[-last:])
             local_authors[row] = epoch_losses.sum() / len(part)
     model.eval()
-    return CohortUpdate(deltas, ClientLosses(local_mean, local_authors), steps, norms)
+    return CohortUpdate(deltas, ClientLosses(local_mean, local_authors), steps, norms, personal_deltas, mixes)
+
+
+def apfl_step(
+    model: nn.Module,
+    w: torch.Tensor,
+    v: torch.Tensor,
+    alpha: float,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    lr: float,
+    alpha_lr: float,
+) -> tuple[torch.Tensor, float]:
+    """One local step of APFL's personal model (Deng et al. 2020, "Adaptive Personalized Federated Learning",
+    arXiv:2003.13461, Algorithm 1), on the mini-batch (x, y) that also steps w:
+
+        v_bar = alpha v + (1 - alpha) w,  g = grad f(v_bar),
+        v' = v - lr * alpha * g                          (the gradient of f(v_bar) in v),
+        alpha' = clip(alpha - alpha_lr * <v - w, g>, 0, 1)  (its gradient in alpha; only when alpha_lr > 0).
+
+    alpha stays in [0, 1], where v_bar is a mixture (the paper's alpha is a mixing weight; PFLlib clips as well).
+    PFLlib's clientapfl.py differs: it steps v on f(v) itself, approximates g by alpha grad f(v) + (1 - alpha)
+    grad f(w) and adds 0.02 alpha to alpha's gradient; FL-bench mixes the two models' logits instead. Returns
+    (v', alpha')."""
+    mixed = (alpha * v + (1 - alpha) * w).requires_grad_(True)
+    views, start = {}, 0
+    for name, p in model.named_parameters():
+        views[name] = mixed[start : start + p.numel()].view(p.shape)
+        start += p.numel()
+    loss = cross_entropy(torch.func.functional_call(model, views, (x,)), y)
+    (g,) = torch.autograd.grad(loss, mixed)
+    stepped = v - (lr * alpha) * g  # both from the step's (w, v, alpha)
+    if alpha_lr:
+        alpha = min(1.0, max(0.0, alpha - alpha_lr * float(torch.dot(v - w, g))))
+    return stepped, alpha
 
 
 class FStarEstimate:

@@ -20,6 +20,9 @@ class LocalWork:
     A personalisation method (``fedrun.personal``) may also say what is trained and towards what: ``freeze``
     names parameters that stay as they started (FedRep's phases), and ``prox`` > 0 adds (prox / 2) ||w - anchor||^2
     to the local loss (Ditto's personal objective, whose anchor is the round's global model, not the start).
+    ``mix`` (APFL's alpha) trains a personal model ``personal`` beside the client's copy of the global one, on the
+    same mini-batches, through their mixture alpha v + (1 - alpha) w; ``mix_lr`` > 0 also learns alpha
+    (``fedrun.clients.apfl_step``).
     """
 
     batch_size: int
@@ -28,11 +31,14 @@ class LocalWork:
     freeze: tuple[str, ...] = ()
     prox: float = 0.0
     anchor: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    mix: float | None = None
+    mix_lr: float = 0.0
+    personal: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def plain(self) -> bool:
         """Whether every parameter trains on the plain local loss (what every backend's fast path assumes)."""
-        return not self.freeze and not self.prox
+        return not self.freeze and not self.prox and self.mix is None
 
 
 @dataclass
@@ -65,12 +71,16 @@ class CohortUpdate:
         local_losses: Each client's running training loss over its last local epoch.
         steps: Local mini-batch steps each client took.
         coefficient_norms: FedNova's ||a_i||_1 of each client's solver and steps.
+        personal_deltas: With ``LocalWork.mix`` (APFL): v_i' - v_i, each client's personal-model update; else None.
+        mixes: With ``LocalWork.mix``: each client's alpha after its local work; else None.
     """
 
     deltas: torch.Tensor
     local_losses: ClientLosses
     steps: np.ndarray
     coefficient_norms: np.ndarray
+    personal_deltas: torch.Tensor | None = None
+    mixes: np.ndarray | None = None
 
     @staticmethod
     def concat(parts: list["CohortUpdate"], params: torch.Tensor) -> "CohortUpdate":
@@ -86,6 +96,8 @@ class CohortUpdate:
             local_losses=ClientLosses.concat([p.local_losses for p in parts]),
             steps=np.concatenate([p.steps for p in parts]),
             coefficient_norms=np.concatenate([p.coefficient_norms for p in parts]),
+            personal_deltas=None if parts[0].personal_deltas is None else torch.cat([p.personal_deltas for p in parts]),
+            mixes=None if parts[0].mixes is None else np.concatenate([p.mixes for p in parts]),
         )
 
 

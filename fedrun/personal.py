@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedrun.cohort import CohortUpdate
-from fedrun.errors import check
+from fedrun.errors import ConfigError, check
 from fedrun.parts import ClientState
 from fedrun.state import Context
 
@@ -348,6 +348,59 @@ class Ditto(Personalization):
 
     def models(self, params: torch.Tensor, clients: np.ndarray, fit) -> torch.Tensor:
         return self._own(clients, params)
+
+
+class APFL(Personalization):
+    """APFL (Deng et al. 2020, "Adaptive Personalized Federated Learning", arXiv:2003.13461, Algorithm 1): each
+    selected client trains its copy of the global model w as the run's solver says and, on the same mini-batches,
+    its own model v through the mixture v_bar = alpha v + (1 - alpha) w, learning alpha too when ``alpha_lr`` > 0
+    (``fedrun.clients.apfl_step``); w's update goes to the aggregator. A client is served v_bar = alpha_i v_i +
+    (1 - alpha_i) w with w the current global model, v_i^0 = w^0 and alpha_i^0 = ``alpha``.
+
+    Args:
+        alpha: The initial (or, with ``alpha_lr`` 0, fixed) mixing weight in [0, 1]: 0 serves the global model, 1
+            the personal one alone.
+        alpha_lr: Step size of alpha's gradient step; null: the round's local learning rate (the paper's one eta);
+            0: alpha stays fixed.
+        memory_mb: See ``Personalization``.
+    """
+
+    def __init__(self, alpha: float = 0.5, alpha_lr: float | None = None, memory_mb: float = 1024.0):
+        super().__init__(memory_mb)
+        check(isinstance(alpha, (int, float)) and 0 <= alpha <= 1, "alpha", alpha, "a number in [0, 1]")
+        check(
+            alpha_lr is None or (isinstance(alpha_lr, (int, float)) and alpha_lr >= 0),
+            "alpha_lr",
+            alpha_lr,
+            "null (the round's local learning rate) or a number >= 0",
+        )
+        self.alpha, self.alpha_lr = float(alpha), alpha_lr
+
+    def _own(self, clients, params: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        """Each client's v_i (w^0 until it trains) and alpha_i (stored as one row: v_i, then alpha_i)."""
+        initial = torch.cat([self.context.initial.to(params), params.new_tensor([self.alpha])])
+        rows = torch.stack([_or(self.store.get(int(c)), initial).to(params) for c in clients])
+        return rows[:, :-1], rows[:, -1].double().cpu().numpy()
+
+    def train(self, trainer, starts, data, cohort, lr, works, seed, t) -> CohortUpdate:
+        if not len(cohort):
+            return trainer(starts, data, cohort, lr, works, seed, t)
+        w = starts if starts.dim() == 1 else starts[0]
+        own, alphas = self._own(cohort, w)
+        step = lr if self.alpha_lr is None else self.alpha_lr
+        jobs = [replace(job, mix=float(a), mix_lr=float(step), personal=v) for job, a, v in zip(works, alphas, own)]
+        trained = trainer(starts, data, cohort, lr, jobs, seed, t)
+        if trained.personal_deltas is None:  # a backend of one's own that does not know LocalWork.mix
+            raise ConfigError("device.backend", type(trainer).__name__, "a backend that trains APFL's personal model")
+        for row, client in enumerate(cohort):
+            v = own[row] + trained.personal_deltas[row]
+            self.store.put(int(client), torch.cat([v, v.new_tensor([trained.mixes[row]])]).cpu())
+        return trained
+
+    def models(self, params: torch.Tensor, clients: np.ndarray, fit) -> torch.Tensor:
+        own, alphas = self._own(clients, params)
+        alpha = torch.as_tensor(alphas, dtype=params.dtype, device=params.device).unsqueeze(1)
+        return alpha * own + (1 - alpha) * params
 
 
 class FineTune(ClientState):

@@ -19,7 +19,7 @@ OPTIONS = sorted(
 OBJECT_GROUPS = tuple(g for g in CONFIG_GROUPS if g not in ("model", "method", "defence", "experiment"))
 GLOBAL_GROUPS = ("experiment", "sweep", "method", "defence")  # presets that set keys across groups
 # Small shapes that each model option accepts: images for the CNN, anything for the others.
-MODEL_INPUT = {"cnn": (1, 8, 8), "char_lstm": (12,)}
+MODEL_INPUT = {"cnn": (1, 8, 8), "fedavg_cnn": (1, 28, 28), "char_lstm": (12,)}
 MODEL_DTYPE = {"char_lstm": torch.int64}  # symbol indices
 
 

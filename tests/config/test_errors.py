@@ -25,6 +25,8 @@ BAD = [
     (["personalization=ditto", "personalization.lam=-1"], "personalization.lam"),
     (["personalization=ditto", "personalization.memory_mb=0"], "personalization.memory_mb"),
     (["personalization=finetune", "personalization.epochs=-1"], "personalization.epochs"),
+    (["personalization=apfl", "personalization.alpha=2"], "personalization.alpha"),
+    (["personalization=apfl", "personalization.alpha_lr=-1"], "personalization.alpha_lr"),
     (["personalization=ditto", "aggregator=fedbuff", "dataset.client_test_fraction=0.2"], "engine"),
     (["partition.num_clients=0"], "partition.num_clients"),
     (["partition.num_clients=100000"], "partition.num_clients"),

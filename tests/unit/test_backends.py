@@ -14,7 +14,7 @@ from fedrun.cohort import Lazy, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
 from fedrun.errors import ConfigError
-from fedrun.models import CNN, MLP
+from fedrun.models import CNN, MLP, flat_parameters
 from fedrun.optimizers import ProxSGD
 from fedrun.parts import Parts
 
@@ -144,6 +144,26 @@ def test_worker_processes_equal_the_loop_in_float64():
         torch.testing.assert_close(forked.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(forked.local_losses.mean, loop.local_losses.mean, rtol=1e-10)
         assert list(forked.steps) == list(loop.steps) == [6, 14, 14]
+
+
+def test_worker_processes_train_apfls_personal_models_and_alphas_as_the_loop_does():
+    from fedrun.backends import Device
+    from fedrun.clients import LocalWork
+
+    torch.manual_seed(1)
+    personal = [flat_parameters(CNN((3, 8, 8), 4).double()) for _ in range(3)]
+    works = [LocalWork(4, local_epochs=2, mix=a, mix_lr=0.05, personal=v) for a, v in zip((0.2, 0.5, 0.9), personal)]
+    make = functools.partial(torch.optim.SGD, lr=0.05)
+    loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64, work_override=works)
+    forked = cohort_update(
+        Device("cpu", "contiguous", "processes", workers=2), make, torch.float64, work_override=works
+    )
+    vmapped = cohort_update(Device("cpu", "contiguous", "vmap"), make, torch.float64, work_override=works)
+    for other in (forked, vmapped):  # vmap hands a mixing cohort to the loop
+        torch.testing.assert_close(other.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(other.personal_deltas, loop.personal_deltas, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(other.mixes, loop.mixes, rtol=1e-10)
+    assert loop.personal_deltas.abs().sum() > 0 and not np.allclose(loop.mixes, [0.2, 0.5, 0.9])
 
 
 def test_workers_started_by_forkserver_equal_the_loop_in_float64():

@@ -11,11 +11,12 @@ from torch.nn.functional import cross_entropy
 
 from fedrun.aggregators import FedAvg
 from fedrun.checkpoint import Checkpoint
+from fedrun.clients import apfl_step
 from fedrun.engine import run
 from fedrun.errors import ConfigError
 from fedrun.models import MLP, flat_parameters, load_flat
 from fedrun.parts import ClientState, Parts, layout
-from fedrun.personal import Ditto, FedPer, FedRep, FineTune, Local, PersonalStore, statistics
+from fedrun.personal import APFL, Ditto, FedPer, FedRep, FineTune, Local, PersonalStore, statistics
 from fedrun.rounds import Schedule
 from fedrun.seeding import torch_generator, torch_seed
 from fedrun.state import Context
@@ -181,11 +182,55 @@ def test_ditto_trains_the_global_model_as_fedavg_and_a_large_lambda_keeps_the_pe
     assert torch.allclose(free.store.get(0), w0 + _local_delta(0, lr, steps), atol=1e-12)
 
 
-def _local_delta(client: int, lr: float, steps: int) -> torch.Tensor:
-    """Client ``client``'s round-1 update from w^0 on the personal stream (``steps`` steps of 10, across epochs)."""
+def test_an_apfl_step_by_hand():
+    # One feature, two classes, no bias: logits = W x with W (2 x 1); cross-entropy's gradient in W is
+    # (softmax(W x) - onehot(y)) x, averaged over the batch. w = (1, 0), v = (0, 2), alpha = 0.25, lr = 0.5,
+    # alpha_lr = 0.1, samples x = 1 (label 0) and x = 2 (label 1).
+    net = torch.nn.Linear(1, 2, bias=False).double()
+    w, v = torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0.0, 2.0], dtype=torch.float64)
+    x, y = torch.tensor([[1.0], [2.0]], dtype=torch.float64), torch.tensor([0, 1])
+    mixed = np.array([0.75, 0.5])  # 0.25 v + 0.75 w
+    g = np.zeros(2)
+    for xi, yi in ((1.0, 0), (2.0, 1)):
+        p = np.exp(mixed * xi) / np.exp(mixed * xi).sum()
+        g += (p - np.eye(2)[yi]) * xi / 2
+    stepped, alpha = apfl_step(net, w, v, 0.25, x, y, lr=0.5, alpha_lr=0.1)
+    assert np.allclose(stepped.numpy(), v.numpy() - 0.5 * 0.25 * g, atol=1e-15)  # v - lr alpha grad f(v_bar)
+    assert alpha == pytest.approx(0.25 - 0.1 * float((v.numpy() - w.numpy()) @ g), abs=1e-15)  # - <v - w, g>
+    assert apfl_step(net, w, v, 0.25, x, y, lr=0.5, alpha_lr=0.0)[1] == 0.25  # alpha_lr 0: alpha fixed
+    assert apfl_step(net, w, v, 0.25, x, y, lr=0.5, alpha_lr=1e6)[1] in (0.0, 1.0)  # kept in [0, 1]
+
+
+def test_apfl_trains_the_global_model_as_fedavg_and_alpha_one_trains_v_as_local_training():
+    fedavg, fedavg_rows, _ = train(rounds=2)
+    served_global, rows, _ = train(APFL(alpha=0.0, alpha_lr=0.0), rounds=2)
+    assert torch.equal(served_global.params, fedavg.params)  # w's local work, upload and aggregation unchanged
+    assert personal(rows) == personal(fedavg_rows)  # alpha 0: each client is served the global model
+    alone = APFL(alpha=1.0, alpha_lr=0.0)
+    train(alone, rounds=1, lr=0.01, local_steps=20)
+    w0 = flat_parameters(model())
+    for client in range(3):  # v_bar = v: v's steps are plain SGD on f(v), on the round's own mini-batches
+        v, alpha = alone.store.get(client)[:-1], float(alone.store.get(client)[-1])
+        assert alpha == 1.0
+        assert torch.allclose(v, w0 + _local_delta(client, 0.01, 20, stream="batches"), atol=1e-12)
+
+
+def test_apfl_learns_alpha_and_serves_the_mixture_with_the_current_global_model():
+    state = APFL(alpha=0.5)
+    result, rows, series = train(state, rounds=3)
+    alphas = [float(state.store.get(c)[-1]) for c in range(3)]
+    assert all(0 <= a <= 1 for a in alphas) and alphas != [0.5, 0.5, 0.5]
+    served = state.models(result.params, np.arange(3), None)
+    for c in range(3):
+        v, a = state.store.get(c)[:-1], float(state.store.get(c)[-1])
+        assert torch.allclose(served[c], a * v + (1 - a) * result.params, atol=1e-12)
+
+
+def _local_delta(client: int, lr: float, steps: int, stream: str = "personal") -> torch.Tensor:
+    """Client ``client``'s round-1 update from w^0 on ``stream`` (``steps`` steps of 10, across epochs)."""
     net, part = model(), torch.as_tensor(CLIENTS[client])
     w0, opt = flat_parameters(net), torch.optim.SGD(net.parameters(), lr=lr)
-    generator = torch_generator(0, "personal", 1, client)
+    generator = torch_generator(0, stream, 1, client)
     batches = [
         o[k : k + 10] for o in (torch.randperm(34, generator=generator) for _ in range(steps)) for k in range(0, 34, 10)
     ]
@@ -197,7 +242,7 @@ def _local_delta(client: int, lr: float, steps: int) -> torch.Tensor:
     return flat_parameters(net) - w0
 
 
-@pytest.mark.parametrize("method", [FedPer, FedRep, Ditto, Local])
+@pytest.mark.parametrize("method", [FedPer, FedRep, Ditto, Local, APFL])
 def test_personal_state_is_checkpointed_and_restored_exactly(tmp_path, method):
     whole, whole_rows, whole_series = train(method(), rounds=5)
     train(method(), rounds=2, checkpoint=Checkpoint(tmp_path, every=1))
@@ -271,7 +316,7 @@ def test_a_run_is_selected_on_validation_and_pfllibs_best_round_on_test_is_kept_
 AGGREGATORS = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "aggregator").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("method", ["fedper", "fedrep", "ditto"])
+@pytest.mark.parametrize("method", ["fedper", "fedrep", "ditto", "apfl"])
 def test_each_personal_method_runs_with_every_synchronous_aggregator_or_is_refused_in_one_line(compose_config, method):
     from hydra.utils import instantiate
 
