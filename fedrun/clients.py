@@ -302,19 +302,20 @@ def train_cohort(
         plain = plain_sgd_step(optimizer)
         batch_losses, batch_sizes = [], []
         if job.mix is not None:
-            v, alpha = job.personal.to(start), float(job.mix)
+            v0 = job.personal.to(start)
+            v, alpha = v0, float(job.mix)
         for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, generator):
+            chosen = index[batch.to(x.device)]
             if job.mix is not None:  # from the step's (w, v, alpha), before w moves: the same mini-batch
-                chosen = index[batch.to(x.device)]
                 v, alpha = apfl_step(model, flat_parameters(model), v, alpha, x[chosen], y[chosen], lr, job.mix_lr)
-            closure = _loss_closure(model, optimizer, x, y, index[batch.to(x.device)], pull)
+            closure = _loss_closure(model, optimizer, x, y, chosen, pull)
             batch_losses.append((plain(closure) if plain else optimizer.step(closure)).detach())
             batch_sizes.append(len(batch))
         for parameter in model.parameters():
             parameter.requires_grad_(True)
         deltas[row] = flat_parameters(model) - start
         if job.mix is not None:
-            personal_deltas[row], mixes[row] = v - job.personal.to(start), alpha
+            personal_deltas[row], mixes[row] = v - v0, alpha
         steps[row] = len(batch_losses)
         norms[row] = solver_coefficient_norm(optimizer, len(batch_losses), lr)
         if batch_losses:
