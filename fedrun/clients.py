@@ -4,6 +4,7 @@
 parallelised or vectorised later without touching the round loop.
 """
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -12,7 +13,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
-from fedrun.models import flat_parameters, load_flat
+from fedrun.models import batch_norms, flat_parameters, load_flat
 from fedrun.optimizers import base_lr, coefficient_norm
 from fedrun.seeding import torch_generator
 
@@ -28,11 +29,75 @@ def eval_chunk(model: nn.Module, device: torch.device) -> int:
     return getattr(model, "eval_batch", None) or EVAL_BATCH.get(device.type, EVAL_BATCH["cuda"])
 
 
+Calibration = tuple[torch.Tensor, torch.Tensor | None]  # (inputs, index into them or None for all): see calibrate
+
+
+class _Reached(Exception):
+    """Raised by a hook at the batch-norm layer being calibrated: the layers after it need not run."""
+
+    def __init__(self, inputs: torch.Tensor):
+        self.inputs = inputs
+
+
+def _stop(module: nn.Module, inputs: tuple) -> None:
+    raise _Reached(inputs[0])
+
+
+@torch.no_grad()  # not inference_mode: the statistics may meet autograd later (a forward outside evaluation)
+def calibrate(model: nn.Module, x: torch.Tensor, index: torch.Tensor | None = None) -> None:
+    """Set the statistics of every ``fedrun.models.BatchNorm`` of ``model`` to the per-channel mean and biased
+    variance of its inputs over ``x[index]`` (all of ``x`` when ``index`` is None), under the loaded parameters.
+
+    Layer by layer, in order: a layer's inputs are computed with the layers before it normalised by the statistics
+    already set, so each layer's statistics are exactly those it sees in evaluation (one pass over the inputs per
+    layer; ``torch.optim.swa_utils.update_bn`` takes one pass in training mode, which averages per-batch statistics
+    of inputs normalised by the batches' own, and depends on the batch size). Sums in float64. Nothing to do for a
+    model without batch norm.
+    """
+    norms = batch_norms(model)
+    if not norms:
+        return
+    count = len(x) if index is None else len(index)
+    if not count:
+        raise ValueError("batch-norm statistics of no inputs (a client without training samples)")
+    training, chunk = model.training, EVAL_BATCH.get(x.device.type, EVAL_BATCH["cuda"])
+    model.eval()
+    for norm in norms:
+        norm.statistics = None
+    try:
+        for norm in norms:
+            total, square, handle = 0.0, 0.0, norm.register_forward_pre_hook(_stop)
+            try:
+                for start in range(0, count, chunk):
+                    try:
+                        model(x[start : start + chunk] if index is None else x[index[start : start + chunk]])
+                    except _Reached as reached:
+                        h = reached.inputs.double()
+                    dims = [0, *range(2, h.dim())]
+                    total, square = total + h.sum(dims), square + (h * h).sum(dims)
+            finally:
+                handle.remove()
+            values = count * math.prod(h.shape[2:])  # per channel
+            mean = total / values
+            variance = (square / values - mean * mean).clamp_min(0.0)
+            norm.statistics = (mean.to(norm.weight.dtype), variance.to(norm.weight.dtype))
+    finally:
+        model.train(training)
+
+
 def per_sample_loss(
-    model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module,
+    params: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    calibration: Calibration | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy and correctness of every sample under the flat parameters ``params``."""
+    """Cross-entropy and correctness of every sample under the flat parameters ``params``; a batch-norm model
+    normalised by the statistics of the ``calibration`` inputs (``calibrate``), which it then needs."""
+    model.eval()  # batch norm by its statistics, not the evaluated batch's
     load_flat(model, params)
+    if calibration is not None:
+        calibrate(model, *calibration)
     with torch.inference_mode():  # no autograd bookkeeping at all: cheaper than no_grad
         return _per_sample_loss(model, x, y)
 
@@ -48,9 +113,11 @@ def _per_sample_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tupl
     return torch.cat(losses), torch.cat(correct)
 
 
-def evaluate(model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """(accuracy, mean loss) of ``params`` on a split."""
-    loss, correct = per_sample_loss(model, params, x, y)
+def evaluate(
+    model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, calibration: Calibration | None = None
+) -> tuple[float, float]:
+    """(accuracy, mean loss) of ``params`` on a split (``calibration``: see ``per_sample_loss``)."""
+    loss, correct = per_sample_loss(model, params, x, y, calibration)
     return correct.float().mean().item(), loss.mean().item()
 
 
@@ -70,7 +137,8 @@ def cohort_losses(
     model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], batch_size: int
 ) -> ClientLosses:
     """F_i(w): each cohort client's training loss under ``params``, in one pass over their data (one pass per
-    client when the model's outputs depend on their batch, ``BatchSoftmax``: two clients never share one).
+    client when the model's outputs depend on their batch, ``BatchSoftmax``: two clients never share one; or on
+    the client's own data, ``BatchNorm``: each client normalises by its own statistics, the only ones it has).
     ``params`` may hold one row per client (each client's loss under its own model)."""
     if not parts:
         return ClientLosses.concat([])
@@ -78,12 +146,15 @@ def cohort_losses(
         return ClientLosses.concat(
             [cohort_losses(model, params[i], x, y, [part], batch_size) for i, part in enumerate(parts)]
         )
-    if hasattr(model, "eval_batch"):
+    if hasattr(model, "eval_batch") or batch_norms(model):
+        model.eval()
         load_flat(model, params)  # once for all clients
-        with torch.inference_mode():
-            loss = torch.cat(
-                [_per_sample_loss(model, x[i], y[i])[0] for i in (torch.as_tensor(p, device=x.device) for p in parts)]
-            )
+        pieces = []
+        for index in (torch.as_tensor(p, device=x.device) for p in parts):
+            calibrate(model, x, index)
+            with torch.inference_mode():
+                pieces.append(_per_sample_loss(model, x[index], y[index])[0])
+        loss = torch.cat(pieces)
     else:
         index = torch.as_tensor(np.concatenate(parts), device=x.device)
         loss, _ = per_sample_loss(model, params, x[index], y[index])
@@ -113,32 +184,59 @@ def client_accuracy(
     x: torch.Tensor,
     y: torch.Tensor,
     tests: list[np.ndarray],
+    own: tuple[torch.Tensor, list[np.ndarray]] | None = None,
 ) -> np.ndarray:
     """Each local model's (w + Delta_i) accuracy on its client's own held-out samples; ``global_params`` may hold
-    one start per client (a client state's)."""
+    one start per client (a client state's). ``own``: (training inputs, each client's training indices), whose
+    statistics a batch-norm model is normalised by on its client."""
     accuracy = []
     for row, (delta, test) in enumerate(zip(deltas, tests)):
         index = torch.as_tensor(test, device=x.device)
-        accuracy.append(evaluate(model, per_client_start(global_params, row) + delta, x[index], y[index])[0])
+        model_ = per_client_start(global_params, row) + delta
+        accuracy.append(evaluate(model, model_, x[index], y[index], _own_calibration(own, row))[0])
     return np.array(accuracy)
 
 
+def _own_calibration(own: tuple[torch.Tensor, list[np.ndarray]] | None, row: int) -> Calibration | None:
+    """Client ``row``'s calibration: its own training inputs (see ``client_accuracy``)."""
+    if own is None:
+        return None
+    inputs, parts = own
+    return inputs, torch.as_tensor(parts[row], device=inputs.device)
+
+
 def judged_accuracy(
-    model: nn.Module, models: torch.Tensor, x: torch.Tensor, y: torch.Tensor, splits: list[np.ndarray]
-) -> np.ndarray:
-    """Each client's accuracy on its own held-out ``splits`` under its model: ``models`` is one flat model for all
-    (one pass over every split) or one row per client. NaN for a client with no held-out sample."""
-    counts = [len(split) for split in splits]
-    if models.dim() == 1:
-        index = torch.as_tensor(np.concatenate(splits) if splits else np.zeros(0, int), device=x.device)
-        _, correct = per_sample_loss(model, models, x[index], y[index])
-        pieces = correct.double().cpu().split(counts)
+    model: nn.Module,
+    models: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    split_sets: list[list[np.ndarray]],
+    own: tuple[torch.Tensor, list[np.ndarray]] | None = None,
+) -> list[np.ndarray]:
+    """Each client's accuracy on each of its own held-out splits (``split_sets``: a list of per-client splits, e.g.
+    the test splits and the validation splits) under its model: ``models`` is one flat model for all (one pass over
+    every split) or one row per client (one pass per client over its splits). NaN for a client with no sample in a
+    split. ``own``: as in ``client_accuracy`` (a batch-norm model is judged client by client, each normalised by
+    its own statistics, computed once for all its splits). Returns one array per split set."""
+    clients = len(split_sets[0]) if split_sets else 0
+    per_client = [[splits[i] for splits in split_sets] for i in range(clients)]  # client by client
+    norm = own is not None and bool(batch_norms(model))
+    if models.dim() == 1 and not norm:  # split set by split set (a batch-dependent head sees the same batches)
+        by_set = []
+        for splits in split_sets:
+            index = torch.as_tensor(np.concatenate([np.zeros(0, np.int64), *splits]), device=x.device)
+            correct = per_sample_loss(model, models, x[index], y[index])[1].double().cpu()
+            by_set.append(correct.split([len(split) for split in splits]))
+        pieces = [piece for client in zip(*by_set) for piece in client]  # client by client
     else:
-        pieces = [
-            per_sample_loss(model, models[row], x[index], y[index])[1].double().cpu()
-            for row, index in enumerate(torch.as_tensor(split, device=x.device) for split in splits)
-        ]
-    return np.array([float(p.mean()) if len(p) else np.nan for p in pieces])
+        pieces = []
+        for row, splits in enumerate(per_client):
+            index = torch.as_tensor(np.concatenate(splits), device=x.device)
+            calibration = _own_calibration(own, row) if norm else None
+            correct = per_sample_loss(model, per_client_start(models, row), x[index], y[index], calibration)[1]
+            pieces += correct.double().cpu().split([len(split) for split in splits])
+    accuracy = np.array([float(p.mean()) if len(p) else np.nan for p in pieces]).reshape(clients, len(split_sets))
+    return list(accuracy.T)
 
 
 def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator: torch.Generator):

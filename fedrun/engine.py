@@ -19,9 +19,9 @@ from fedrun.clients import FStarEstimate, client_accuracy, evaluate, judged_accu
 from fedrun.cohort import ClientLosses, Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError
-from fedrun.models import flat_parameters
+from fedrun.models import batch_norm_names, batch_norms, flat_parameters
 from fedrun.optimizers import base_lr
-from fedrun.partitions import client_sizes
+from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
 from fedrun.personal import STATISTICS, columns, statistics
 from fedrun.rounds import Bits, RunResult, Schedule, Timer, attack_columns, malicious_table, progress, record
@@ -79,10 +79,11 @@ def run(
     Returns: The final model and the metrics rows.
     """
     device, sizes = as_device(device), client_sizes(clients)  # a population's sizes: one shared array
-    tensors, weighting = Tensors.on(device, model, data), getattr(parts.aggregator, "weighting", "samples")
+    tensors, weighting = Tensors.on(device, model, data, clients), getattr(parts.aggregator, "weighting", "samples")
     first_lr, initial = base_lr(optimizer), flat_parameters(model)  # w_0, where the F* estimate starts
     workdir = checkpoint.path.parent if checkpoint is not None else None
-    parts.bind(Context(schedule, sizes, seed, weighting, layout=layout(model), initial=initial, workdir=workdir))
+    shape = dict(layout=layout(model), batch_norm=batch_norm_names(model))  # the flat model's layers, by name
+    parts.bind(Context(schedule, sizes, seed, weighting, initial=initial, workdir=workdir, **shape))
     loop, result, first = Loop(initial, numpy_rng(seed, "sampling")), RunResult(initial), 1
     if (saved := parts.restore(checkpoint)) is not None:  # the loop as it was after round saved["round"]
         loop, first = Loop(**saved["loop"]), saved["round"] + 1
@@ -120,7 +121,7 @@ def run(
                 sent = parts.attack.updates(t, cohort, parts.client_state.upload(trained.deltas), lying, view)
                 sent, stage_diagnostics = parts.stages(sent, cohort, t)
                 parts.stages.end_round()
-            local = client_accuracy_column(model, starts, trained.deltas, tensors, client_tests, cohort)
+            local = client_accuracy_column(model, starts, trained.deltas, tensors, client_tests, cohort, own)
             with timer("aggregate_wall_s"):
                 update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, sent, view)
                 parts.sampler.observe(cohort, sent)
@@ -166,16 +167,23 @@ class Tensors:
     x_val: torch.Tensor | None
     y_val: torch.Tensor | None
     held_out: tuple  # what client_tests index: (x, y)
+    calibration: tuple | None = None  # a batch-norm model's statistics on the server: every client's training inputs
 
     @classmethod
-    def on(cls, device: Device, model: nn.Module, data: FederatedData) -> "Tensors":
+    def on(cls, device: Device, model: nn.Module, data: FederatedData, clients=None) -> "Tensors":
         has_val = data.x_val is not None and len(data.y_val) > 0
         val = (data.x_val, data.y_val) if has_val else (None, None)
         x, y, x_test, y_test, x_val, y_val = device.prepare(
             model, data.x_train, data.y_train, data.x_test, data.y_test, *val
         )
         model.eval()
-        return cls(model, x, y, x_test, y_test, x_val, y_val, data.held_out(x, y, x_test, y_test))
+        calibration = None
+        if batch_norms(model):  # the clients' training samples pooled (their held-out ones left out); a population's
+            # clients are drawn from the whole training split
+            pooled = None if clients is None or isinstance(clients, LazyClients) else np.concatenate(list(clients))
+            calibration = (x, None if pooled is None else torch.as_tensor(np.unique(pooled), device=x.device))
+        held_out = data.held_out(x, y, x_test, y_test)
+        return cls(model, x, y, x_test, y_test, x_val, y_val, held_out, calibration)
 
     @property
     def has_val(self) -> bool:
@@ -190,9 +198,12 @@ class Tensors:
         return ["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if self.has_val else [])
 
     def measure(self, w: torch.Tensor) -> dict:
-        columns = dict(zip(("test_accuracy", "test_loss"), evaluate(self.model, w, self.x_test, self.y_test)))
-        if self.has_val:
-            columns.update(zip(("val_accuracy", "val_loss"), evaluate(self.model, w, self.x_val, self.y_val)))
+        test = evaluate(self.model, w, self.x_test, self.y_test, self.calibration)
+        columns = dict(zip(("test_accuracy", "test_loss"), test))
+        if self.has_val:  # the statistics of the test pass: the same parameters
+            columns.update(
+                zip(("val_accuracy", "val_loss"), evaluate(self.model, w, self.x_val, self.y_val, self.calibration))
+            )
         return columns
 
 
@@ -333,13 +344,15 @@ class Judge:
             return self.trainer(starts, parts, clients, lr, work, self.seed, t, stream).deltas
 
         row, x, y = {}, *self.tensors.held_out
-        judged = {"accuracy": [], "val_accuracy": []}
+        named = {name: splits for name, splits in (("accuracy", self.tests), ("val_accuracy", self.vals)) if splits}
+        judged = {name: [] for name in named}
         for lo in range(0, len(ids), JUDGED_TOGETHER):  # a model per client: a chunk of them in memory at a time
             chunk = ids[lo : lo + JUDGED_TOGETHER]
             models = self.client_state.models(params, chunk, fit)
-            for name, splits in (("accuracy", self.tests), ("val_accuracy", self.vals)):
-                if splits:
-                    judged[name].append(judged_accuracy(self.model, models, x, y, [splits[i] for i in chunk]))
+            own = (self.tensors.x, [self.clients[i] for i in chunk])  # each client's batch-norm statistics
+            split_sets = [[splits[i] for i in chunk] for splits in named.values()]
+            for name, accuracy in zip(named, judged_accuracy(self.model, models, x, y, split_sets, own)):
+                judged[name].append(accuracy)
         for name, splits in (("accuracy", self.tests), ("val_accuracy", self.vals)):
             if not splits:
                 row.update({f"personal/{name}_{s}": math.nan for s in STATISTICS})
@@ -364,13 +377,14 @@ def timings(timer: "Timer", view: RoundView) -> dict:
     }
 
 
-def client_accuracy_column(model, starts, deltas, tensors: Tensors, client_tests, cohort) -> dict:
+def client_accuracy_column(model, starts, deltas, tensors: Tensors, client_tests, cohort, own) -> dict:
     """``client_accuracy``, the papers' client accuracy: each local model (its start plus its update) on its own
     held-out split, averaged over the cohort clients that have held-out samples (a LEAF user with no test sample
     counts in no mean); {} when the run has no client tests."""
     if not client_tests:
         return {}
-    accuracy = client_accuracy(model, starts, deltas, *tensors.held_out, [client_tests[i] for i in cohort])
+    calibration = (tensors.x, own)  # each client's training samples: its batch-norm statistics
+    accuracy = client_accuracy(model, starts, deltas, *tensors.held_out, [client_tests[i] for i in cohort], calibration)
     has = [len(client_tests[i]) > 0 for i in cohort]
     return {"client_accuracy": float(accuracy[has].mean()) if any(has) else math.nan}
 

@@ -5,6 +5,7 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.nn.functional import batch_norm
 
 from fedrun.errors import ConfigError, check
 
@@ -31,6 +32,68 @@ class BatchSoftmax(nn.Module):
         return torch.softmax(x, dim=0)
 
 
+NORMS = {
+    "none": "no normalisation (the papers, PFLlib)",
+    "batch": "batch norm after each convolution (its statistics those of the data it is judged with: BatchNorm)",
+}
+
+
+class BatchNorm(nn.BatchNorm2d):
+    """Batch normalisation whose evaluation statistics are computed from data, not carried as running averages.
+
+    In training it normalises by the mini-batch's statistics, as ``nn.BatchNorm2d`` does (Ioffe and Szegedy 2015,
+    Algorithm 1). In evaluation it normalises by ``statistics``, the per-channel mean and (biased) variance of a
+    set of inputs under the current parameters, which ``fedrun.clients.calibrate`` sets, layer by layer (the second
+    layer's inputs normalised by the first layer's statistics): the statistics of a client's own training data on
+    the client's side, of every client's on the server's. It keeps no buffers, so a model's state is its flat
+    parameters alone: every backend, aggregator, stage and checkpoint handles it unchanged, and a resumed run is
+    exact. Loading new parameters (``load_flat``) clears the statistics; a forward in evaluation without them
+    raises, so no path can judge a model by another model's statistics.
+
+    FedBN's code and PyTorch's module keep exponential running averages (momentum 0.1) updated during training
+    instead: those lag the parameters by the last few mini-batches, and an aggregator would have to average them
+    beside the parameters. The statistics here are exact for the parameters judged; the price is one pass over the
+    calibration inputs per batch-norm layer at each evaluation.
+
+    Args:
+        channels: Feature channels (dimension 1 of the input).
+    """
+
+    def __init__(self, channels: int):
+        super().__init__(channels, track_running_stats=False)
+        self.statistics: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return super().forward(x)  # the mini-batch's statistics (no running averages to update)
+        if self.statistics is None:
+            raise RuntimeError("a batch-norm model evaluated without statistics: calibrate it on data first")
+        mean, var = self.statistics
+        return batch_norm(x, mean, var, self.weight, self.bias, False, 0.0, self.eps)
+
+
+def batch_norms(model: nn.Module) -> list[BatchNorm]:
+    """The model's ``BatchNorm`` layers, in the order they were registered (the order they apply in, for the
+    sequential models here)."""
+    return [m for m in model.modules() if isinstance(m, BatchNorm)]
+
+
+def batch_norm_names(model: nn.Module) -> tuple[str, ...]:
+    """The names of the parameters of the model's ``BatchNorm`` layers (FedBN's local parameters)."""
+    norms = {id(m) for m in batch_norms(model)}
+    return tuple(
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if id(module) in norms
+        for name, _ in module.named_parameters(recurse=False)
+    )
+
+
+def _norm(norm: str, channels: int) -> list[nn.Module]:
+    check(norm in NORMS, "norm", norm, " or ".join(f"{k} ({v})" for k, v in NORMS.items()))
+    return [BatchNorm(channels)] if norm == "batch" else []
+
+
 class CNN(nn.Sequential):
     """The papers' CNN: conv3x3(32)+ReLU+maxpool2, conv3x3(64)+ReLU+maxpool2, flatten, linear to classes
     (each ReLU applied after its pooling, which computes the same function and gradient).
@@ -45,6 +108,8 @@ class CNN(nn.Sequential):
         head: ``logits`` (the papers) or ``batch_softmax`` (``BatchSoftmax``: the authors' code for paper 001).
         eval_batch: With ``batch_softmax``, the batch size predictions and losses are computed in outside
             training (their test loader's 1000, train.py:161 at 10622fb); outputs depend on it. Unused with logits.
+        norm: ``none`` (the papers) or ``batch``: a ``BatchNorm`` after each convolution, before its pooling
+            (conv, norm, pool, ReLU computes conv, norm, ReLU, pool: FedBN's order).
     """
 
     def __init__(
@@ -54,6 +119,7 @@ class CNN(nn.Sequential):
         padding: int | None = None,
         head: str = "logits",
         eval_batch: int = 1000,
+        norm: str = "none",
     ):
         if len(input_shape) != 3:
             raise ConfigError(
@@ -73,9 +139,11 @@ class CNN(nn.Sequential):
         # orders send the gradient to the same element, or none), at a quarter of the ReLU work.
         super().__init__(
             nn.Conv2d(channels, 32, 3, padding=padding),
+            *_norm(norm, 32),
             nn.MaxPool2d(2),
             nn.ReLU(),
             nn.Conv2d(32, 64, 3, padding=padding),
+            *_norm(norm, 64),
             nn.MaxPool2d(2),
             nn.ReLU(),
             nn.Flatten(),
@@ -129,11 +197,14 @@ def count_parameters(model: nn.Module) -> int:
 
 @torch.no_grad()
 def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat parameter vector into the model.
+    """Copy a flat parameter vector into the model (and clear its batch-norm statistics, which were another
+    model's).
 
     Unlike ``torch.nn.utils.vector_to_parameters``, which makes the parameters views of ``flat``, this
     copies: in-place optimizer steps must never write into the global model.
     """
+    for norm in batch_norms(model):
+        norm.statistics = None
     offset = 0
     for p in model.parameters():
         p.copy_(flat[offset : offset + p.numel()].view_as(p))
@@ -186,9 +257,12 @@ class FedAvgCNN(nn.Sequential):
     Args:
         input_shape: (channels, height, width), from the dataset.
         num_classes: From the dataset.
+        norm: ``none`` (PFLlib's) or ``batch``: a ``BatchNorm`` after each convolution (``bn1``, ``bn2``, the
+            names FedBN's code keeps local; 192 more parameters). Not after ``fc1``: a mini-batch of one sample (a
+            client's last, with PFLlib's batch 10) has no batch statistics in a dense layer.
     """
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int):
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, norm: str = "none"):
         if len(input_shape) != 3:
             raise ConfigError("model", "fedavg_cnn", f"mlp or logistic for inputs of shape {tuple(input_shape)}")
         channels, height, width = input_shape
@@ -201,9 +275,11 @@ class FedAvgCNN(nn.Sequential):
         super().__init__(
             OrderedDict(
                 conv1=nn.Conv2d(channels, 32, 5),
+                **dict(zip(["bn1"], _norm(norm, 32))),
                 relu1=nn.ReLU(),
                 pool1=nn.MaxPool2d(2),
                 conv2=nn.Conv2d(32, 64, 5),
+                **dict(zip(["bn2"], _norm(norm, 64))),
                 relu2=nn.ReLU(),
                 pool2=nn.MaxPool2d(2),
                 flatten=nn.Flatten(),

@@ -352,6 +352,13 @@ class Pathological(Partition):
         for label in classes:
             members = pool[labels[pool] == label]
             chosen = np.flatnonzero(lacking > 0)[: int(np.ceil(n / c * k))]
+            check(
+                len(chosen) > 0,
+                "num_clients",
+                n,
+                f"a count that leaves no class without a client: classes go to ceil({n} / {c} * {k}) clients each, "
+                f"so class {label} finds none (PFLlib's separate_data divides by zero here)",
+            )
             share = len(members) / len(chosen)
             low, high = int(max(share / 10, 1 / c)), int(share)
             check(

@@ -12,6 +12,7 @@ checkpointed and restored exactly). The options:
   the client; only the rest is sent and averaged.
 - ``fedrep`` (Collins et al. 2021, Algorithm 1): FedPer's split, trained in two phases each round: the head for
   ``head_epochs`` with the body frozen, then the body for the round's local work with the new head frozen.
+- ``fedbn`` (Li et al. 2021, ICLR): FedPer's split with the batch-norm layers as the personal part.
 - ``ditto`` (Li et al. 2021, Algorithm 1): the global model trains as FedAvg's; each selected client also trains a
   personal model v_k on F_k(v) + (lambda / 2) ||v - w^t||^2 from its last v_k (v_k^0 = w^0).
 
@@ -257,6 +258,34 @@ class Partial(Personalization):
 class FedPer(Partial):
     """FedPer (Arivazhagan et al. 2019, arXiv:1912.00818, Section 3): base layers federated, personalisation
     layers trained on the client only, both in the same local epochs. See ``Partial`` for the arguments."""
+
+
+class FedBN(Partial):
+    """FedBN (Li et al. 2021, "FedBN: Federated Learning on Non-IID Features via Local Batch Normalization", ICLR,
+    Algorithm 1): every batch-norm layer stays on its client, the server aggregating every other layer (its line
+    "w_l <- aggregate over clients, for every layer l that is not batch norm"). Each client keeps the affine
+    parameters of its ``fedrun.models.BatchNorm`` layers (as FedPer keeps its head) and normalises by the statistics
+    of its own data (as every client does here: ``BatchNorm``). The paper averages uniformly over its clients; here
+    the run's aggregator weighs them (FedAvg's sample counts by default). Needs a model with batch norm
+    (``model.norm=batch``).
+
+    Args:
+        memory_mb: See ``Personalization``.
+    """
+
+    def __init__(self, memory_mb: float = 1024.0):
+        super().__init__(None, memory_mb)
+
+    def bind(self, context: Context) -> None:
+        if context.layout:
+            check(
+                bool(context.batch_norm),
+                "personalization",
+                "fedbn",
+                "a model with batch norm (model.norm=batch with model=cnn or fedavg_cnn)",
+            )
+            self.patterns = list(context.batch_norm)
+        super().bind(context)
 
 
 class Local(Partial):

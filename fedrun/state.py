@@ -97,6 +97,8 @@ class Context:
         layout: The flat model's parameters, ``(name, start, end)`` each, in order (a part that keeps some layers
             per client finds them here).
         initial: The initial global model w^0, flat (where a personal model starts), or None before it exists.
+        batch_norm: The names of the model's batch-norm parameters (``fedrun.models.batch_norm_names``: what FedBN
+            keeps per client).
         workdir: The run's output dir (where a part may keep files: spilled personal state), or None.
     """
 
@@ -108,6 +110,7 @@ class Context:
     layout: tuple = ()
     initial: Any = None
     workdir: Any = None
+    batch_norm: tuple = ()
 
     @property
     def num_clients(self) -> int:

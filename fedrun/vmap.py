@@ -94,9 +94,12 @@ def vmap_supported(make_optimizer, model: nn.Module) -> str | None:
     """Why the ``vmap`` backend cannot train with this solver and model, or None when it can."""
     if SGDRule.of(make_optimizer, base_lr(make_optimizer, default=0.1)) is None:
         return "loop or processes for this optimizer (vmap has the closed-form update of sgd and prox only)"
-    if any(True for _ in model.buffers()) or any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
+    if any(True for _ in model.buffers()) or any(
+        isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)) for m in model.modules()
+    ):
         return (
-            "loop or processes for models with buffers or dropout (batch norm statistics and random masks are per call)"
+            "loop or processes for models with batch norm, buffers or dropout (batch statistics would take in the "
+            "padded samples; random masks are per call)"
         )
     if any(isinstance(m, nn.RNNBase) for m in model.modules()):
         return "loop or processes for recurrent models (torch.func.vmap does not batch nn.LSTM's fused kernels)"

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun import compat
 from fedrun.cli.entry import check_resolves
 from fedrun.errors import ConfigError
-from fedrun.models import flat_parameters
+from fedrun.models import batch_norm_names, batch_norms, flat_parameters
 from fedrun.partitions import LazyClients, Natural, Population, client_sizes, hold_out
 from fedrun.parts import Parts, layout
 from fedrun.seeding import numpy_rng, torch_seed
@@ -162,8 +162,12 @@ def setup(cfg: DictConfig) -> dict:
     )
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    if batch_norms(model) and objects["engine"].asynchronous:
+        raise ConfigError(
+            "model.norm", "batch", "none with engine=async (its evaluations are not calibrated for batch norm yet)"
+        )
     context = dataclasses.replace(
-        context, layout=layout(model), initial=flat_parameters(model)
+        context, layout=layout(model), initial=flat_parameters(model), batch_norm=batch_norm_names(model)
     )  # personal layers by name
     parts_of(objects).bind(context, engine=objects["engine"])  # every part's settings against the run, before tracking
     return dict(

@@ -27,6 +27,10 @@ BAD = [
     (["personalization=finetune", "personalization.epochs=-1"], "personalization.epochs"),
     (["personalization=apfl", "personalization.alpha=2"], "personalization.alpha"),
     (["personalization=apfl", "personalization.alpha_lr=-1"], "personalization.alpha_lr"),
+    (["personalization=fedbn", "dataset.client_test_fraction=0.2"], "personalization"),  # a model without batch norm
+    (["model=cnn", "model.norm=group"], "model.norm"),
+    (["model=cnn", "model.norm=batch", "engine=async", "aggregator=fedbuff"], "model.norm"),
+    (["partition=pathological", "partition.num_clients=6"], "partition.num_clients"),  # class 6 finds no client
     (["personalization=ditto", "aggregator=fedbuff", "dataset.client_test_fraction=0.2"], "engine"),
     (["partition.num_clients=0"], "partition.num_clients"),
     (["partition.num_clients=100000"], "partition.num_clients"),

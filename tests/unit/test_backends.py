@@ -320,7 +320,7 @@ def test_vmap_refuses_solvers_and_models_without_a_closed_form_in_one_line():
     model = nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.Dropout(0.5))
     from fedrun.vmap import VmapTrainer
 
-    with pytest.raises(ConfigError, match="models with buffers or dropout"):
+    with pytest.raises(ConfigError, match="models with batch norm, buffers or dropout"):
         VmapTrainer(model, X.flatten(1), Y, SGD)
     from fedrun.models import BatchSoftmax
 
