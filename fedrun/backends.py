@@ -35,6 +35,7 @@ BACKENDS = {
     "loop": "fedrun.backends.LoopTrainer",
     "processes": "fedrun.backends.ProcessTrainer",
     "vmap": "fedrun.vmap.VmapTrainer",
+    "distributed": "fedrun.distributed.DistributedTrainer",
 }
 
 # The ``auto`` backend uses worker processes when a round has at least this many sample-passes per worker:
@@ -62,6 +63,8 @@ class Device:
         chunk: Clients that ``vmap`` trains together; null = the whole cohort (lower it when memory runs out).
         threads: torch intra-op threads of this job; null = the cores it may use (``use_cores``): all of them,
             or cores / jobs in a parallel sweep, so parallel jobs never oversubscribe the machine.
+        inner: With ``backend=distributed`` (``fedrun.distributed``), how each rank trains its clients: ``loop``
+            or ``vmap``.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Device:
         workers: int | None = None,
         chunk: int | None = None,
         threads: int | None = None,
+        inner: str = "loop",
     ):
         check(kind in ("cpu", "cuda", "auto"), "kind", kind, "cpu, cuda or auto")
         if kind == "cuda":
@@ -86,8 +90,9 @@ class Device:
             isinstance(backend, str) and (backend == "auto" or backend in BACKENDS or findable(backend)),
             "backend",
             backend,
-            "auto, loop, processes, vmap or the import path of a fedrun.trainer.Trainer class",
+            "auto, loop, processes, vmap, distributed or the import path of a fedrun.trainer.Trainer class",
         )
+        check(inner in ("loop", "vmap"), "inner", inner, "loop or vmap (how each rank of backend=distributed trains)")
         check(
             workers is None or (isinstance(workers, int) and workers >= 1),
             "workers",
@@ -121,6 +126,7 @@ class Device:
             workers,
             chunk,
         )
+        self.inner = inner
         self.threads, self.cores = threads, None  # cores: what this job may use, once ``use_cores`` says
         self.torch = torch.device("cuda" if use_cuda else "cpu")
 
@@ -181,7 +187,7 @@ class Device:
             found is not None,
             "device.backend",
             path,
-            "auto, loop, processes, vmap or the import path of a fedrun.trainer.Trainer class",
+            "auto, loop, processes, vmap, distributed or the import path of a fedrun.trainer.Trainer class",
         )
         return found
 

@@ -208,11 +208,50 @@ class Checkpoint:
         self.saved_round = state["round"]
 
     def after_round(self, round_: int, round_wall_s: float, last: bool, state) -> None:
-        """Checkpoint when due (``state()`` builds the state), then raise ``Stopped`` if a stop was requested."""
+        """Checkpoint when due (``state()`` builds the state), then raise ``Stopped`` if a stop was requested (on
+        any rank of a distributed run: every rank stops after the same round)."""
+        self.stop_requested = agreed(self.stop_requested)
         if self.due(round_, round_wall_s, last):
             self.save(state())
         if self.stop_requested and not last:
             raise Stopped(self.stop_requested, round_)
+
+
+class FollowerCheckpoint(Checkpoint):
+    """The checkpoint of a rank > 0 of a distributed run (``fedrun.distributed``): it resumes from rank 0's file
+    (``source``) and never writes one; ``directory`` is its own (where its part may spill personal state)."""
+
+    def __init__(self, directory: Path, source: Path | None = None):
+        super().__init__(directory, None, resume=source is not None and (Path(source) / FILE).is_file())
+        self.source = None if source is None else Path(source) / FILE
+
+    def restored(self) -> dict | None:
+        if not self.resume:
+            return None
+        if self._state is None:
+            self._state = read(self.source)
+            self.saved_round = self._state["round"]
+        return self._state
+
+    def save(self, state: dict) -> None:
+        self.saved_round = state["round"]
+
+
+STOP_NAMES = ("SIGTERM", "SIGINT", "SIGUSR2", "pruned")
+
+
+def agreed(stop_requested: str | None) -> str | None:
+    """In a distributed run (``torch.distributed`` initialised), the stop some rank was asked for, the same on every
+    rank (a signal reaches the ranks at different moments); else ``stop_requested`` itself."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return stop_requested
+    code = STOP_NAMES.index(stop_requested) + 1 if stop_requested in STOP_NAMES else 0
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([code], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return STOP_NAMES[int(flag.item()) - 1] if int(flag.item()) else None
 
 
 class StopSignals:

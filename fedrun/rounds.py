@@ -228,7 +228,10 @@ def progress(first: int, rounds: int, desc: str, unit: str) -> tqdm:
     """The progress bar over rounds ``first`` to ``rounds`` (resumed runs start where they were), moved by the loop
     with ``update()`` once a round is done: iterating over the bar would count a round only when the next one
     begins, so a run that ends (or stops early) would show its last round as undone."""
-    return tqdm(desc=desc, unit=unit, dynamic_ncols=True, initial=first - 1, total=rounds)
+    import torch.distributed as dist
+
+    follower = dist.is_available() and dist.is_initialized() and dist.get_rank() > 0  # rank 0 alone shows it
+    return tqdm(desc=desc, unit=unit, dynamic_ncols=True, initial=first - 1, total=rounds, disable=follower)
 
 
 def malicious_table(attack, rounds: list[int]) -> pd.DataFrame:

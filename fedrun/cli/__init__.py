@@ -8,6 +8,7 @@ checkpoint a job runs with), ``build`` (every object, validated), ``runinfo`` (n
 
 import json
 import os
+import shutil
 import signal
 import sys
 import typing
@@ -20,6 +21,7 @@ from hydra.core.plugins import Plugins
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from fedrun import distributed
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals, held, unlock
 from fedrun.cli.build import build, check_run_keys, parts_of, setup
@@ -51,12 +53,14 @@ Plugins.instance().register(FedrunGridSweeper)
 def main(cfg: DictConfig) -> float | None:
     """Run one job; returns the final test accuracy (Hydra sweepers can use it). Its dir is locked while it runs
     (``fedrun.checkpoint.lock``) and released when it ends: a sweep's process runs its jobs one after another."""
-    before = held()
+    before, hydra_cfg = held(), HydraConfig.get()
     try:
-        return run_job(cfg, HydraConfig.get())
+        return run_job(cfg, hydra_cfg)
     finally:
         for directory in held() - before:
             unlock(directory)
+        if cfg.device.get("backend") == "distributed":
+            distributed.close()
 
 
 def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
@@ -89,8 +93,12 @@ def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
         parts["device"].load_backend()  # imports a class of the user's: named on the command line (``open_job``)
     except (ConfigError, FileNotFoundError) as exc:
         fail(hydra_cfg, f"fedrun: error: {exc}", 2)
-    tracker, title = open_tracking(job, hydra_cfg, parts, report)
-    return train(job, hydra_cfg, parts, tracker, title, report)
+    try:
+        tracker, title = open_tracking(job, hydra_cfg, parts, report)
+        return train(job, hydra_cfg, parts, tracker, title, report)
+    finally:
+        if job.follower:  # a rank > 0 of a distributed run: its temporary dir held nothing rank 0 lacks
+            shutil.rmtree(job.output_dir, ignore_errors=True)
 
 
 class JobFailed(Exception):
@@ -117,6 +125,8 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
     cfg, output_dir, checkpoint = job.cfg, job.output_dir, job.checkpoint
     choices = {g: hydra_cfg.runtime.choices[g] for g in CONFIG_GROUPS if hydra_cfg.runtime.choices.get(g)}
     cores = job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores()
+    if cfg.device.get("backend") == "distributed":  # the ranks on this machine share its cores
+        cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     tags = {
         **choices,
         "seed": str(cfg.seed),

@@ -16,6 +16,7 @@ checked all the same, and a job dir is locked like a run dir (``fedrun.checkpoin
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
@@ -25,8 +26,9 @@ import yaml
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from fedrun import distributed
 from fedrun.backends import BACKENDS
-from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, diverged, lock
+from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, FollowerCheckpoint, diverged, lock
 from fedrun.errors import ConfigError
 from fedrun.study import STUDY_FILE
 from fedrun.tracking import flatten
@@ -47,6 +49,7 @@ class Job:
             the same MLflow run (``run.json``).
         finished: A sweep job that had finished: its final test accuracy (it is skipped).
         diverged: A sweep job that had diverged: why (it is skipped, and stays failed).
+        follower: A rank > 0 of a distributed run (``follower_job``).
     """
 
     cfg: DictConfig
@@ -60,10 +63,25 @@ class Job:
 
     finished: float | None = None
     diverged: str | None = None
+    follower: bool = False  # a rank > 0 of a distributed run: it writes nothing that stays
 
 
 def open_job(cfg: DictConfig, hydra_cfg) -> Job:
     """The job this invocation runs (see the module docstring); ConfigError for a resume that cannot be."""
+    if cfg.device.get("backend") == "distributed":
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            raise ConfigError(
+                "device.backend", "distributed", "a single run (without -m: start one torchrun per job of a sweep)"
+            )
+        if not distributed.launched():
+            raise ConfigError(
+                "device.backend",
+                "distributed",
+                "a command started by torchrun or srun (torchrun --nproc_per_node=2 -m fedrun device.backend="
+                "distributed ...), or loop, processes, vmap or auto",
+            )
+        if distributed.rank() > 0:
+            return follower_job(cfg, hydra_cfg)
     output_dir = Path(hydra_cfg.runtime.output_dir)
     # submitit restarted it (after a checkpoint, or before the first one: its run was open, run.json)
     requeued = bool(os.environ.get("SUBMITIT_EXECUTOR")) and (
@@ -88,6 +106,20 @@ def open_job(cfg: DictConfig, hydra_cfg) -> Job:
         checkpoint = Checkpoint(output_dir, cfg.checkpoint.every)
     reopened = opened_run(output_dir) if resuming and not checkpoint.resume else None
     return Job(cfg, output_dir, checkpoint, reopened=reopened)
+
+
+def follower_job(cfg: DictConfig, hydra_cfg) -> Job:
+    """A rank > 0 of a distributed run (``fedrun.distributed``): the same config as rank 0 (a resumed run's saved
+    one, read without the lock rank 0 holds: rank 0 checks the resume), MLflow off, a temporary dir of its own (not
+    Hydra's, which the ranks may share) that the command removes when the job ends, and a checkpoint that reads
+    rank 0's file but never writes one."""
+    output_dir, source = Path(tempfile.mkdtemp(prefix=f"fedrun-rank{distributed.rank()}-")), None
+    if cfg.resume:
+        source = Path(hydra_cfg.runtime.cwd, cfg.resume).resolve()
+        cfg = saved_config(source, cfg.resume)
+        cfg.resume = str(source)
+    cfg.tracking.enabled = False
+    return Job(cfg, output_dir, FollowerCheckpoint(output_dir, source), follower=True)
 
 
 def opened_run(output_dir: Path) -> dict | None:

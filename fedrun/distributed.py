@@ -1,0 +1,157 @@
+"""``device.backend=distributed``: one run over ``torch.distributed`` ranks (``torchrun``, ``srun``).
+
+Every rank runs the whole round loop on the same seeds. Only local training, the loss pass and per-client
+signals are split: each call's clients are dealt to the ranks in contiguous blocks of about equal work (in cohort
+order, as the ``processes`` backend deals them to its workers), each rank trains its block with an inner backend
+(``loop`` or ``vmap``, ``device.inner``), and every rank gathers every block, in rank order. So every rank holds the
+cohort's updates and scalars in client order, and the stages, the aggregator, the attack and the server step run on
+identical inputs on every rank: the global model stays identical everywhere without a broadcast. A client's
+training depends only on the model it starts from, its data and its (round, client) stream, so a run gives the
+same numbers on any number of ranks as the ``loop`` backend with the same ``device.threads``.
+
+``init`` joins the process group from the environment ``torchrun`` and SLURM set (gloo on a CPU, NCCL on CUDA);
+``rank()`` tells the command line which process writes (rank 0 alone: MLflow, the run dir, checkpoints).
+"""
+
+import os
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fedrun.backends import LoopTrainer, _blocks, passes
+from fedrun.clients import client_rows
+from fedrun.cohort import ClientLosses, CohortUpdate
+from fedrun.errors import ConfigError
+from fedrun.trainer import Trainer
+
+INNER = ("loop", "vmap")
+
+# How long a rank waits for the others at a gather before the run fails (a rank that died is seen at once on its
+# closed connection; this bounds a rank that hangs).
+TIMEOUT = timedelta(minutes=30)
+
+
+def launched() -> bool:
+    """Whether this process was started as one rank of several (``torchrun`` or ``srun`` set its environment)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
+
+
+def rank() -> int:
+    """This process's rank: 0 when it is not one of several (it writes everything), from the environment before the
+    group is joined (the command line decides who writes before it builds anything)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def init(cuda: bool) -> None:
+    """Join the process group once (gloo on a CPU, NCCL on CUDA, each rank on GPU ``LOCAL_RANK``). Under SLURM
+    without torchrun, RANK, WORLD_SIZE and LOCAL_RANK come from SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID;
+    MASTER_ADDR and MASTER_PORT must be set (the documented recipe does)."""
+    if dist.is_initialized():
+        return
+    if not launched():
+        raise ConfigError(
+            "device.backend",
+            "distributed",
+            "a process started by torchrun or srun (torchrun --nproc_per_node=2 -m fedrun device.backend=distributed)",
+        )
+    for name, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID")):
+        if name not in os.environ and slurm in os.environ:
+            os.environ[name] = os.environ[slurm]
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+
+
+def close() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class DistributedTrainer(Trainer):
+    """Deal each call's clients over the ranks; each trains its block with ``inner``; every rank gathers all.
+
+    Args:
+        inner: The trainer of this rank's clients (a ``LoopTrainer`` or a ``fedrun.vmap.VmapTrainer``).
+    """
+
+    @classmethod
+    def for_device(cls, model, x, y, make_optimizer, device) -> "DistributedTrainer":
+        init(device.torch.type == "cuda")
+        inner = device.inner
+        if inner == "vmap":
+            from fedrun.vmap import VmapTrainer
+
+            trainer = VmapTrainer.for_device(model, x, y, make_optimizer, device)
+        else:
+            trainer = LoopTrainer(model, x, y, make_optimizer)
+        return cls(trainer)
+
+    def __init__(self, inner: Trainer):
+        if not dist.is_initialized():
+            raise ConfigError("device.backend", "distributed", "a process that has joined its process group")
+        self.inner, self.rank, self.world = inner, dist.get_rank(), dist.get_world_size()
+        self.model = getattr(inner, "model", None)
+
+    def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
+        works = work if isinstance(work, list) else [work] * len(parts)
+        lo, hi = _blocks([passes(len(p), w) for p, w in zip(parts, works)], self.world)[self.rank]
+        pieces = self._gathered(
+            lambda: self.inner(
+                client_rows(global_params, lo, hi),
+                parts[lo:hi],
+                client_ids[lo:hi],
+                lr,
+                works[lo:hi],
+                seed,
+                client_rows(round_, lo, hi),
+                stream,
+            ),
+            lo < hi,
+        )
+        update = CohortUpdate.concat(pieces, global_params)
+        update.deltas = update.deltas.to(global_params.device)
+        if update.personal_deltas is not None:
+            update.personal_deltas = update.personal_deltas.to(global_params.device)
+        return update
+
+    def losses(self, params, parts, batch_size) -> ClientLosses:
+        lo, hi = _blocks([len(p) for p in parts], self.world)[self.rank]
+        mine = lambda: self.inner.losses(client_rows(params, lo, hi), parts[lo:hi], batch_size)  # noqa: E731
+        return ClientLosses.concat(self._gathered(mine, lo < hi))
+
+    def per_client(self, signal, params, parts) -> np.ndarray:
+        lo, hi = _blocks([len(p) for p in parts], self.world)[self.rank]
+        pieces = self._gathered(lambda: self.inner.per_client(signal, params, parts[lo:hi]), lo < hi)
+        return np.concatenate([np.zeros(0), *pieces])
+
+    def _gathered(self, compute, any_clients: bool) -> list:
+        """Every rank's result of ``compute`` (tensors on the CPU), in rank order, the ranks without clients left
+        out; an error on any rank is raised on every rank (none waits for a result that will not come)."""
+        try:
+            result = _to_cpu(compute()) if any_clients else None
+        except Exception as exc:  # sent to the others, raised below on every rank
+            result = exc
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, result)
+        for rank_, value in enumerate(gathered):
+            if isinstance(value, Exception):
+                if rank_ == self.rank:
+                    raise value
+                raise RuntimeError(f"rank {rank_} failed: {type(value).__name__}: {value}") from value
+        return [value for value in gathered if value is not None]
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _to_cpu(value):
+    """A result with its tensors on the CPU: a pickled CUDA tensor would unpickle on the sender's GPU index."""
+    if isinstance(value, CohortUpdate):
+        value.deltas = value.deltas.cpu()
+        if value.personal_deltas is not None:
+            value.personal_deltas = value.personal_deltas.cpu()
+    return value
