@@ -250,7 +250,9 @@ def agreed(stop_requested: str | None) -> str | None:
     code = STOP_NAMES.index(stop_requested) + 1 if stop_requested in STOP_NAMES else 0
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     flag = torch.tensor([code], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    from fedrun.distributed import exchanged  # (it imports this module)
+
+    exchanged(dist.all_reduce, flag, op=dist.ReduceOp.MAX)
     return STOP_NAMES[int(flag.item()) - 1] if int(flag.item()) else None
 
 

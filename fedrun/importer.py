@@ -192,7 +192,9 @@ def checked(directory: Path, experiment: str | None) -> Checked:
         for key, value in summary_rows:
             summary[key] = value
             if NUMBER.fullmatch(value):
-                result.summary_metrics.append((metric_name(mlflow_name(key), "summary.csv name"), float(value)))
+                result.summary_metrics.append(
+                    (metric_name(mlflow_name(key, summary=True), "summary.csv name"), float(value))
+                )
             else:
                 result.summary_tags.append((metric_name(key, "summary.csv name"), value[:5000]))
 

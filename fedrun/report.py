@@ -23,8 +23,7 @@ from fedrun.metrics import markdown_table, mean_ci
 from fedrun.tracking import (
     CONFIG_GROUPS,
     DEFAULT_URI,
-    MAIN_SECTION,
-    R_INDEX_SECTION,
+    SECTION,
     experiment_names,
     find_experiment,
     metric_history,
@@ -67,9 +66,9 @@ def csv_safe(table: pd.DataFrame) -> pd.DataFrame:
 
 def with_plain_names(runs: pd.DataFrame) -> pd.DataFrame:
     """One column per metric under its plain name (``metrics.test_accuracy``), whether the run logged it under its
-    MLflow section (``0_main/test_accuracy``, ``1_r_index/R90``, since November 2026) or, stored before, without."""
-    prefixes = ("metrics." + MAIN_SECTION, "metrics." + R_INDEX_SECTION)
-    moved = [c for c in runs.columns if c.startswith(prefixes)]
+    MLflow section (``0_main/test_accuracy``, ``5_summary/final_test_accuracy``: ``fedrun.tracking.mlflow_name``)
+    or, stored before sections, without."""
+    moved = [c for c in runs.columns if c.startswith("metrics.") and SECTION.match(c[len("metrics.") :])]
     runs = runs.copy()
     for column in moved:
         plain = "metrics." + plain_name(column[len("metrics.") :])

@@ -241,26 +241,70 @@ def set_tag(client, run_id: str, key: str, value: str) -> None:
 
 # MLflow's run page draws one section of charts per prefix before the last "/" (``alpha/client_3`` is in ``alpha``),
 # the sections in alphabetical order and the metrics without a prefix last ("Model metrics"; MLflow 3's
-# RunsChartsCardConfig), each section's charts sorted by name. The metrics a user opens a run for get prefixes that
-# sort before any other, a digit (before letters in either case), so that the page opens on them: the curves of
-# test accuracy and loss, training loss and the clients' own accuracy, then the R-index (a section of its own: in
-# one with the curves, "R90" would sort before "test_accuracy"). These are MLflow's names only: the CSV files keep
-# the plain ones.
+# RunsChartsCardConfig), each section's charts sorted by name. Each metric gets the prefix of the section a reader
+# looks for it in, numbered so that the sections come in that order (a digit sorts before letters in either case):
+# the curves of test accuracy and loss, training loss and the clients' own accuracy; the R-index (a section of its
+# own: in one with the curves, "R90" would sort before "test_accuracy"); a section per feature that ran (privacy,
+# compression, selection, the attack, the robust rule, clipping, personalisation); communication; timings; the
+# run's summaries (one point each, logged when it ends). What is left (the learning rate, the cohort, the
+# aggregator's own diagnostics) is in "Model metrics". These are MLflow's names only: the CSV files, reports and
+# ``--metrics`` keep the plain ones (``plain_name``).
 MAIN_SECTION, R_INDEX_SECTION = "0_main/", "1_r_index/"
 MAIN_METRICS = ("test_accuracy", "test_loss", "train_loss", "client_accuracy")
 MAIN_R_INDEX = re.compile(r"^(client_)?R\d+(\.\d+)?$")  # R90, client_R90 (not R90_mb or R90_time)
+FEATURE_METRICS = {  # a feature's metrics, by name
+    "2_privacy/": (
+        "epsilon",
+        "epsilon_deployment",
+        "clip_norm",
+        "clipped_fraction",
+        "noise_std",
+        "update_norm_mean",
+        "unclipped_fraction_noised",
+    ),
+    "2_selection/": ("selection_p_min", "selection_p_max", "selection_p_cv", "selection_cv", "clients_never_selected"),
+    "3_communication/": ("upload_mb", "download_mb"),
+}
+FEATURE_PREFIXES = {  # a feature's metrics, by their own prefix
+    "attack/": "2_attack/",
+    "robust/": "2_robust/",
+    "clip/": "2_clipping/",
+    "personal/": "2_personal/",
+}
+COMPRESSION = re.compile(r"^[a-z_]+/(bits_per_coordinate|relative_error)$")  # topk/bits_per_coordinate
+TIMING_SECTION, SUMMARY_SECTION = "4_timing/", "5_summary/"
+SECTION = re.compile(r"^[0-9]_[a-z_]+/")
 
 
-def mlflow_name(name: str) -> str:
-    """The name a metric has in MLflow: ``0_main/test_accuracy``, ``1_r_index/R90``, else its own."""
+def mlflow_name(name: str, summary: bool = False) -> str:
+    """The name a metric has in MLflow: ``0_main/test_accuracy``, ``1_r_index/R90``, ``2_privacy/epsilon``,
+    ``2_compression/topk/bits_per_coordinate``, ``3_communication/upload_mb``, ``4_timing/train_wall_s``; a run's
+    summary (``summary``: logged once, when it ends) ``5_summary/<name>`` unless its name has a section (an
+    R-index stays with the R-index, a feature's with its feature); anything else its own name."""
     if name in MAIN_METRICS:
         return MAIN_SECTION + name
-    return R_INDEX_SECTION + name if MAIN_R_INDEX.match(name) else name
+    if MAIN_R_INDEX.match(name):
+        return R_INDEX_SECTION + name
+    for section, names in FEATURE_METRICS.items():
+        if name in names:
+            return section + name
+    for prefix, section in FEATURE_PREFIXES.items():
+        if name.startswith(prefix) and not summary:
+            return section + name.removeprefix(prefix)
+    if COMPRESSION.match(name):
+        return "2_compression/" + name
+    if name.endswith("_wall_s") and not summary:
+        return TIMING_SECTION + name
+    return SUMMARY_SECTION + name if summary else name
 
 
 def plain_name(name: str) -> str:
-    """The inverse of ``mlflow_name`` (a name without a prefix is returned as it is: runs stored before them)."""
-    return name.removeprefix(MAIN_SECTION).removeprefix(R_INDEX_SECTION)
+    """The inverse of ``mlflow_name`` (a name without a section is returned as it is: runs stored before them)."""
+    plain = SECTION.sub("", name, count=1)
+    for prefix, section in FEATURE_PREFIXES.items():
+        if name.startswith(section):
+            return prefix + plain
+    return plain
 
 
 HEATMAP_CLIENTS = 100  # clients in the alpha heatmap of a long alpha.csv: those with the largest total alpha
@@ -514,7 +558,7 @@ class Tracker:
         try:
             if self.lost is None:
                 if values:
-                    mlflow.log_metrics({mlflow_name(k): float(v) for k, v in values.items()})
+                    mlflow.log_metrics({mlflow_name(k, summary=True): float(v) for k, v in values.items()})
                 if tags:
                     mlflow.set_tags(tags)
                 mlflow.log_artifacts(str(self.dir))

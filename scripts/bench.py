@@ -36,9 +36,13 @@ Every figure is measured in its own process, so the peak RSS (and on CUDA the pe
 is fedrun's alone; ``--repeats`` times, the measurements interleaved, and the fastest counts (noise on a
 shared machine only ever adds time). The last line is JSON.
 
+``--backends distributed`` starts each measurement under ``torchrun`` (one rank a core on a CPU, each on one
+thread; ``--ranks``), rank 0 reporting.
+
 Usage:
     python scripts/bench.py [--workloads papers cross-device 10000-clients] [--device cpu|cuda]
-                            [--backends loop processes vmap] [--rounds N] [--repeats 2] [--threads N]
+                            [--backends loop processes vmap distributed] [--rounds N] [--repeats 2] [--threads N]
+                            [--ranks N]
 """
 
 import argparse
@@ -59,6 +63,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedrun import distributed
 from fedrun.aggregators import FedAvg, FedBuff
 from fedrun.async_engine import AsyncEngine
 from fedrun.backends import Device, usable_cores
@@ -371,6 +376,8 @@ def measure(name: str, what: str, kind: str, rounds: int | None) -> dict:
     spec = WORKLOADS[name]
     rounds = rounds or (4 if spec["eval_every"] == 1 else 2 * spec["eval_every"])
     device = Device(kind, backend=what if what not in ("naive", "floor") else "auto")
+    if what == "distributed":
+        torch.set_num_threads(1)  # each rank one thread, as each worker of the processes backend
     data, clients = synthetic(spec, device.torch)
     if device.torch.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -397,7 +404,11 @@ def workload(name: str, kind: str, backends: list[str], args) -> dict:
     runs = {what: [] for what in whats}
     for _ in range(args.repeats):  # interleaved, so a slow phase of a shared machine hits every figure alike
         for what in whats:
-            cmd = [sys.executable, __file__, "--child", name, what, "--device", kind]
+            start = [sys.executable]
+            if what == "distributed":  # one process a rank, each on one thread (torchrun's OMP_NUM_THREADS)
+                ranks = args.ranks or (usable_cores() if kind == "cpu" else 1)
+                start = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={ranks}"]
+            cmd = [*start, __file__, "--child", name, what, "--device", kind]
             cmd += (["--rounds", str(args.rounds)] if args.rounds else []) + (
                 ["--threads", str(args.threads)] if args.threads else []
             )
@@ -457,8 +468,9 @@ def main() -> None:
     parser.add_argument(
         "--backends",
         nargs="+",
-        choices=["loop", "processes", "vmap"],
-        help="default: loop processes on cpu, loop vmap on cuda",
+        choices=["loop", "processes", "vmap", "distributed"],
+        help="default: loop processes on cpu, loop vmap on cuda; distributed: torchrun with one rank per core (CPU) "
+        "or --ranks",
     )
     parser.add_argument(
         "--rounds",
@@ -472,12 +484,16 @@ def main() -> None:
         help="measurements of each figure, interleaved; the fastest counts (default: 2)",
     )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--ranks", type=int, help="ranks of the distributed backend (default: the usable cores)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.child:
-        print(json.dumps(measure(*args.child, args.device, args.rounds)))
+        measured = measure(*args.child, args.device, args.rounds)
+        if distributed.rank() == 0:  # under torchrun, rank 0 alone reports
+            print(json.dumps(measured))
+        distributed.close()
         return
     results = []
     for name in args.workloads or DEFAULT[args.device]:

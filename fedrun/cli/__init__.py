@@ -283,11 +283,12 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
             f"the rounds before ({output_dir})",
             1,
         )
-    print(
-        f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
-        f"  fedrun resume={output_dir}",
-        file=sys.stderr,
-    )
+    if not job.follower:  # rank 0 says it (a follower's dir is not the run's)
+        print(
+            f"fedrun: {stopped}; the run is marked KILLED and kept its metrics. Continue it with:\n"
+            f"  fedrun resume={output_dir}",
+            file=sys.stderr,
+        )
     if stopped.signal_name == "SIGUSR2" and callable(submitit_handler):  # the time limit is near: submitit requeues
         print(
             "fedrun: handing the job to submitit to requeue; it resumes from this checkpoint",

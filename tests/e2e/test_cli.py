@@ -73,6 +73,36 @@ def test_the_first_section_of_a_runs_metrics_is_the_main_one_and_fedavg_logs_no_
     assert {n for n in names if section(n) == second} == {"1_r_index/R10"}
 
 
+FEATURES = {
+    "privacy": (
+        [
+            "privacy=central",
+            "aggregator.weighting=uniform",
+            "schedule.sampling=poisson",
+            "schedule.clients_per_round=0.5",
+        ],
+        {"2_privacy/epsilon", "2_privacy/clip_norm", "2_privacy/clipped_fraction", "2_privacy/noise_std"},
+    ),
+    "compression": (["compression=topk"], {"2_compression/topk/bits_per_coordinate"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_a_feature_has_its_section_after_the_main_ones_then_communication_timings_and_summaries(fedrun, store, feature):
+    overrides, expected = FEATURES[feature]
+    fedrun(*overrides, *TINY, experiment=feature)
+    _, [run] = mlflow_runs(store, feature)
+    names = set(run.data.metrics)
+    assert expected <= names
+    # the R-index where reached; the selection's, in every run (its probabilities, how evenly it picked)
+    sections = [s for s in sorted({section(n) for n in names}) if s not in ("1_r_index", "2_selection")]
+    assert sections[:2] == ["0_main", section(min(expected))]
+    assert sections[2:5] == ["3_communication", "4_timing", "5_summary"]
+    assert {"3_communication/upload_mb", "4_timing/train_wall_s", "5_summary/final_test_accuracy"} <= names
+    assert not any(n.endswith("_wall_s") and not n.startswith("4_timing/") for n in names)
+
+
 @pytest.mark.slow
 def test_multirun_makes_one_run_per_seed_and_same_seed_repeats_exactly(fedrun, store):
     fedrun("-m", "seed=0,1", *TINY, experiment="sweep")
@@ -240,7 +270,7 @@ def test_methods_set_three_groups_and_mvr_doubles_communication(fedrun, store):
         and by_method["storm_vr"].data.tags["optimizer"] == "storm"
     )
     assert by_method["fedavg"].data.tags["server"] == "sgd"
-    upload = {m: r.data.metrics["upload_mb"] for m, r in by_method.items()}
+    upload = {m: r.data.metrics["3_communication/upload_mb"] for m, r in by_method.items()}
     assert upload["storm_vr"] == pytest.approx(2 * upload["fedavg"])
     for job in job_dirs(fedrun.cwd, "multiruns"):
         steps = pd.read_csv(job / "local_steps.csv").drop(columns="round").to_numpy()

@@ -413,7 +413,7 @@ def test_fedrun_import_of_an_untracked_run_has_every_metric(tmp_path):
         assert [(m.step, m.value) for m in history] == [
             (int(r), pytest.approx(v)) for r, v in expected.itertuples(index=False)
         ], column
-    assert run.data.metrics["rounds_run"] == 4 and run.info.status == "FINISHED"
+    assert run.data.metrics["5_summary/rounds_run"] == 4 and run.info.status == "FINISHED"
 
 
 @pytest.mark.slow

@@ -37,7 +37,9 @@ def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
     assert list(table.index) == ["fedavg", "fedsoftmax"] and list(table["runs"]) == [2, 2]
     _, runs = mlflow_runs(store, "report")
     for aggregator in ("fedavg", "fedsoftmax"):
-        finals = [r.data.metrics["final_test_accuracy"] for r in runs if r.data.tags["aggregator"] == aggregator]
+        finals = [
+            r.data.metrics["5_summary/final_test_accuracy"] for r in runs if r.data.tags["aggregator"] == aggregator
+        ]
         mean, half = mean_ci(finals)
         assert table.loc[aggregator, "final_test_accuracy_mean"] == pytest.approx(mean)
         assert table.loc[aggregator, "final_test_accuracy_ci95"] == pytest.approx(half)
@@ -84,7 +86,10 @@ def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
         text=True,
         check=True,
     )
-    final = {(r.data.tags["aggregator"], r.data.params["seed"]): r.data.metrics["final_test_accuracy"] for r in runs}
+    final = {
+        (r.data.tags["aggregator"], r.data.params["seed"]): r.data.metrics["5_summary/final_test_accuracy"]
+        for r in runs
+    }
     diffs = [final[("fedsoftmax", seed)] - final[("fedavg", seed)] for seed in ("0", "1")]
     pairs = pd.read_csv(out / "paired.csv").set_index("aggregator")
     assert pairs.loc["fedsoftmax", "final_test_accuracy_diff"] == pytest.approx(np.mean(diffs))

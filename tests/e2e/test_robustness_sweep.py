@@ -35,7 +35,9 @@ def test_the_robustness_sweep_collapses_its_f0_jobs_and_the_report_reads_the_mat
     krum = [r for r in runs if r.data.tags["defence"] == "krum" and r.data.tags["attack"] == "sign_flip"]
     assert {r.data.params["aggregator.f"] for r in krum} == {"2"}  # the rule is told the attackers' count
     soft = [r for r in runs if r.data.tags["defence"] == "fedsoftmax" and r.data.tags["attack"] == "loss_lie_flip"]
-    assert all(r.data.metrics["attack/weight_share_mean"] > 0.99 for r in soft)  # the liars take FedSoftMax's weight
+    assert all(
+        r.data.metrics["5_summary/attack/weight_share_mean"] > 0.99 for r in soft
+    )  # the liars take FedSoftMax's weight
 
     out = fedrun.cwd / "report"
     report = str(Path(sys.executable).parent / "fedrun-report")

@@ -57,7 +57,7 @@ def test_a_study_through_fedrun_records_trials_over_seeds_in_mlflow(fedrun, stor
         assert {r.data.tags["mlflow.parentRunId"] for r in mine} == {trial.info.run_id}
         assert sorted(r.data.tags["seed"] for r in mine) == ["0", "1"]
         # the trial's objective is the mean of its seeds' final test accuracy (the default objective)
-        values = [r.data.metrics["final_test_accuracy"] for r in mine]
+        values = [r.data.metrics["5_summary/final_test_accuracy"] for r in mine]
         assert trial.data.metrics["objective"] == pytest.approx(sum(values) / 2)
         temperature = trial.data.params["aggregator.temperature"]
         assert {r.data.params["aggregator.temperature"] for r in mine} == {temperature}

@@ -36,13 +36,13 @@ def model(norm="batch"):
     return CNN((3, 8, 8), 4, norm=norm).double()
 
 
-def train(client_state=None, rounds=3, checkpoint=None, device=None, norm="batch"):
+def train(client_state=None, rounds=3, checkpoint=None, device=None, norm="batch", aggregator=None):
     rows, series = [], []
     result = run(
         model(norm),
         DATA,
         CLIENTS,
-        Parts(FedAvg(), client_state=client_state),
+        Parts(aggregator or FedAvg(), client_state=client_state),
         functools.partial(torch.optim.SGD, lr=0.1),
         Schedule(rounds=rounds, local_steps=3, batch_size=5),
         device or torch.device("cpu"),
@@ -186,3 +186,25 @@ def test_vmap_refuses_batch_norm_in_one_line():
     with pytest.raises(ConfigError, match="batch norm") as info:
         VmapTrainer(model(), X, Y, functools.partial(torch.optim.SGD, lr=0.1))
     assert info.value.key == "device.backend"
+
+
+def test_fedbn_runs_with_every_synchronous_aggregator_or_is_refused_in_one_line(compose_config):
+    from hydra.utils import instantiate
+
+    from unit.test_personal import AGGREGATORS
+
+    ran, refused = [], []
+    for name in AGGREGATORS:
+        aggregator = instantiate(compose_config(f"aggregator={name}").aggregator)
+        if aggregator.asynchronous or getattr(aggregator, "root_size", 0):  # (as in test_personal)
+            continue
+        try:
+            result, rows, _ = train(FedBN(), rounds=2, aggregator=aggregator)
+        except ConfigError as error:
+            refused.append((name, str(error)))
+            continue
+        assert torch.isfinite(result.params).all() and not np.isnan(rows[-1]["personal/accuracy_mean"]), name
+        ran.append(name)
+    assert [name for name, line in refused if "personalization=" in line] == ["mvr"]
+    assert {name for name, line in refused if "personalization=" not in line} <= {"krum", "multikrum", "bulyan"}
+    assert {"fedavg", "fedsoftmax", "fedmax", "median", "trimmed_mean", "geomed", "fednova", "hybrid"} <= set(ran)

@@ -194,6 +194,24 @@ def test_clipping_and_the_fixed_denominator_by_hand():
     assert numbers["noise_std"] == 0.0 and numbers["clip_norm"] == 2.0
 
 
+def test_a_run_whose_noise_swamps_its_update_is_warned_in_one_line_before_round_one(capsys):
+    # d = 10,000 parameters: the noise on the averaged update has norm z C sqrt(d) / D = 100 z C / D centrally,
+    # z C sqrt(d / D) locally. z = 1, Poisson q = 0.05 of N = 100: D = 5, central ratio 20, local ratio 44.7; of N =
+    # 1,000: D = 50, central ratio 2 (no line), local 14.1.
+    layout = (("w", 0, 10_000),)
+    for mechanism, clients, ratio in (("central", 100, "20"), ("local", 100, "44.7"), ("local", 1000, "14.1")):
+        privacy = private(mechanism=mechanism, noise_multiplier=1.0)
+        schedule = Schedule(rounds=3, clients_per_round=0.05, sampling="poisson")
+        context = Context(schedule, np.ones(clients), 0, layout=layout)
+        privacy.bind(context)
+        privacy.bind(context)  # a run binds twice: one line
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("fedrun: warning: the privacy noise swamps the update")
+        assert f"is {ratio} times the clip norm" in lines[0] and "schedule.clients_per_round" in lines[0]
+    private(noise_multiplier=1.0).bind(Context(schedule, np.ones(1000), 0, layout=layout))
+    assert capsys.readouterr().err == ""
+
+
 def test_the_noise_has_the_calibrated_law_and_follows_the_seed():
     def noise(seed, round_=1, poisson=True):
         privacy = private(noise_multiplier=1.3, clip_norm=0.5)
