@@ -217,6 +217,27 @@ class Checkpoint:
             raise Stopped(self.stop_requested, round_)
 
 
+class RankLost(Stopped):
+    """Another rank is gone (killed, out of memory, its machine lost): this one stops as if signalled, its run KILLED
+    and resumable from the last checkpoint (``torchrun`` sends the survivors SIGTERM as well)."""
+
+    def __init__(self, error: BaseException):
+        Stopped.__init__(self, "SIGTERM", -1)
+        self.args = (f"stopped: another rank was lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def exchanged(collective, *args, **kwargs):
+    """Run a collective of ``torch.distributed``; a peer that is gone raises ``RankLost`` instead of gloo's or
+    NCCL's error."""
+    try:
+        return collective(*args, **kwargs)
+    except RuntimeError as exc:  # torch.distributed.DistError is one
+        raise RankLost(exc) from exc
+
+
 class FollowerCheckpoint(Checkpoint):
     """The checkpoint of a rank > 0 of a distributed run (``fedrun.distributed``): it resumes from rank 0's file
     (``source``) and never writes one; ``directory`` is its own (where its part may spill personal state)."""
@@ -250,8 +271,6 @@ def agreed(stop_requested: str | None) -> str | None:
     code = STOP_NAMES.index(stop_requested) + 1 if stop_requested in STOP_NAMES else 0
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     flag = torch.tensor([code], device=device)
-    from fedrun.distributed import exchanged  # (it imports this module)
-
     exchanged(dist.all_reduce, flag, op=dist.ReduceOp.MAX)
     return STOP_NAMES[int(flag.item()) - 1] if int(flag.item()) else None
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from fedrun.backends import LoopTrainer, _blocks, passes
-from fedrun.checkpoint import Stopped
+from fedrun.checkpoint import exchanged
 from fedrun.clients import client_rows
 from fedrun.cohort import ClientLosses, CohortUpdate
 from fedrun.errors import ConfigError
@@ -32,27 +32,6 @@ INNER = ("loop", "vmap")
 # How long a rank waits for the others at a gather before the run fails (a rank that died is seen at once on its
 # closed connection; this bounds a rank that hangs).
 TIMEOUT = timedelta(minutes=30)
-
-
-class RankLost(Stopped):
-    """Another rank is gone (killed, out of memory, its machine lost): this one stops as if signalled, its run KILLED
-    and resumable from the last checkpoint (``torchrun`` sends the survivors SIGTERM as well)."""
-
-    def __init__(self, error: BaseException):
-        Stopped.__init__(self, "SIGTERM", -1)
-        self.args = (f"stopped: another rank was lost ({type(error).__name__}: {str(error).splitlines()[0][:200]})",)
-
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-def exchanged(collective, *args, **kwargs):
-    """Run a collective of ``torch.distributed``; a peer that is gone raises ``RankLost`` instead of gloo's or
-    NCCL's error."""
-    try:
-        return collective(*args, **kwargs)
-    except (RuntimeError, dist.DistError) as exc:
-        raise RankLost(exc) from exc
 
 
 def launched() -> bool:

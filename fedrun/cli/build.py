@@ -162,8 +162,6 @@ def setup(cfg: DictConfig) -> dict:
     )
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
-    if objects["device"].backend == "distributed" and objects["engine"].asynchronous:
-        raise ConfigError("device.backend", "distributed", "loop, processes or auto with engine=async (not yet)")
     if batch_norms(model) and objects["engine"].asynchronous:
         raise ConfigError(
             "model.norm", "batch", "none with engine=async (its evaluations are not calibrated for batch norm yet)"

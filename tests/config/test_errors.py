@@ -30,7 +30,6 @@ BAD = [
     (["personalization=fedbn", "dataset.client_test_fraction=0.2"], "personalization"),  # a model without batch norm
     (["model=cnn", "model.norm=group"], "model.norm"),
     (["model=cnn", "model.norm=batch", "engine=async", "aggregator=fedbuff"], "model.norm"),
-    (["device.backend=distributed", "engine=async", "aggregator=fedbuff"], "device.backend"),
     (["device.inner=processes"], "device.inner"),
     (["partition=pathological", "partition.num_clients=6"], "partition.num_clients"),  # class 6 finds no client
     (["personalization=ditto", "aggregator=fedbuff", "dataset.client_test_fraction=0.2"], "engine"),

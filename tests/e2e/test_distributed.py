@@ -44,7 +44,10 @@ def metrics(out: Path) -> pd.DataFrame:
 
 CASES = {  # FedAvg is the aggregator of the last two (a case of its own would test nothing more)
     "fedsoftmax": ["aggregator=fedsoftmax"],  # per-client losses gathered from both ranks
-    "topk_error_feedback": ["compression=topk"],  # each client's residual follows it, whichever rank trains it
+    "topk_error_feedback": ["compression=topk"],
+    "fedbuff_async": [
+        "aggregator=fedbuff"
+    ],  # the asynchronous engine: each instant's arrivals over the ranks  # each client's residual follows it, whichever rank trains it
     "central_dp": [  # the noise drawn once, the same on every rank
         "privacy=central",
         "aggregator.weighting=uniform",

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
-TOP = ("fedrun.cli", "hydra_plugins")  # the edge: composes and runs everything below it
+TOP = ("fedrun.cli", "fedrun.__main__", "hydra_plugins")  # the edge: composes and runs everything below it
 ENGINES = ("fedrun.engine", "fedrun.async_engine")  # run the parts; no part reaches back into them
 
 
