@@ -170,6 +170,7 @@ class Checkpoint:
             "null or an integer >= 1",
         )
         self.path, self.every, self.resume = Path(directory) / FILE, every, resume
+        self.source = self.path  # the file a resume reads (a distributed run's other ranks read rank 0's)
         self.stop_requested: str | None = None  # the name of the signal that asked for a stop
         self.saved_round = 0
         self.extra: dict = {}  # saved with every state (the CLI keeps the MLflow run id here)
@@ -180,7 +181,7 @@ class Checkpoint:
         if not self.resume:
             return None
         if self._state is None:
-            self._state = read(self.path)
+            self._state = read(self.source)
             self.saved_round = self._state["round"]
         return self._state
 
@@ -244,15 +245,8 @@ class FollowerCheckpoint(Checkpoint):
 
     def __init__(self, directory: Path, source: Path | None = None):
         super().__init__(directory, None, resume=source is not None and (Path(source) / FILE).is_file())
-        self.source = None if source is None else Path(source) / FILE
-
-    def restored(self) -> dict | None:
-        if not self.resume:
-            return None
-        if self._state is None:
-            self._state = read(self.source)
-            self.saved_round = self._state["round"]
-        return self._state
+        if source is not None:
+            self.source = Path(source) / FILE
 
     def save(self, state: dict) -> None:
         self.saved_round = state["round"]

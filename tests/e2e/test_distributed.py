@@ -42,28 +42,34 @@ def metrics(out: Path) -> pd.DataFrame:
     return rows[[c for c in rows.columns if not c.endswith("wall_s")]]
 
 
-CASES = {  # FedAvg is the aggregator of the last two (a case of its own would test nothing more)
-    "fedsoftmax": ["aggregator=fedsoftmax"],  # per-client losses gathered from both ranks
-    "topk_error_feedback": ["compression=topk"],
-    "fedbuff_async": [
-        "aggregator=fedbuff"
-    ],  # the asynchronous engine: each instant's arrivals over the ranks  # each client's residual follows it, whichever rank trains it
-    "central_dp": [  # the noise drawn once, the same on every rank
-        "privacy=central",
-        "aggregator.weighting=uniform",
-        "schedule.sampling=poisson",
-        "schedule.clients_per_round=0.5",
-    ],
+CASES = {  # (overrides, ranks); FedAvg is the aggregator of top-k's and DP's (a case of its own would test no more)
+    "fedsoftmax": (["aggregator=fedsoftmax"], 2),  # per-client losses gathered from both ranks
+    "topk_error_feedback": (["compression=topk"], 2),  # each client's residual follows it, whichever rank trains it
+    "central_dp": (  # the noise drawn once, the same on every rank
+        [
+            "privacy=central",
+            "aggregator.weighting=uniform",
+            "schedule.sampling=poisson",
+            "schedule.clients_per_round=0.5",
+        ],
+        2,
+    ),
+    "fedbuff_async": (["aggregator=fedbuff"], 2),  # the asynchronous engine: each instant's arrivals over the ranks
+    "population_power_of_choice_4_ranks": (  # a million clients drawn when they train; the candidates' loss pass
+        ["partition=population", "schedule.cohort=10", "model=logistic", "sampler=power_of_choice"],
+        4,
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_give_the_loops_metrics(tmp_path, case):
-    fedrun(tmp_path, tmp_path / "loop", "device.backend=loop", *CASES[case])
-    fedrun(tmp_path, tmp_path / "ranks", *CASES[case], ranks=2)
+def test_two_or_four_ranks_give_the_loops_metrics(tmp_path, case):
+    overrides, ranks = CASES[case]
+    fedrun(tmp_path, tmp_path / "loop", "device.backend=loop", *overrides)
+    fedrun(tmp_path, tmp_path / "ranks", *overrides, ranks=ranks)
     pd.testing.assert_frame_equal(metrics(tmp_path / "ranks"), metrics(tmp_path / "loop"), check_exact=True)
-    assert (tmp_path / "ranks" / "config.yaml").is_file()  # rank 0 wrote its run dir; rank 1 left nothing
+    assert (tmp_path / "ranks" / "config.yaml").is_file()  # rank 0 wrote its run dir; the others left nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "outputs", "ranks"]
 
 

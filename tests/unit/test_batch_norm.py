@@ -189,22 +189,6 @@ def test_vmap_refuses_batch_norm_in_one_line():
 
 
 def test_fedbn_runs_with_every_synchronous_aggregator_or_is_refused_in_one_line(compose_config):
-    from hydra.utils import instantiate
+    from unit.test_personal import runs_with_every_synchronous_aggregator
 
-    from unit.test_personal import AGGREGATORS
-
-    ran, refused = [], []
-    for name in AGGREGATORS:
-        aggregator = instantiate(compose_config(f"aggregator={name}").aggregator)
-        if aggregator.asynchronous or getattr(aggregator, "root_size", 0):  # (as in test_personal)
-            continue
-        try:
-            result, rows, _ = train(FedBN(), rounds=2, aggregator=aggregator)
-        except ConfigError as error:
-            refused.append((name, str(error)))
-            continue
-        assert torch.isfinite(result.params).all() and not np.isnan(rows[-1]["personal/accuracy_mean"]), name
-        ran.append(name)
-    assert [name for name, line in refused if "personalization=" in line] == ["mvr"]
-    assert {name for name, line in refused if "personalization=" not in line} <= {"krum", "multikrum", "bulyan"}
-    assert {"fedavg", "fedsoftmax", "fedmax", "median", "trimmed_mean", "geomed", "fednova", "hybrid"} <= set(ran)
+    runs_with_every_synchronous_aggregator(compose_config, lambda aggregator: train(FedBN(), 2, aggregator=aggregator))

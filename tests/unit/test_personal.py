@@ -316,24 +316,34 @@ def test_a_run_is_selected_on_validation_and_pfllibs_best_round_on_test_is_kept_
 AGGREGATORS = sorted(p.stem for p in (Path(__file__).parents[2] / "conf" / "aggregator").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("method", ["fedper", "fedrep", "ditto", "apfl"])
-def test_each_personal_method_runs_with_every_synchronous_aggregator_or_is_refused_in_one_line(compose_config, method):
+def runs_with_every_synchronous_aggregator(compose_config, run_with) -> None:
+    """``run_with(aggregator)`` (a personal method's run, -> (result, rows, series)) runs with every synchronous
+    aggregator of conf/ or is refused in one line: MVR alone refuses a personal method; Krum's family refuses 3
+    clients, whatever the method (their own rule)."""
     from hydra.utils import instantiate
 
     ran, refused = [], []
     for name in AGGREGATORS:
-        cfg = compose_config(f"aggregator={name}", f"personalization={method}")
-        aggregator = instantiate(cfg.aggregator)
+        aggregator = instantiate(compose_config(f"aggregator={name}").aggregator)
         if aggregator.asynchronous or getattr(aggregator, "root_size", 0):  # the async engine refuses it (test_errors);
             continue  # FLTrust's root set comes from the dataset (tests/e2e)
         try:
-            result, rows, _ = train(instantiate(cfg.personalization), rounds=2, lr=0.1, aggregator=aggregator)
+            result, rows, _ = run_with(aggregator)
         except ConfigError as error:
             refused.append((name, str(error)))
             continue
         assert torch.isfinite(result.params).all() and not np.isnan(rows[-1]["personal/accuracy_mean"]), name
         ran.append(name)
-    # MVR alone refuses a personal method; Krum's family refuses 3 clients, whatever the method (their own rule)
     assert [name for name, line in refused if "personalization=" in line] == ["mvr"]
     assert {name for name, line in refused if "personalization=" not in line} <= {"krum", "multikrum", "bulyan"}
     assert {"fedavg", "fedsoftmax", "fedmax", "median", "trimmed_mean", "geomed", "fednova", "hybrid"} <= set(ran)
+
+
+@pytest.mark.parametrize("method", ["fedper", "fedrep", "ditto", "apfl"])
+def test_each_personal_method_runs_with_every_synchronous_aggregator_or_is_refused_in_one_line(compose_config, method):
+    from hydra.utils import instantiate
+
+    state = compose_config(f"personalization={method}").personalization
+    runs_with_every_synchronous_aggregator(
+        compose_config, lambda aggregator: train(instantiate(state), rounds=2, lr=0.1, aggregator=aggregator)
+    )
