@@ -77,8 +77,8 @@ def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, 
     (``upload_mb_total``), final and best test accuracy, the R-index of each target (and ``R90_mb``, the
     megabytes uploaded until it) (for the clients' local models too, and in virtual time for an
     asynchronous run; the tag ``R90=not_reached`` when a target was not reached), the curve's stability, and under
-    an attack the attackers' mean weight and cohort share (``attack/weight_share_mean``, ``attack/cohort_share_mean``).
-    NaN values are left out."""
+    an attack the attackers' mean weight and cohort share (``attack/weight_share_mean``, ``attack/cohort_share_mean``),
+    and with privacy the epsilon spent (``final_epsilon``). NaN values are left out."""
     values, tags = {"rounds_run": len(metrics), "total_wall_s": float(metrics["round_wall_s"].sum())}, {}
     uploaded = metrics["upload_mb"].cumsum() if "upload_mb" in metrics else None  # megabytes sent up so far
     if uploaded is not None and len(uploaded):
@@ -86,6 +86,8 @@ def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, 
     accuracy = metrics["test_accuracy"].dropna()
     if len(accuracy):
         values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
+    if "epsilon" in metrics and metrics["epsilon"].notna().any():  # what the run spent, in the summary a reader opens
+        values["final_epsilon"] = float(metrics["epsilon"].dropna().iloc[-1])
     for column in ("attack/weight_share", "attack/cohort_share"):  # the attackers' mean share over the rounds run
         if column in metrics and metrics[column].notna().any():
             values[column + "_mean"] = float(metrics[column].mean())

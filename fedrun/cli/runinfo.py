@@ -19,15 +19,22 @@ def git_commit() -> str:
         return "unknown"
 
 
+FEATURE_GROUPS = ("method", "personalization", "privacy", "compression", "attack", "sampler", "heterogeneity", "engine")
+QUIET_CHOICES = ("none", "uniform", "sync")  # the defaults: nothing to say
+
+
 def run_name(choices: dict, overrides, seed: int) -> str:
     """A short run name that says what the run is and what differs: the aggregator, partition and dataset
-    chosen, each overridden value by its last key (paths and tracking keys left out), and the seed; e.g.
-    ``fedsoftmax shards mnist temperature=0.1 seed=2``. The whole override string is the tag ``overrides``."""
+    chosen, each feature that ran (``FEATURE_GROUPS`` not at their defaults), each overridden value by its last key
+    (paths, tracking, Hydra and device keys left out), and the seed; e.g. ``fedsoftmax shards mnist temperature=0.1
+    seed=2``, ``fedavg iid digits central noise_multiplier=0.8 seed=0``. The whole override string is the tag ``overrides``."""
     words = [choices.get(group) for group in ("aggregator", "partition", "dataset") if choices.get(group)]
+    # a feature that ran says so (``central``, ``topk``, ``sign_flip``): a run is not named as plain FedAvg
+    words += [choices[group] for group in FEATURE_GROUPS if choices.get(group) not in (None, *QUIET_CHOICES)]
     for override in overrides:
         key, _, value = override.lstrip("+~").partition("=")
-        if "." not in key or key.startswith(("tracking.", "hydra.")) or "/" in value or key == "resume":
-            continue  # group choices are in the words already; paths say nothing about the run
+        if "." not in key or key.startswith(("tracking.", "hydra.", "device.")) or "/" in value or key == "resume":
+            continue  # group choices are in the words already; paths and where it ran say nothing about the run
         words.append(f"{key.rsplit('.', 1)[-1]}={value}")
     return " ".join(words + [f"seed={seed}"])[:250]
 

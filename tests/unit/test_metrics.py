@@ -87,3 +87,15 @@ def test_summary_from_rows_in_memory():
     # evaluated changes: +0.2, -0.05 -> smoothness = std / mean|d| = 0.125 / 0.125
     assert values["smoothness"] == pytest.approx(1.0)
     assert "lag1_autocorr" not in values  # too short a curve: NaN, left out
+
+
+def test_the_summary_of_a_private_run_has_the_epsilon_it_spent():
+    import pandas as pd
+
+    from fedrun.metrics import summarise
+
+    rows = pd.DataFrame(
+        {"round": [1, 2], "round_wall_s": [1.0, 1.0], "test_accuracy": [0.5, 0.6], "epsilon": [1.5, 2.25]}
+    )
+    assert summarise(rows, (0.9,))[0]["final_epsilon"] == 2.25
+    assert "final_epsilon" not in summarise(rows.drop(columns="epsilon"), (0.9,))[0]

@@ -85,3 +85,41 @@ def test_a_batch_is_split_at_mlflow_s_limits_and_a_small_one_is_one_call():
     client = RecordingClient()
     tracking.log_batch(client, "r")
     assert client.calls == []
+
+
+def test_each_metric_has_the_mlflow_section_a_reader_looks_for_it_in_and_the_plain_name_comes_back():
+    from fedrun.cli.runinfo import run_name
+    from fedrun.tracking import mlflow_name, plain_name
+
+    per_round = {
+        "test_accuracy": "0_main/test_accuracy",
+        "R90": "1_r_index/R90",
+        "epsilon": "2_privacy/epsilon",
+        "noise_std": "2_privacy/noise_std",
+        "topk/bits_per_coordinate": "2_compression/topk/bits_per_coordinate",
+        "selection_p_cv": "2_selection/selection_p_cv",
+        "attack/weight_share": "2_attack/weight_share",
+        "robust/discarded": "2_robust/discarded",
+        "personal/accuracy_min": "2_personal/accuracy_min",
+        "upload_mb": "3_communication/upload_mb",
+        "train_wall_s": "4_timing/train_wall_s",
+        "lr": "lr",
+        "alpha_distance": "alpha_distance",
+    }
+    summary = {
+        "final_test_accuracy": "5_summary/final_test_accuracy",
+        "final_epsilon": "5_summary/final_epsilon",
+        "total_wall_s": "5_summary/total_wall_s",
+        "attack/weight_share_mean": "5_summary/attack/weight_share_mean",
+        "personal/final_accuracy_min": "5_summary/personal/final_accuracy_min",
+        "R90": "1_r_index/R90",
+        "selection_cv": "2_selection/selection_cv",
+    }
+    for names, is_summary in ((per_round, False), (summary, True)):
+        for plain, shown in names.items():
+            assert mlflow_name(plain, summary=is_summary) == shown
+            assert plain_name(shown) == plain
+    choices = {"aggregator": "fedavg", "partition": "iid", "dataset": "digits", "privacy": "central"}
+    choices |= {"compression": "none", "sampler": "uniform", "engine": "sync"}
+    overrides = ["privacy=central", "privacy.noise_multiplier=0.8", "device.threads=1", "tracking.experiment=x"]
+    assert run_name(choices, overrides, 0) == "fedavg iid digits central noise_multiplier=0.8 seed=0"
