@@ -93,8 +93,8 @@ FEATURES = {
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_a_feature_has_its_section_after_the_main_ones_then_communication_timings_and_summaries(fedrun, store, feature):
     overrides, expected = FEATURES[feature]
-    fedrun(*overrides, *TINY, experiment=feature)
-    _, [run] = mlflow_runs(store, feature)
+    fedrun(*overrides, *TINY, experiment=f"section_{feature}")  # the store is the session's: a name of its own
+    _, [run] = mlflow_runs(store, f"section_{feature}")
     names = set(run.data.metrics)
     assert expected <= names
     # the R-index where reached; the selection's, in every run (its probabilities, how evenly it picked)

@@ -15,8 +15,8 @@ def test_compression_through_the_fedrun_command_sync_and_async(fedrun, store):
     ratios = []
     for done in runs:
         assert done.data.tags["compression"] == "topk" and done.info.status == "FINISHED"
-        uploads = [m.value for m in client.get_metric_history(done.info.run_id, "upload_mb")]
-        downloads = [m.value for m in client.get_metric_history(done.info.run_id, "download_mb")]
+        uploads = [m.value for m in client.get_metric_history(done.info.run_id, "3_communication/upload_mb")]
+        downloads = [m.value for m in client.get_metric_history(done.info.run_id, "3_communication/download_mb")]
         ratios += [u / dl for u, dl in zip(uploads, downloads)]
     # every upload is a top-5% message, every download the dense float32 model: one ratio, 5% of the values plus
     # their indices, bits(d) / (32 d) = ceil(0.05 d) (32 + ceil(log2 d)) / (32 d), about 0.07 here
