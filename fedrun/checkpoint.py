@@ -252,9 +252,6 @@ class FollowerCheckpoint(Checkpoint):
         self.saved_round = state["round"]
 
 
-STOP_NAMES = ("SIGTERM", "SIGINT", "SIGUSR2", "pruned")
-
-
 def agreed(stop_requested: str | None) -> str | None:
     """In a distributed run (``torch.distributed`` initialised), the stop some rank was asked for, the same on every
     rank (a signal reaches the ranks at different moments); else ``stop_requested`` itself."""
@@ -306,3 +303,8 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
+
+
+# What ``checkpoint.stop_requested`` may name (``agreed`` sends it between ranks as an index): the signals
+# ``StopSignals`` catches, and a study's pruner (``fedrun.study.PRUNED``).
+STOP_NAMES = tuple(signum.name for signum in StopSignals.SIGNALS) + ("pruned",)

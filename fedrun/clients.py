@@ -117,8 +117,24 @@ def evaluate(
     model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, calibration: Calibration | None = None
 ) -> tuple[float, float]:
     """(accuracy, mean loss) of ``params`` on a split (``calibration``: see ``per_sample_loss``)."""
-    loss, correct = per_sample_loss(model, params, x, y, calibration)
-    return correct.float().mean().item(), loss.mean().item()
+    return evaluate_splits(model, params, [(x, y)], calibration)[0]
+
+
+def evaluate_splits(
+    model: nn.Module, params: torch.Tensor, splits: list[tuple], calibration: Calibration | None = None
+) -> list[tuple[float, float]]:
+    """(accuracy, mean loss) of ``params`` on each (x, y) of ``splits``, the parameters loaded, and a batch-norm
+    model calibrated, once for all of them."""
+    model.eval()
+    load_flat(model, params)
+    if calibration is not None:
+        calibrate(model, *calibration)
+    measured = []
+    with torch.inference_mode():
+        for x, y in splits:
+            loss, correct = _per_sample_loss(model, x, y)
+            measured.append((correct.float().mean().item(), loss.mean().item()))
+    return measured
 
 
 def _authors_scale(losses: torch.Tensor, batch_size: int) -> float:

@@ -34,6 +34,11 @@ INNER = ("loop", "vmap")
 TIMEOUT = timedelta(minutes=30)
 
 
+def chosen(device) -> bool:
+    """Whether a run's ``device`` config (a node or a dict) asks for this backend."""
+    return device.get("backend") == "distributed"
+
+
 def launched() -> bool:
     """Whether this process was started as one rank of several (``torchrun`` or ``srun`` set its environment)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
@@ -95,7 +100,6 @@ class DistributedTrainer(Trainer):
         if not dist.is_initialized():
             raise ConfigError("device.backend", "distributed", "a process that has joined its process group")
         self.inner, self.rank, self.world = inner, dist.get_rank(), dist.get_world_size()
-        self.model = getattr(inner, "model", None)
 
     def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)

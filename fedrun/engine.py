@@ -15,7 +15,7 @@ from torch import nn
 
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint, snapshot
-from fedrun.clients import FStarEstimate, client_accuracy, evaluate, judged_accuracy
+from fedrun.clients import FStarEstimate, client_accuracy, evaluate_splits, judged_accuracy
 from fedrun.cohort import ClientLosses, Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError
@@ -198,13 +198,9 @@ class Tensors:
         return ["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if self.has_val else [])
 
     def measure(self, w: torch.Tensor) -> dict:
-        test = evaluate(self.model, w, self.x_test, self.y_test, self.calibration)
-        columns = dict(zip(("test_accuracy", "test_loss"), test))
-        if self.has_val:  # the statistics of the test pass: the same parameters
-            columns.update(
-                zip(("val_accuracy", "val_loss"), evaluate(self.model, w, self.x_val, self.y_val, self.calibration))
-            )
-        return columns
+        splits = [(self.x_test, self.y_test)] + ([(self.x_val, self.y_val)] if self.has_val else [])
+        measured = evaluate_splits(self.model, w, splits, self.calibration)  # one calibration for both
+        return dict(zip(self.columns, (value for pair in measured for value in pair)))
 
 
 def who_trains(parts: Parts, selection, t: int, sizes, schedule: Schedule, seed: int, num_clients: int):

@@ -59,7 +59,7 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         for directory in held() - before:
             unlock(directory)
-        if cfg.device.get("backend") == "distributed":
+        if distributed.chosen(cfg.device):
             distributed.close()
 
 
@@ -125,7 +125,7 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
     cfg, output_dir, checkpoint = job.cfg, job.output_dir, job.checkpoint
     choices = {g: hydra_cfg.runtime.choices[g] for g in CONFIG_GROUPS if hydra_cfg.runtime.choices.get(g)}
     cores = job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores()
-    if cfg.device.get("backend") == "distributed":  # the ranks on this machine share its cores
+    if distributed.chosen(cfg.device):  # the ranks on this machine share its cores
         cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     tags = {
         **choices,

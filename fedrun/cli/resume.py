@@ -68,7 +68,7 @@ class Job:
 
 def open_job(cfg: DictConfig, hydra_cfg) -> Job:
     """The job this invocation runs (see the module docstring); ConfigError for a resume that cannot be."""
-    if cfg.device.get("backend") == "distributed":
+    if distributed.chosen(cfg.device):
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise ConfigError(
                 "device.backend", "distributed", "a single run (without -m: start one torchrun per job of a sweep)"
