@@ -190,7 +190,7 @@ class AsyncEngine:
         if (saved := parts.restore(checkpoint)) is not None:  # the simulation after the instant of saved["round"]
             loop = AsyncLoop.of(saved["loop"], seed)
             result = RunResult(loop.params, rows=saved["rows"])
-        evaluate = lambda p: self._evaluate(model, p, x_test, y_test, label_sets)  # noqa: E731
+        evaluate = lambda p: self._evaluate(model, p, x_test, y_test, label_sets, trainer.per_sample)  # noqa: E731
         try:
             bar = tqdm(total=schedule.rounds, desc="aggregations", unit="agg", dynamic_ncols=True, initial=loop.version)
             start, done = time.perf_counter(), False
@@ -337,8 +337,8 @@ class AsyncEngine:
         return sets if distinct else {}
 
     @staticmethod
-    def _evaluate(model, w, x_test, y_test, label_sets) -> dict:
-        loss, correct = per_sample_loss(model, w, x_test, y_test)
+    def _evaluate(model, w, x_test, y_test, label_sets, per_sample=None) -> dict:
+        loss, correct = per_sample_loss(model, w, x_test, y_test, per_sample=per_sample)
         row = {"test_accuracy": correct.float().mean().item(), "test_loss": loss.mean().item()}
         for name, labels in label_sets.items():
             mask = torch.isin(y_test, torch.as_tensor(labels, device=y_test.device))

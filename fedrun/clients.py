@@ -85,24 +85,32 @@ def calibrate(model: nn.Module, x: torch.Tensor, index: torch.Tensor | None = No
         model.train(training)
 
 
+PerSample = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def per_sample_loss(
     model: nn.Module,
     params: torch.Tensor,
     x: torch.Tensor,
     y: torch.Tensor,
     calibration: Calibration | None = None,
+    per_sample: PerSample | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy and correctness of every sample under the flat parameters ``params``; a batch-norm model
-    normalised by the statistics of the ``calibration`` inputs (``calibrate``), which it then needs."""
+    normalised by the statistics of the ``calibration`` inputs (``calibrate``), which it then needs.
+    ``per_sample``: how the loaded model's values are computed (default ``loaded_per_sample``; a backend's
+    ``Trainer.per_sample`` may share the samples among its ranks)."""
     model.eval()  # batch norm by its statistics, not the evaluated batch's
     load_flat(model, params)
     if calibration is not None:
         calibrate(model, *calibration)
     with torch.inference_mode():  # no autograd bookkeeping at all: cheaper than no_grad
-        return _per_sample_loss(model, x, y)
+        return (per_sample or loaded_per_sample)(model, x, y)
 
 
-def _per_sample_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loaded_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy and correctness of every sample under the parameters loaded in ``model``, in chunks of
+    ``eval_chunk`` from the first sample (a slice that starts at a multiple of it gives the same values)."""
     losses, correct = [], []
     chunk = eval_chunk(model, x.device)
     for start in range(0, len(y), chunk):
@@ -121,10 +129,14 @@ def evaluate(
 
 
 def evaluate_splits(
-    model: nn.Module, params: torch.Tensor, splits: list[tuple], calibration: Calibration | None = None
+    model: nn.Module,
+    params: torch.Tensor,
+    splits: list[tuple],
+    calibration: Calibration | None = None,
+    per_sample: PerSample | None = None,
 ) -> list[tuple[float, float]]:
     """(accuracy, mean loss) of ``params`` on each (x, y) of ``splits``, the parameters loaded, and a batch-norm
-    model calibrated, once for all of them."""
+    model calibrated, once for all of them (``per_sample``: see ``per_sample_loss``)."""
     model.eval()
     load_flat(model, params)
     if calibration is not None:
@@ -132,7 +144,7 @@ def evaluate_splits(
     measured = []
     with torch.inference_mode():
         for x, y in splits:
-            loss, correct = _per_sample_loss(model, x, y)
+            loss, correct = (per_sample or loaded_per_sample)(model, x, y)
             measured.append((correct.float().mean().item(), loss.mean().item()))
     return measured
 
@@ -169,7 +181,7 @@ def cohort_losses(
         for index in (torch.as_tensor(p, device=x.device) for p in parts):
             calibrate(model, x, index)
             with torch.inference_mode():
-                pieces.append(_per_sample_loss(model, x[index], y[index])[0])
+                pieces.append(loaded_per_sample(model, x[index], y[index])[0])
         loss = torch.cat(pieces)
     else:
         index = torch.as_tensor(np.concatenate(parts), device=x.device)

@@ -13,6 +13,7 @@ same numbers on any number of ranks as the ``loop`` backend with the same ``devi
 ``rank()`` tells the command line which process writes (rank 0 alone: MLflow, the run dir, checkpoints).
 """
 
+import math
 import os
 from datetime import timedelta
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from fedrun.backends import LoopTrainer, _blocks, passes
 from fedrun.checkpoint import exchanged
-from fedrun.clients import client_rows
+from fedrun.clients import client_rows, eval_chunk, loaded_per_sample
 from fedrun.cohort import ClientLosses, CohortUpdate
 from fedrun.errors import ConfigError
 from fedrun.trainer import Trainer
@@ -132,6 +133,19 @@ class DistributedTrainer(Trainer):
         lo, hi = _blocks([len(p) for p in parts], self.world)[self.rank]
         pieces = self._gathered(lambda: self.inner.per_client(signal, params, parts[lo:hi]), lo < hi)
         return np.concatenate([np.zeros(0), *pieces])
+
+    def per_sample(self, model, x, y) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server's evaluation shared: each rank computes a contiguous run of whole inference chunks (the
+        chunks the loop computes, so each sample's values are the loop's), and every rank gathers all of them in
+        sample order; the mean over them is then the loop's."""
+        chunk = eval_chunk(model, x.device)
+        lo, hi = _blocks([1] * math.ceil(len(y) / chunk), self.world)[self.rank]
+        lo, hi = lo * chunk, min(hi * chunk, len(y))
+        mine = lambda: tuple(value.cpu() for value in loaded_per_sample(model, x[lo:hi], y[lo:hi]))  # noqa: E731
+        pieces = self._gathered(mine, lo < hi)
+        if not pieces:  # no samples
+            return loaded_per_sample(model, x, y)
+        return tuple(torch.cat(values).to(x.device) for values in zip(*pieces))
 
     def _gathered(self, compute, any_clients: bool) -> list:
         """Every rank's result of ``compute`` (tensors on the CPU), in rank order, the ranks without clients left

@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -96,7 +97,10 @@ def run(
     bits = Bits.of(parts.stages, initial)
     root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
     judge = Judge(model, parts.client_state, trainer, tensors, clients, client_tests, client_vals, schedule, seed)
-    bar = progress(first, schedule.rounds, "rounds", "round")
+    bar, measure = (
+        progress(first, schedule.rounds, "rounds", "round"),
+        partial(tensors.measure, per_sample=trainer.per_sample),
+    )
     try:
         for t in range(first, schedule.rounds + 1):
             if parts.exhausted():  # the run ends here, FINISHED (privacy's max_epsilon: the tag stopped_by)
@@ -135,9 +139,7 @@ def run(
             per_client["local_steps"] = spread_over(trained.steps, cohort, len(clients)).astype(int)
             if judge:  # evaluated rounds: every client's own model on its held-out splits (NaN otherwise)
                 row.update(judge(loop.params, lr, t, per_client, measured=not diverged and schedule.evaluates(t)))
-            last = record(
-                row, loop.params, diverged, lr, schedule, tensors.measure, result, on_round, per_client, bar, started
-            )
+            last = record(row, loop.params, diverged, lr, schedule, measure, result, on_round, per_client, bar, started)
             loop.latest_accuracy = row[tensors.accuracy_source] if schedule.evaluates(t) else loop.latest_accuracy
             if checkpoint:
                 loop.fstar = fstar.cache
@@ -197,9 +199,10 @@ class Tensors:
     def columns(self) -> list[str]:
         return ["test_accuracy", "test_loss"] + (["val_accuracy", "val_loss"] if self.has_val else [])
 
-    def measure(self, w: torch.Tensor) -> dict:
+    def measure(self, w: torch.Tensor, per_sample=None) -> dict:
+        """The global model's test (and validation) columns; ``per_sample``: the trainer's (``Trainer.per_sample``)."""
         splits = [(self.x_test, self.y_test)] + ([(self.x_val, self.y_val)] if self.has_val else [])
-        measured = evaluate_splits(self.model, w, splits, self.calibration)  # one calibration for both
+        measured = evaluate_splits(self.model, w, splits, self.calibration, per_sample)  # one calibration for both
         return dict(zip(self.columns, (value for pair in measured for value in pair)))
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedrun.clients import client_signal
+from fedrun.clients import client_signal, loaded_per_sample
 from fedrun.cohort import ClientLosses, CohortUpdate
 
 Signal = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], float]
@@ -54,6 +54,12 @@ class Trainer:
         """``signal(model, params, x_i, y_i)`` of each client, in cohort order (float64). This default runs them
         one after another in this process."""
         return client_signal(signal, self.model, params, self.x, self.y, parts)
+
+    def per_sample(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server's evaluation: cross-entropy and correctness of every sample of ``x``, ``y`` under the
+        parameters loaded in ``model`` (``fedrun.clients.loaded_per_sample``). This default computes them here; a
+        backend whose processes all hold the model may share the samples among them."""
+        return loaded_per_sample(model, x, y)
 
     def close(self) -> None:
         """Release what the backend holds (worker processes)."""

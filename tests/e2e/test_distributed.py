@@ -54,6 +54,15 @@ CASES = {  # (overrides, ranks); FedAvg is the aggregator of top-k's and DP's (a
         ],
         2,
     ),
+    "fedbn_batch_norm_val": (  # the test and validation splits shared by the ranks; each client's own statistics
+        [
+            "model.norm=batch",
+            "personalization=fedbn",
+            "dataset.val_fraction=0.1",
+            "dataset.client_test_fraction=0.2",
+        ],
+        2,
+    ),
     "fedbuff_async": (["aggregator=fedbuff"], 2),  # the asynchronous engine: each instant's arrivals over the ranks
     "population_power_of_choice_4_ranks": (  # a million clients drawn when they train; the candidates' loss pass
         ["partition=population", "schedule.cohort=10", "model=logistic", "sampler=power_of_choice"],

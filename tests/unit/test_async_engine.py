@@ -16,6 +16,7 @@ from fedrun.errors import ConfigError
 from fedrun.models import Logistic
 from fedrun.parts import Parts
 from fedrun.seeding import torch_seed
+from fedrun.trainer import Trainer
 
 g = torch.Generator().manual_seed(0)
 DATA = FederatedData(
@@ -324,7 +325,7 @@ def test_fairness_in_one_pass_equals_each_client_evaluated_alone():
 DATA64 = FederatedData(DATA.x_train.double(), DATA.y_train, DATA.x_test.double(), DATA.y_test, num_classes=3)
 
 
-class OneAtATime:
+class OneAtATime(Trainer):
     """A trainer that trains the clients of a call one by one, each alone: the plain computation."""
 
     def __init__(self, inner, calls):
