@@ -42,7 +42,8 @@ def metrics(out: Path) -> pd.DataFrame:
     return rows[[c for c in rows.columns if not c.endswith("wall_s")]]
 
 
-CASES = {  # (overrides, ranks); FedAvg is the aggregator of top-k's and DP's (a case of its own would test no more)
+CASES = {  # (overrides, ranks)
+    "fedavg": (["aggregator=fedavg"], 2),
     "fedsoftmax": (["aggregator=fedsoftmax"], 2),  # per-client losses gathered from both ranks
     "topk_error_feedback": (["compression=topk"], 2),  # each client's residual follows it, whichever rank trains it
     "central_dp": (  # the noise drawn once, the same on every rank
