@@ -29,6 +29,7 @@ from fedrun.tracking import (
     metric_history,
     mlflow_name,
     open_client,
+    per_client_table,
     plain_name,
     resolve_uri,
     search_runs,
@@ -337,7 +338,7 @@ def personal_accuracies(client, runs: pd.DataFrame, keys: list[str]) -> dict[str
                     path = client.download_artifacts(run["run_id"], "personal_accuracy.csv", scratch)
                 except Exception:  # a run without client test splits logs none
                     continue
-                table = pd.read_csv(path).set_index("round")
+                table = per_client_table(Path(path))
             chosen = run.get("metrics.personal/selected_round")
             row = table.loc[int(chosen)] if pd.notna(chosen) and int(chosen) in table.index else table.iloc[-1]
             pooled.append(row.to_numpy(dtype=float))

@@ -6,7 +6,8 @@ batched call per round. With ``enabled: false`` only the files are written.
 Per-client series (``alpha.csv``, ``local_steps.csv``) are wide, a row per round and a ``client_<id>`` column
 per client (0 for clients not in the round), up to ``WIDE_CLIENTS`` clients; above that they are long, a
 row per (round, client) for the clients with a non-zero value only, so their size follows the cohorts, not
-the population.
+the population; a series whose zeros are values (``DENSE``: a client judged at 0% accuracy) has a row for every
+client. ``per_client_table`` reads either layout as the wide one.
 """
 
 import csv
@@ -35,6 +36,7 @@ PER_CLIENT = (
     "personal_accuracy",
 )  # the per-client series the engines report (``<name>.csv``)
 WIDE_CLIENTS = 1000  # per-client CSV files are wide up to this many clients, long above
+DENSE = ("personal_accuracy",)  # per-client series whose zeros are values: every client in the long layout too
 
 
 def _root_config() -> dict:
@@ -310,6 +312,21 @@ def plain_name(name: str) -> str:
 HEATMAP_CLIENTS = 100  # clients in the alpha heatmap of a long alpha.csv: those with the largest total alpha
 
 
+def per_client_table(path: Path) -> pd.DataFrame:
+    """A per-client CSV file (``<name>.csv``), wide or long, as the wide table: indexed by ``round``, a
+    ``client_<id>`` column per client of the file, in client order (a long file's client without a row in a round:
+    0, the value the wide layout writes for it; a long file has no column for a client never in it)."""
+    table = pd.read_csv(path)
+    if list(table.columns[:2]) != ["round", "client"] or len(table.columns) != 3:
+        return table.set_index("round")
+    name = table.columns[2]
+    wide = table.pivot(index="round", columns="client", values=name)
+    if name not in DENSE:  # absent: not in the round (a DENSE series's NaN, a client without samples, stays NaN)
+        wide = wide.fillna(0.0)
+    wide.columns = [f"client_{c}" for c in wide.columns]
+    return wide.rename_axis(None, axis=1)
+
+
 def widest(long: pd.DataFrame, name: str, clients: int) -> pd.DataFrame:
     """The wide table (``round`` and ``client_<id>`` columns, 0 where absent) of the ``clients`` clients with
     the largest total ``name`` in a long per-client table, in client order."""
@@ -500,8 +517,8 @@ class Tracker:
             writer.writerows(rows + [row])
 
     def _append_long(self, path: Path, name: str, round_: int, values: np.ndarray) -> None:
-        """One (round, client, value) row per client with a non-zero value."""
-        clients = np.flatnonzero(values)
+        """One (round, client, value) row per client with a non-zero value (every client for a ``DENSE`` series)."""
+        clients = np.arange(len(values)) if name in DENSE else np.flatnonzero(values)
         with path.open("a" if path in self._columns else "w", newline="") as handle:  # a new file, or a rerun's
             writer = csv.writer(handle)
             if path not in self._columns:

@@ -123,3 +123,31 @@ def test_each_metric_has_the_mlflow_section_a_reader_looks_for_it_in_and_the_pla
     choices |= {"compression": "none", "sampler": "uniform", "engine": "sync"}
     overrides = ["privacy=central", "privacy.noise_multiplier=0.8", "device.threads=1", "tracking.experiment=x"]
     assert run_name(choices, overrides, 0) == "fedavg iid digits central noise_multiplier=0.8 seed=0"
+
+
+def test_a_long_dense_series_keeps_every_client_and_reads_back_as_the_wide_one(tmp_path, monkeypatch):
+    # personal_accuracy's zeros are values (a client judged at 0%) and its NaN a client without test samples: the
+    # long layout keeps a row for each, and per_client_table reads it back as the wide layout's table.
+    accuracy = [np.array([0.0, 0.5, np.nan, 1.0]), np.array([0.25, 0.0, np.nan, 0.0])]
+    alpha = [np.array([0.0, 0.5, 0.5, 0.0]), np.array([1.0, 0.0, 0.0, 0.0])]
+    tables = {}
+    for layout, wide_clients in (("wide", 1000), ("long", 2)):
+        monkeypatch.setattr(tracking, "WIDE_CLIENTS", wide_clients)
+        out = tmp_path / layout
+        out.mkdir()
+        tracker = Tracker(out, 4, False, "", "x")
+        for t in (1, 2):
+            series = {"alpha": alpha[t - 1], "personal_accuracy": accuracy[t - 1]}
+            tracker.log_round({"round": t, "test_accuracy": 0.5, "round_wall_s": 1.0}, series)
+        tables[layout] = {
+            name: tracking.per_client_table(out / f"{name}.csv") for name in ("alpha", "personal_accuracy")
+        }
+    long = pd.read_csv(tmp_path / "long" / "personal_accuracy.csv")
+    assert long["client"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]  # zeros and NaN included
+    assert len(pd.read_csv(tmp_path / "long" / "alpha.csv")) == 3  # alpha's zeros are not in the round: left out
+    wide_accuracy = tables["wide"]["personal_accuracy"]
+    assert list(wide_accuracy.columns) == ["client_0", "client_1", "client_2", "client_3"]
+    np.testing.assert_array_equal(wide_accuracy.to_numpy(), np.array(accuracy))
+    pd.testing.assert_frame_equal(tables["long"]["personal_accuracy"], wide_accuracy, check_dtype=False)
+    # A long sparse file has columns for the clients it names (client 3 never had a weight), 0 where absent.
+    np.testing.assert_array_equal(tables["long"]["alpha"].to_numpy(), np.array(alpha)[:, :3])
