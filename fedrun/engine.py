@@ -94,7 +94,7 @@ def run(
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
     fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)
     fstar.cache.update(loop.fstar)
-    bits = Bits.of(parts.stages, initial)
+    bits = Bits.of(parts.stages, initial, parts.client_state)
     root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
     judge = Judge(model, parts.client_state, trainer, tensors, clients, client_tests, client_vals, schedule, seed)
     bar, measure = (

@@ -76,6 +76,11 @@ class ClientState(Stateful):
         """What the cohort sends of its updates (default: all of it; FedPer's clients keep their head)."""
         return deltas
 
+    def shared(self, d: int) -> int:
+        """How many of the flat model's ``d`` coordinates a client exchanges with the server, down and up (the
+        ``download_mb`` and ``upload_mb`` columns count them): all of them by default."""
+        return d
+
     def models(self, params: torch.Tensor, clients: np.ndarray, fit) -> torch.Tensor:
         """The model each of ``clients`` is served and judged by: ``params`` (the global model, for all) or one row
         per client. ``fit(starts, clients, epochs, stream)`` trains them on their own training data with the round's

@@ -254,6 +254,10 @@ class Partial(Personalization):
     def models(self, params: torch.Tensor, clients: np.ndarray, fit) -> torch.Tensor:
         return self._own(params, clients) if self.names else params
 
+    def shared(self, d: int) -> int:
+        """The coordinates outside the personal part: FedPer's body down and up, none for ``Local``."""
+        return d - int(self.mask.sum()) if self.names else d
+
 
 class FedPer(Partial):
     """FedPer (Arivazhagan et al. 2019, arXiv:1912.00818, Section 3): base layers federated, personalisation

@@ -199,7 +199,9 @@ def message_bits(stages, d: int, bits: float) -> float:
     return bits
 
 
-def upload_message_mb(pipeline: "Pipeline", params: torch.Tensor) -> float:
-    """Megabytes of one client's upload: the dense update as the parameters are stored, through each stage of the
-    pipeline (a compressor's message replaces it)."""
-    return message_bits(pipeline.stages, params.numel(), params.numel() * params.element_size() * 8) / 8 / 1e6
+def upload_message_mb(pipeline: "Pipeline", d: int, element_size: int) -> float:
+    """Megabytes of one client's upload of ``d`` coordinates of ``element_size`` bytes: the dense update, through
+    each stage of the pipeline (a compressor's message replaces it). A client with a personal part (FedPer's head)
+    is counted as sending its ``d`` shared coordinates: the compressors see the whole update with the personal part
+    zeroed, so a top-k's k, a fraction of the whole, may count a few more coordinates than this message has."""
+    return message_bits(pipeline.stages, d, d * element_size * 8) / 8 / 1e6

@@ -214,14 +214,16 @@ class Timer(dict):
 @dataclass(frozen=True)
 class Bits:
     """Megabytes of one model sent down (dense) and of one client's update sent up (through the stages: a
-    compressed message, or a dense one again after noise)."""
+    compressed message, or a dense one again after noise), over the coordinates a client exchanges with the server
+    (``ClientState.shared``: FedPer's clients neither receive nor send their head)."""
 
     dense_mb: float
     upload_mb: float
 
     @classmethod
-    def of(cls, pipeline, params: torch.Tensor) -> "Bits":
-        return cls(params.numel() * params.element_size() / 1e6, upload_message_mb(pipeline, params))
+    def of(cls, pipeline, params: torch.Tensor, client_state=None) -> "Bits":
+        d = params.numel() if client_state is None else client_state.shared(params.numel())
+        return cls(d * params.element_size() / 1e6, upload_message_mb(pipeline, d, params.element_size()))
 
 
 def progress(first: int, rounds: int, desc: str, unit: str) -> tqdm:

@@ -113,6 +113,16 @@ def test_fedper_keeps_the_head_on_the_client_and_never_sends_it():
     assert np.mean(personal(rows[-2:])) > np.mean(personal(fedavg_rows[-2:])) + 0.2
 
 
+def test_a_client_exchanges_only_its_shared_coordinates():
+    # The MLP has 67 float64 coordinates: the body 1.* (32 + 8), the head 3.* (24 + 3). FedPer's three clients get
+    # and send the body (40 each), Local's nothing, FedAvg's everything (67).
+    for state, coordinates in ((None, 67), (FedPer(), 40), (FedRep(), 40), (Local(), 0), (FineTune(epochs=1), 67)):
+        rows = train(state, rounds=1)[1]
+        assert rows[0]["cohort_size"] == 3
+        assert rows[0]["upload_mb"] == pytest.approx(3 * coordinates * 8 / 1e6), state
+        assert rows[0]["download_mb"] == pytest.approx(3 * coordinates * 8 / 1e6), state
+
+
 def test_finetune_with_zero_epochs_is_fedavgs_per_client_evaluation():
     fedavg, fedavg_rows, _ = train()
     tuned, tuned_rows, _ = train(FineTune(epochs=0))

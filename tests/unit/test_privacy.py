@@ -779,21 +779,20 @@ def test_local_noise_comes_before_compression_so_the_upload_is_the_compressor_s_
     from fedrun.pipeline import Pipeline, upload_message_mb
 
     d, topk = 1000, TopK(0.01, error_feedback=False)
-    params = torch.zeros(d, dtype=torch.float32)
     privacy = local(noise_multiplier=1.0, clip_norm=1.0)
     privacy.bind(Context(Schedule(rounds=2, clients_per_round=0.5), np.ones(8), 0))
     _, stages = privacy.attach(FedAvg(weighting="uniform"), [topk])
-    assert upload_message_mb(Pipeline(stages), params) == topk.message_bits(d) / 8 / 1e6  # 10 * (32 + 10) bits
+    assert upload_message_mb(Pipeline(stages), d, 4) == topk.message_bits(d) / 8 / 1e6  # 10 * (32 + 10) bits
     assert topk.message_bits(d) == 10 * (32 + 10)
     sent, _ = Pipeline(stages)(torch.zeros(3, d, dtype=torch.float32), np.array([1, 4, 6]), 1)
     assert (sent != 0).sum(dim=1).tolist() == [10, 10, 10]  # what arrives is sparse: the noise went in before
     # The noise stage says its message is dense: after a compressor (a pipeline built by hand) it is sent dense.
-    assert upload_message_mb(Pipeline([topk, stages[0]]), params) == 32 * d / 8 / 1e6
+    assert upload_message_mb(Pipeline([topk, stages[0]]), d, 4) == 32 * d / 8 / 1e6
     # Central noise is the server's: the clients send the compressor's message, as before.
     central = private()
     central.bind(Context(Schedule(rounds=2, clients_per_round=0.5), np.ones(8), 0))
     _, stages = central.attach(FedAvg(weighting="uniform"), [topk])
-    assert upload_message_mb(Pipeline(stages), params) == topk.message_bits(d) / 8 / 1e6
+    assert upload_message_mb(Pipeline(stages), d, 4) == topk.message_bits(d) / 8 / 1e6
 
 
 def test_central_noise_refuses_updates_its_clip_stage_did_not_clip_this_round():
