@@ -186,7 +186,11 @@ class AsyncEngine:
         tx, ty = parts.attack.training_data(x, y)  # a data attack's poisoned copy of the labels, appended once
         trainer = device.trainer(model, tx, ty, optimizer, passes(int(sizes.mean()), schedule.work), together=1)
         first_lr, w = base_lr(optimizer), flat_parameters(model)
-        loop, result, bits = self._start_all(w, seed, group_of), RunResult(w), Bits.of(parts.stages, w, parts.client_state)
+        loop, result, bits = (
+            self._start_all(w, seed, group_of),
+            RunResult(w),
+            Bits.of(parts.stages, w, parts.client_state),
+        )
         if (saved := parts.restore(checkpoint)) is not None:  # the simulation after the instant of saved["round"]
             loop = AsyncLoop.of(saved["loop"], seed)
             result = RunResult(loop.params, rows=saved["rows"])

@@ -179,11 +179,7 @@ class Tensors:
             model, data.x_train, data.y_train, data.x_test, data.y_test, *val
         )
         model.eval()
-        calibration = None
-        if batch_norms(model):  # the clients' training samples pooled (their held-out ones left out); a population's
-            # clients are drawn from the whole training split
-            pooled = None if clients is None or isinstance(clients, LazyClients) else np.concatenate(list(clients))
-            calibration = (x, None if pooled is None else torch.as_tensor(np.unique(pooled), device=x.device))
+        calibration = server_calibration(model, x, clients)
         held_out = data.held_out(x, y, x_test, y_test)
         return cls(model, x, y, x_test, y_test, x_val, y_val, held_out, calibration)
 
@@ -204,6 +200,16 @@ class Tensors:
         splits = [(self.x_test, self.y_test)] + ([(self.x_val, self.y_val)] if self.has_val else [])
         measured = evaluate_splits(self.model, w, splits, self.calibration, per_sample)  # one calibration for both
         return dict(zip(self.columns, (value for pair in measured for value in pair)))
+
+
+def server_calibration(model: nn.Module, x: torch.Tensor, clients) -> tuple | None:
+    """What a batch-norm model's statistics are computed from on the server (``fedrun.clients.calibrate``): every
+    client's training samples pooled, their held-out ones left out (a population's clients are drawn from the whole
+    training split); None for a model without batch norm."""
+    if not batch_norms(model):
+        return None
+    pooled = None if clients is None or isinstance(clients, LazyClients) else np.concatenate(list(clients))
+    return x, None if pooled is None else torch.as_tensor(np.unique(pooled), device=x.device)
 
 
 def who_trains(parts: Parts, selection, t: int, sizes, schedule: Schedule, seed: int, num_clients: int):

@@ -63,6 +63,22 @@ class BatchNorm(nn.BatchNorm2d):
         super().__init__(channels, track_running_stats=False)
         self.statistics: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    # The statistics travel in a state dict (the saved ``model.pt``) under nn.BatchNorm2d's names for its running
+    # statistics, so a saved model evaluates as it was judged, in fedrun or in a plain torch model with
+    # ``nn.BatchNorm2d`` layers; a state dict without them (a model never calibrated) loads with none.
+    STATISTICS = ("running_mean", "running_var")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.statistics is not None:
+            for name, value in zip(self.STATISTICS, self.statistics):
+                destination[prefix + name] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        found = [state_dict.pop(prefix + name, None) for name in self.STATISTICS]  # (a copy: load_state_dict's)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        self.statistics = None if any(v is None for v in found) else tuple(v.to(self.weight) for v in found)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             return super().forward(x)  # the mini-batch's statistics (no running averages to update)

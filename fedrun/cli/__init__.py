@@ -29,6 +29,8 @@ from fedrun.cli.entry import one_line_errors
 from fedrun.cli.resume import Job, open_job
 from fedrun.cli.runinfo import description, git_commit, run_name
 from fedrun.cli.sweeps import SweepRun, job_cores, seed_report
+from fedrun.clients import calibrate
+from fedrun.engine import server_calibration
 from fedrun.errors import ConfigError, DivergenceError
 from fedrun.metrics import run_summary
 from fedrun.models import load_flat
@@ -225,6 +227,8 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
         )
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()
+        if (calibration := server_calibration(final, parts["data"].x_train, parts["clients"])) is not None:
+            calibrate(final, *calibration)  # model.pt holds the statistics the test accuracy was measured with
         tracker.log_tables(result.tables)
         measured = result.summary
         accuracy = result.rows[-1]["test_accuracy"]

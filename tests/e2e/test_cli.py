@@ -279,3 +279,14 @@ def test_methods_set_three_groups_and_mvr_doubles_communication(fedrun, store):
         steps = pd.read_csv(job / "local_steps.csv").drop(columns="round").to_numpy()
         # every round: two clients do their full 2 steps, the two stragglers between 1 and 2
         assert ((steps >= 1) & (steps <= 2)).all() and ((steps == 2).sum(axis=1) >= 2).all()
+
+
+def test_a_batch_norm_models_saved_model_holds_the_servers_statistics(fedrun, store):
+    import torch
+
+    fedrun("model.norm=batch", *TINY, experiment="batch_norm_model")
+    [job] = job_dirs(fedrun.cwd, "runs")
+    saved = torch.load(job / "model.pt", weights_only=True)
+    means = [k for k in saved if k.endswith("running_mean")]
+    assert means and all(k.replace("running_mean", "running_var") in saved for k in means)
+    assert all(torch.isfinite(saved[k]).all() for k in means)

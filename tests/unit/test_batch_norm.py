@@ -192,3 +192,37 @@ def test_fedbn_runs_with_every_synchronous_aggregator_or_is_refused_in_one_line(
     from unit.test_personal import runs_with_every_synchronous_aggregator
 
     runs_with_every_synchronous_aggregator(compose_config, lambda aggregator: train(FedBN(), 2, aggregator=aggregator))
+
+
+def test_a_saved_model_carries_its_statistics_and_evaluates_as_judged_in_fedrun_and_in_plain_torch():
+    net = model()
+    calibrate(net, X, torch.arange(60))
+    saved = net.state_dict()
+    norms = [name for name, module in net.named_modules() if isinstance(module, BatchNorm)]
+    for name, module in zip(norms, (m for m in net.modules() if isinstance(m, BatchNorm))):
+        assert torch.equal(saved[f"{name}.running_mean"], module.statistics[0])
+        assert torch.equal(saved[f"{name}.running_var"], module.statistics[1])
+    net.eval()
+    with torch.no_grad():
+        expected = net(X)
+    fresh = model()
+    load_flat(fresh, flat_parameters(fresh) + 1.0)  # other parameters, and no statistics, before loading
+    fresh.load_state_dict(saved)
+    fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(X), expected)
+    # One layer in plain torch: nn.BatchNorm2d in evaluation normalises by the saved statistics as ours does.
+    name, ours = norms[0], dict(net.named_modules())[norms[0]]
+    plain = nn.BatchNorm2d(ours.num_features).double().eval()
+    plain.load_state_dict(
+        {k.removeprefix(f"{name}."): v for k, v in saved.items() if k.startswith(f"{name}.")}, strict=False
+    )
+    h = torch.randn(5, ours.num_features, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(h), ours(h), rtol=0, atol=1e-12)
+    # A model never calibrated saves none and loads with none.
+    never = model().state_dict()
+    assert not any(k.endswith("running_mean") for k in never)
+    fresh.load_state_dict(never)
+    with pytest.raises(RuntimeError, match="without statistics"):
+        fresh.eval()(X)
