@@ -161,13 +161,25 @@ def _authors_scale(losses: torch.Tensor, batch_size: int) -> float:
     return float(total) / len(losses)
 
 
+def pooled_losses(model: nn.Module, params: torch.Tensor) -> bool:
+    """Whether ``cohort_losses`` pools the cohort's samples into one pass (inference chunks that cross clients)."""
+    return params.dim() == 1 and not (hasattr(model, "eval_batch") or batch_norms(model))
+
+
 def cohort_losses(
-    model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray], batch_size: int
+    model: nn.Module,
+    params: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: list[np.ndarray],
+    batch_size: int,
+    per_sample: PerSample | None = None,
 ) -> ClientLosses:
     """F_i(w): each cohort client's training loss under ``params``, in one pass over their data (one pass per
     client when the model's outputs depend on their batch, ``BatchSoftmax``: two clients never share one; or on
     the client's own data, ``BatchNorm``: each client normalises by its own statistics, the only ones it has).
-    ``params`` may hold one row per client (each client's loss under its own model)."""
+    ``params`` may hold one row per client (each client's loss under its own model). ``per_sample``: the pass's
+    (see ``per_sample_loss``; a ``pooled_losses`` pass only)."""
     if not parts:
         return ClientLosses.concat([])
     if params.dim() == 2:
@@ -185,7 +197,7 @@ def cohort_losses(
         loss = torch.cat(pieces)
     else:
         index = torch.as_tensor(np.concatenate(parts), device=x.device)
-        loss, _ = per_sample_loss(model, params, x[index], y[index])
+        loss, _ = per_sample_loss(model, params, x[index], y[index], per_sample=per_sample)
     per_client = loss.double().cpu().split([len(p) for p in parts])
     return ClientLosses(
         mean=np.array([float(c.mean()) for c in per_client]),

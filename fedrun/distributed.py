@@ -1,13 +1,16 @@
 """``device.backend=distributed``: one run over ``torch.distributed`` ranks (``torchrun``, ``srun``).
 
-Every rank runs the whole round loop on the same seeds. Only local training, the loss pass and per-client
-signals are split: each call's clients are dealt to the ranks in contiguous blocks of about equal work (in cohort
-order, as the ``processes`` backend deals them to its workers), each rank trains its block with an inner backend
-(``loop`` or ``vmap``, ``device.inner``), and every rank gathers every block, in rank order. So every rank holds the
-cohort's updates and scalars in client order, and the stages, the aggregator, the attack and the server step run on
-identical inputs on every rank: the global model stays identical everywhere without a broadcast. A client's
-training depends only on the model it starts from, its data and its (round, client) stream, so a run gives the
-same numbers on any number of ranks as the ``loop`` backend with the same ``device.threads``.
+Every rank runs the whole round loop on the same seeds. Only local training, the loss pass, per-client signals and
+the server's evaluation are split. Each training call's clients are dealt to the ranks in contiguous blocks of about
+equal work (in cohort order, as the ``processes`` backend deals them to its workers); each rank trains its block
+with an inner backend (``loop`` or ``vmap``, ``device.inner``), and every rank gathers every block in rank order:
+the updates by one ``all_gather`` of tensors (on CUDA they stay on the GPUs), the per-client scalars pickled. So
+every rank holds the cohort's updates and scalars in client order, and the stages, the aggregator, the attack and
+the server step run on identical inputs on every rank: the global model stays identical everywhere without a
+broadcast. A client's training depends only on the model it starts from, its data and its (round, client)
+stream; the passes that pool samples (the server's evaluation, the loss pass over a cohort) are split at the
+loop's own inference chunks, so each sample's value is the loop's. A run therefore gives the same numbers on any
+number of ranks as the ``loop`` backend with the same ``device.threads``.
 
 ``init`` joins the process group from the environment ``torchrun`` and SLURM set (gloo on a CPU, NCCL on CUDA);
 ``rank()`` tells the command line which process writes (rank 0 alone: MLflow, the run dir, checkpoints).
@@ -23,7 +26,7 @@ import torch.distributed as dist
 
 from fedrun.backends import LoopTrainer, _blocks, passes
 from fedrun.checkpoint import exchanged
-from fedrun.clients import client_rows, eval_chunk, loaded_per_sample
+from fedrun.clients import client_rows, cohort_losses, eval_chunk, loaded_per_sample, pooled_losses
 from fedrun.cohort import ClientLosses, CohortUpdate
 from fedrun.errors import ConfigError
 from fedrun.trainer import Trainer
@@ -104,9 +107,12 @@ class DistributedTrainer(Trainer):
 
     def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
-        lo, hi = _blocks([passes(len(p), w) for p, w in zip(parts, works)], self.world)[self.rank]
-        pieces = self._gathered(
-            lambda: self.inner(
+        blocks = _blocks([passes(len(p), w) for p, w in zip(parts, works)], self.world)
+        lo, hi = blocks[self.rank]
+        sent = {}
+
+        def mine() -> CohortUpdate:  # the updates go by all_gather below; the rest (scalars) by pickling
+            update = self.inner(
                 client_rows(global_params, lo, hi),
                 parts[lo:hi],
                 client_ids[lo:hi],
@@ -115,16 +121,39 @@ class DistributedTrainer(Trainer):
                 seed,
                 client_rows(round_, lo, hi),
                 stream,
-            ),
-            lo < hi,
-        )
+            )
+            sent["deltas"], sent["personal"] = update.deltas, update.personal_deltas
+            update.deltas, update.personal_deltas = None, update.personal_deltas is not None
+            return update
+
+        pieces = self._gathered(mine, lo < hi)
+        rows, personal = [end - start for start, end in blocks], any(piece.personal_deltas for piece in pieces)
+        deltas = self._stacked(sent.get("deltas"), rows, global_params)
+        personal_deltas = self._stacked(sent.get("personal"), rows, global_params) if personal else None
+        for piece in pieces:
+            piece.deltas, piece.personal_deltas = deltas[:0], None
         update = CohortUpdate.concat(pieces, global_params)
-        update.deltas = update.deltas.to(global_params.device)
-        if update.personal_deltas is not None:
-            update.personal_deltas = update.personal_deltas.to(global_params.device)
+        update.deltas, update.personal_deltas = deltas, personal_deltas
         return update
 
+    def _stacked(self, mine: torch.Tensor | None, rows: list[int], like: torch.Tensor) -> torch.Tensor:
+        """Every rank's block of a (clients, d) tensor, in rank order, by one ``all_gather`` of the blocks padded
+        to the largest (tensors, not pickles: on CUDA they stay on the GPU, NCCL moving them); ``like`` gives d,
+        the dtype and the device."""
+        most, d = max(rows), like.shape[-1]
+        if most == 0:
+            return like.new_empty(0, d)
+        padded = like.new_zeros(most, d)
+        if mine is not None:
+            padded[: len(mine)] = mine
+        out = [torch.empty_like(padded) for _ in range(self.world)]
+        exchanged(dist.all_gather, out, padded)
+        return torch.cat([block[:count] for block, count in zip(out, rows)])
+
     def losses(self, params, parts, batch_size) -> ClientLosses:
+        inner = self.inner
+        if pooled_losses(inner.model, params):  # the loop's chunks cross clients: share its samples, not its clients
+            return cohort_losses(inner.model, params, inner.x, inner.y, parts, batch_size, per_sample=self.per_sample)
         lo, hi = _blocks([len(p) for p in parts], self.world)[self.rank]
         mine = lambda: self.inner.losses(client_rows(params, lo, hi), parts[lo:hi], batch_size)  # noqa: E731
         return ClientLosses.concat(self._gathered(mine, lo < hi))
@@ -141,7 +170,7 @@ class DistributedTrainer(Trainer):
         chunk = eval_chunk(model, x.device)
         lo, hi = _blocks([1] * math.ceil(len(y) / chunk), self.world)[self.rank]
         lo, hi = lo * chunk, min(hi * chunk, len(y))
-        mine = lambda: tuple(value.cpu() for value in loaded_per_sample(model, x[lo:hi], y[lo:hi]))  # noqa: E731
+        mine = lambda: loaded_per_sample(model, x[lo:hi], y[lo:hi])  # noqa: E731
         pieces = self._gathered(mine, lo < hi)
         if not pieces:  # no samples
             return loaded_per_sample(model, x, y)
@@ -169,8 +198,6 @@ class DistributedTrainer(Trainer):
 
 def _to_cpu(value):
     """A result with its tensors on the CPU: a pickled CUDA tensor would unpickle on the sender's GPU index."""
-    if isinstance(value, CohortUpdate):
-        value.deltas = value.deltas.cpu()
-        if value.personal_deltas is not None:
-            value.personal_deltas = value.personal_deltas.cpu()
-    return value
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    return value.cpu() if isinstance(value, torch.Tensor) else value

@@ -64,6 +64,7 @@ CASES = {  # (overrides, ranks)
         ],
         2,
     ),
+    "apfl_personal_updates": (["personalization=apfl", "dataset.client_test_fraction=0.2"], 2),  # two updates each
     "fedbuff_async": (["aggregator=fedbuff"], 2),  # the asynchronous engine: each instant's arrivals over the ranks
     "population_power_of_choice_4_ranks": (  # a million clients drawn when they train; the candidates' loss pass
         ["partition=population", "schedule.cohort=10", "model=logistic", "sampler=power_of_choice"],
