@@ -10,7 +10,10 @@ number per client (each client's gradient norm at the global model, say) writes 
 Every engine trains through it: the round loop, the asynchronous engine (the clients of one instant together,
 each from the model it pulled) and the F* estimate (its clients together, epoch by epoch).
 
-A signal sent to worker processes travels by reference: define it at the top level of a module.
+A signal sent to worker processes travels by reference: define it at the top level of a module. On a model with
+batch norm (``model.norm=batch``), loading ``params`` (``fedrun.models.load_flat``) clears the statistics, so a
+signal that evaluates the model calls ``fedrun.clients.calibrate(model, x)`` first (the client's own statistics,
+as every client-side evaluation here) or runs it in training mode (the batch's own).
 """
 
 from collections.abc import Callable
