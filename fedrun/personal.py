@@ -63,6 +63,7 @@ class PersonalStore:
         self.bytes = 0
         self._files: set[str] = set()  # every file this store may still need or must delete
         self._saved: set[str] = set()  # the files the last checkpoint names
+        self._swept = False  # whether files of an earlier attempt (a restart before any checkpoint) were deleted
 
     def __contains__(self, client: int) -> bool:
         return client in self.memory or client in self.disk
@@ -111,8 +112,14 @@ class PersonalStore:
     def state_dict(self) -> dict:
         """What a checkpoint keeps: the tensors in memory, the names of the spilled files. Files that neither this
         checkpoint nor the one before it names are deleted (the one before is on disk by now; this one may not be
-        yet)."""
+        yet); at the first, so are the files of an attempt that ended before any checkpoint (no checkpoint names
+        them and this store never wrote them)."""
         named = set(self.disk.values())
+        if not self._swept and self.directory is not None and self.directory.is_dir():
+            for path in self.directory.glob("*.pt"):
+                if path.name not in self._files:
+                    path.unlink()
+        self._swept = True
         for name in self._files - named - self._saved:
             (self.directory / name).unlink(missing_ok=True)
         self._files, self._saved = named | self._saved, named
@@ -124,6 +131,7 @@ class PersonalStore:
         self.disk = {int(c): str(n) for c, n in state.get("disk", {}).items()}
         self.written = int(state.get("written", 0))
         self._files = self._saved = set(self.disk.values())
+        self._swept = True  # below
         if self.directory is not None and self.directory.is_dir():  # written after the checkpoint: orphans
             for path in self.directory.glob("*.pt"):
                 if path.name not in self._files:

@@ -294,6 +294,21 @@ def test_the_store_keeps_what_the_last_checkpoint_names_and_drops_orphans(tmp_pa
     assert resumed.get(3) is None
 
 
+def test_a_restart_before_any_checkpoint_leaves_no_file_of_the_attempt_it_replaces(tmp_path):
+    first = PersonalStore(budget_mb=1e-5, directory=tmp_path)  # 10 bytes: every tensor but the newest spills
+    for client in range(4):
+        first.put(client, torch.full((4,), float(client)))
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["0.0.pt", "1.1.pt", "2.2.pt"]
+    # killed before its first checkpoint; the run starts afresh in the same directory and spills client 5 only
+    again = PersonalStore(budget_mb=1e-5, directory=tmp_path)
+    again.put(5, torch.ones(4))
+    again.put(6, torch.ones(4))
+    saved = again.state_dict()
+    assert saved["disk"] == {5: "5.0.pt"}
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == ["5.0.pt"]
+    assert again.get(5).tolist() == [1.0] * 4
+
+
 def test_a_personal_pattern_that_matches_no_parameter_is_refused_in_one_line():
     net = model()
     with pytest.raises(ConfigError) as error:
