@@ -252,12 +252,14 @@ def judged_accuracy(
     y: torch.Tensor,
     split_sets: list[list[np.ndarray]],
     own: tuple[torch.Tensor, list[np.ndarray]] | None = None,
+    per_sample: PerSample | None = None,
 ) -> list[np.ndarray]:
     """Each client's accuracy on each of its own held-out splits (``split_sets``: a list of per-client splits, e.g.
     the test splits and the validation splits) under its model: ``models`` is one flat model for all (one pass over
     every split) or one row per client (one pass per client over its splits). NaN for a client with no sample in a
     split. ``own``: as in ``client_accuracy`` (a batch-norm model is judged client by client, each normalised by
-    its own statistics, computed once for all its splits). Returns one array per split set."""
+    its own statistics, computed once for all its splits). ``per_sample``: the pass of one model over every split
+    (see ``per_sample_loss``). Returns one array per split set."""
     clients = len(split_sets[0]) if split_sets else 0
     per_client = [[splits[i] for splits in split_sets] for i in range(clients)]  # client by client
     norm = own is not None and bool(batch_norms(model))
@@ -265,7 +267,7 @@ def judged_accuracy(
         by_set = []
         for splits in split_sets:
             index = torch.as_tensor(np.concatenate([np.zeros(0, np.int64), *splits]), device=x.device)
-            correct = per_sample_loss(model, models, x[index], y[index])[1].double().cpu()
+            correct = per_sample_loss(model, models, x[index], y[index], per_sample=per_sample)[1].double().cpu()
             by_set.append(correct.split([len(split) for split in splits]))
         pieces = [piece for client in zip(*by_set) for piece in client]  # client by client
     else:

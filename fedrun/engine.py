@@ -356,7 +356,9 @@ class Judge:
             models = self.client_state.models(params, chunk, fit)
             own = (self.tensors.x, [self.clients[i] for i in chunk])  # each client's batch-norm statistics
             split_sets = [[splits[i] for i in chunk] for splits in named.values()]
-            for name, accuracy in zip(named, judged_accuracy(self.model, models, x, y, split_sets, own)):
+            for name, accuracy in zip(
+                named, judged_accuracy(self.model, models, x, y, split_sets, own, self.trainer.per_sample)
+            ):
                 judged[name].append(accuracy)
         for name, splits in (("accuracy", self.tests), ("val_accuracy", self.vals)):
             if not splits:

@@ -43,7 +43,7 @@ def metrics(out: Path) -> pd.DataFrame:
 
 
 CASES = {  # (overrides, ranks)
-    "fedavg": (["aggregator=fedavg"], 2),
+    "fedavg": (["aggregator=fedavg", "dataset.client_test_fraction=0.2"], 2),  # the global model on every client
     "fedsoftmax": (["aggregator=fedsoftmax"], 2),  # per-client losses gathered from both ranks
     "topk_error_feedback": (["compression=topk"], 2),  # each client's residual follows it, whichever rank trains it
     "central_dp": (  # the noise drawn once, the same on every rank
