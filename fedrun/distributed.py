@@ -1,7 +1,7 @@
 """``device.backend=distributed``: one run over ``torch.distributed`` ranks (``torchrun``, ``srun``).
 
-Every rank runs the whole round loop on the same seeds. Only local training, the loss pass, per-client signals and
-the server's evaluation are split. Each training call's clients are dealt to the ranks in contiguous blocks of about
+Every rank runs the whole round loop on the same seeds. Only local training, the loss pass, per-client signals, the
+server's evaluation and the per-client evaluations (``Trainer.by_clients``) are split. Each training call's clients are dealt to the ranks in contiguous blocks of about
 equal work (in cohort order, as the ``processes`` backend deals them to its workers); each rank trains its block
 with an inner backend (``loop`` or ``vmap``, ``device.inner``), and every rank gathers every block in rank order:
 the updates by one ``all_gather`` of tensors (on CUDA they stay on the GPUs), the per-client scalars pickled. So
@@ -175,6 +175,11 @@ class DistributedTrainer(Trainer):
         if not pieces:  # no samples
             return loaded_per_sample(model, x, y)
         return tuple(torch.cat(values).to(x.device) for values in zip(*pieces))
+
+    def by_clients(self, compute, costs) -> list:
+        """Each rank computes its block of clients (about equal ``costs``); every rank gathers every block."""
+        lo, hi = _blocks(list(costs), self.world)[self.rank]
+        return self._gathered(lambda: compute(lo, hi), lo < hi)
 
     def _gathered(self, compute, any_clients: bool) -> list:
         """Every rank's result of ``compute`` (tensors on the CPU), in rank order, the ranks without clients left

@@ -16,7 +16,7 @@ from torch import nn
 
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint, snapshot
-from fedrun.clients import FStarEstimate, client_accuracy, evaluate_splits, judged_accuracy
+from fedrun.clients import FStarEstimate, client_accuracy, client_rows, evaluate_splits, judged_accuracy
 from fedrun.cohort import ClientLosses, Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError
@@ -125,7 +125,7 @@ def run(
                 sent = parts.attack.updates(t, cohort, parts.client_state.upload(trained.deltas), lying, view)
                 sent, stage_diagnostics = parts.stages(sent, cohort, t)
                 parts.stages.end_round()
-            local = client_accuracy_column(model, starts, trained.deltas, tensors, client_tests, cohort, own)
+            local = client_accuracy_column(model, trainer, starts, trained.deltas, tensors, client_tests, cohort, own)
             with timer("aggregate_wall_s"):
                 update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, sent, view)
                 parts.sampler.observe(cohort, sent)
@@ -356,9 +356,7 @@ class Judge:
             models = self.client_state.models(params, chunk, fit)
             own = (self.tensors.x, [self.clients[i] for i in chunk])  # each client's batch-norm statistics
             split_sets = [[splits[i] for i in chunk] for splits in named.values()]
-            for name, accuracy in zip(
-                named, judged_accuracy(self.model, models, x, y, split_sets, own, self.trainer.per_sample)
-            ):
+            for name, accuracy in zip(named, self._judged(models, x, y, split_sets, own)):
                 judged[name].append(accuracy)
         for name, splits in (("accuracy", self.tests), ("val_accuracy", self.vals)):
             if not splits:
@@ -370,6 +368,21 @@ class Judge:
             if name == "accuracy":
                 per_client["personal_accuracy"] = accuracy
         return row | {"personal_eval_wall_s": time.perf_counter() - started}
+
+    def _judged(self, models, x, y, split_sets, own) -> list[np.ndarray]:
+        """``judged_accuracy`` through the trainer: one model's pass over every client's splits shared as the
+        server's evaluation is (``Trainer.per_sample``), or the clients judged one by one dealt in blocks
+        (``Trainer.by_clients``); either way each client's accuracy is the plain computation's."""
+        if models.dim() == 1 and not batch_norms(self.model):  # one pass, its chunks crossing clients
+            return judged_accuracy(self.model, models, x, y, split_sets, own, self.trainer.per_sample)
+
+        def block(lo: int, hi: int) -> list[np.ndarray]:
+            mine = [splits[lo:hi] for splits in split_sets]
+            return judged_accuracy(self.model, client_rows(models, lo, hi), x, y, mine, (own[0], own[1][lo:hi]))
+
+        costs = [1 + sum(len(splits[i]) for splits in split_sets) for i in range(len(own[1]))]
+        pieces = self.trainer.by_clients(block, costs)
+        return [np.concatenate([piece[k] for piece in pieces]) for k in range(len(split_sets))]
 
 
 def timings(timer: "Timer", view: RoundView) -> dict:
@@ -384,14 +397,20 @@ def timings(timer: "Timer", view: RoundView) -> dict:
     }
 
 
-def client_accuracy_column(model, starts, deltas, tensors: Tensors, client_tests, cohort, own) -> dict:
+def client_accuracy_column(model, trainer, starts, deltas, tensors: Tensors, client_tests, cohort, own) -> dict:
     """``client_accuracy``, the papers' client accuracy: each local model (its start plus its update) on its own
     held-out split, averaged over the cohort clients that have held-out samples (a LEAF user with no test sample
-    counts in no mean); {} when the run has no client tests."""
+    counts in no mean); {} when the run has no client tests. The clients are dealt in blocks by the trainer
+    (``Trainer.by_clients``)."""
     if not client_tests:
         return {}
-    calibration = (tensors.x, own)  # each client's training samples: its batch-norm statistics
-    accuracy = client_accuracy(model, starts, deltas, *tensors.held_out, [client_tests[i] for i in cohort], calibration)
+    tests = [client_tests[i] for i in cohort]
+
+    def block(lo: int, hi: int) -> np.ndarray:  # own: each client's training samples, its batch-norm statistics
+        rows = client_rows(starts, lo, hi)
+        return client_accuracy(model, rows, deltas[lo:hi], *tensors.held_out, tests[lo:hi], (tensors.x, own[lo:hi]))
+
+    accuracy = np.concatenate([np.zeros(0), *trainer.by_clients(block, [1 + len(test) for test in tests])])
     has = [len(client_tests[i]) > 0 for i in cohort]
     return {"client_accuracy": float(accuracy[has].mean()) if any(has) else math.nan}
 

@@ -64,5 +64,12 @@ class Trainer:
         backend whose processes all hold the model may share the samples among them."""
         return loaded_per_sample(model, x, y)
 
+    def by_clients(self, compute: Callable[[int, int], object], costs: list[int]) -> list:
+        """The results of ``compute(lo, hi)`` over contiguous blocks [lo, hi) of a call's clients, in client order
+        (``costs``: each client's share of the work), for per-client evaluations whose values do not depend on the
+        other clients of the block. This default computes one block of all of them here; a backend whose processes
+        all hold the model may deal the blocks to them."""
+        return [compute(0, len(costs))] if costs else []
+
     def close(self) -> None:
         """Release what the backend holds (worker processes)."""
