@@ -1,16 +1,16 @@
 """``device.backend=distributed``: one run over ``torch.distributed`` ranks (``torchrun``, ``srun``).
 
 Every rank runs the whole round loop on the same seeds. Only local training, the loss pass, per-client signals, the
-server's evaluation and the per-client evaluations (``Trainer.by_clients``) are split. Each training call's clients are dealt to the ranks in contiguous blocks of about
-equal work (in cohort order, as the ``processes`` backend deals them to its workers); each rank trains its block
-with an inner backend (``loop`` or ``vmap``, ``device.inner``), and every rank gathers every block in rank order:
-the updates by one ``all_gather`` of tensors (on CUDA they stay on the GPUs), the per-client scalars pickled. So
-every rank holds the cohort's updates and scalars in client order, and the stages, the aggregator, the attack and
-the server step run on identical inputs on every rank: the global model stays identical everywhere without a
-broadcast. A client's training depends only on the model it starts from, its data and its (round, client)
-stream; the passes that pool samples (the server's evaluation, the loss pass over a cohort) are split at the
-loop's own inference chunks, so each sample's value is the loop's. A run therefore gives the same numbers on any
-number of ranks as the ``loop`` backend with the same ``device.threads``.
+server's evaluation and the per-client evaluations (``Trainer.by_clients``) are split. Each training call's clients
+are dealt to the ranks in contiguous blocks of about equal work (in cohort order, as the ``processes`` backend deals
+them to its workers); each rank trains its block with an inner backend (``loop`` or ``vmap``, ``device.inner``), and
+every rank gathers every block in rank order: the updates by one ``all_gather`` of tensors (on CUDA they stay on the
+GPUs), the per-client scalars pickled. So every rank holds the cohort's updates and scalars in client order, and the
+stages, the aggregator, the attack and the server step run on identical inputs on every rank: the global model stays
+identical everywhere without a broadcast. A client's training depends only on the model it starts from, its data and
+its (round, client) stream; the passes that pool samples (the server's evaluation, the loss pass over a cohort) are
+split at the loop's own inference chunks, so each sample's value is the loop's. A run therefore gives the same
+numbers on any number of ranks as the ``loop`` backend with the same ``device.threads``.
 
 ``init`` joins the process group from the environment ``torchrun`` and SLURM set (gloo on a CPU, NCCL on CUDA);
 ``rank()`` tells the command line which process writes (rank 0 alone: MLflow, the run dir, checkpoints).
