@@ -68,12 +68,27 @@ def init(cuda: bool) -> None:
             "distributed",
             "a process started by torchrun or srun (torchrun --nproc_per_node=2 -m fedrun device.backend=distributed)",
         )
+    place()
+    dist.init_process_group(backend(cuda), timeout=TIMEOUT)
+
+
+def place() -> None:
+    """Name this rank from SLURM's variables when torchrun did not (RANK, WORLD_SIZE, LOCAL_RANK from
+    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), and make GPU ``LOCAL_RANK`` mod the GPUs seen the current CUDA
+    device, before anything is placed on one (``torch.device("cuda")`` means the current device). The command line
+    calls it as soon as it knows the run is distributed."""
     for name, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID")):
         if name not in os.environ and slurm in os.environ:
             os.environ[name] = os.environ[slurm]
-    if cuda:
+    if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+
+
+def backend(cuda: bool) -> str:
+    """NCCL on CUDA with a GPU per rank of this machine; gloo on a CPU, or with more ranks than GPUs (NCCL refuses
+    two ranks on one GPU; pfl-research runs several processes per GPU): the updates then travel through the CPU."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return "nccl" if cuda and ranks_here <= torch.cuda.device_count() else "gloo"
 
 
 def close() -> None:
@@ -109,7 +124,7 @@ class DistributedTrainer(Trainer):
         works = work if isinstance(work, list) else [work] * len(parts)
         blocks = _blocks([passes(len(p), w) for p, w in zip(parts, works)], self.world)
         lo, hi = blocks[self.rank]
-        sent = {}
+        sent, d = {}, global_params.shape[-1]
 
         def mine() -> CohortUpdate:  # the updates go by all_gather below; the rest (scalars) by pickling
             update = self.inner(
@@ -123,6 +138,12 @@ class DistributedTrainer(Trainer):
                 stream,
             )
             sent["deltas"], sent["personal"] = update.deltas, update.personal_deltas
+            for name, value in sent.items():  # checked here, where an error reaches every rank (not in all_gather)
+                if value is not None and (value.shape != (hi - lo, d) or value.dtype != global_params.dtype):
+                    raise RuntimeError(
+                        f"the inner backend's {name} are {tuple(value.shape)} {value.dtype}, not "
+                        f"{(hi - lo, d)} {global_params.dtype}"
+                    )
             update.deltas, update.personal_deltas = None, update.personal_deltas is not None
             return update
 
@@ -143,12 +164,13 @@ class DistributedTrainer(Trainer):
         most, d = max(rows), like.shape[-1]
         if most == 0:
             return like.new_empty(0, d)
-        padded = like.new_zeros(most, d)
+        on = like.device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: through the CPU
+        padded = torch.zeros(most, d, dtype=like.dtype, device=on)
         if mine is not None:
             padded[: len(mine)] = mine
         out = [torch.empty_like(padded) for _ in range(self.world)]
         exchanged(dist.all_gather, out, padded)
-        return torch.cat([block[:count] for block, count in zip(out, rows)])
+        return torch.cat([block[:count] for block, count in zip(out, rows)]).to(like.device)
 
     def losses(self, params, parts, batch_size) -> ClientLosses:
         inner = self.inner
@@ -184,21 +206,29 @@ class DistributedTrainer(Trainer):
     def _gathered(self, compute, any_clients: bool) -> list:
         """Every rank's result of ``compute`` (tensors on the CPU), in rank order, the ranks without clients left
         out; an error on any rank is raised on every rank (none waits for a result that will not come)."""
+        failure = None
         try:
             result = _to_cpu(compute()) if any_clients else None
-        except Exception as exc:  # sent to the others, raised below on every rank
-            result = exc
+        except Exception as exc:  # its line goes to the others (an exception may not unpickle), raised on every rank
+            failure, result = exc, Failed(f"{type(exc).__name__}: {exc}")
         gathered = [None] * self.world
         exchanged(dist.all_gather_object, gathered, result)
         for rank_, value in enumerate(gathered):
-            if isinstance(value, Exception):
+            if isinstance(value, Failed):
                 if rank_ == self.rank:
-                    raise value
-                raise RuntimeError(f"rank {rank_} failed: {type(value).__name__}: {value}") from value
+                    raise failure
+                raise RuntimeError(f"rank {rank_} failed: {value.line}")
         return [value for value in gathered if value is not None]
 
     def close(self) -> None:
         self.inner.close()
+
+
+class Failed:
+    """What a rank sends the others when its part raised: the error's line (plain data, always unpickled)."""
+
+    def __init__(self, line: str):
+        self.line = line
 
 
 def _to_cpu(value):

@@ -204,4 +204,4 @@ def upload_message_mb(pipeline: "Pipeline", d: int, element_size: int) -> float:
     each stage of the pipeline (a compressor's message replaces it). A client with a personal part (FedPer's head)
     is counted as sending its ``d`` shared coordinates: the compressors see the whole update with the personal part
     zeroed, so a top-k's k, a fraction of the whole, may count a few more coordinates than this message has."""
-    return message_bits(pipeline.stages, d, d * element_size * 8) / 8 / 1e6
+    return message_bits(pipeline.stages, d, d * element_size * 8) / 8 / 1e6 if d else 0.0  # Local sends nothing

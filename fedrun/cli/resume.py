@@ -80,6 +80,7 @@ def open_job(cfg: DictConfig, hydra_cfg) -> Job:
                 "a command started by torchrun or srun (torchrun --nproc_per_node=2 -m fedrun device.backend="
                 "distributed ...), or loop, processes, vmap or auto",
             )
+        distributed.place()  # this rank's GPU current before the model and data are placed
         if distributed.rank() > 0:
             return follower_job(cfg, hydra_cfg)
     output_dir = Path(hydra_cfg.runtime.output_dir)

@@ -84,6 +84,33 @@ def test_two_or_four_ranks_give_the_loops_metrics(tmp_path, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "outputs", "ranks"]
 
 
+def test_the_trainer_on_two_ranks_gives_the_loops_values_and_a_ranks_error_reaches_both(tmp_path):
+    # Training (a cohort smaller than the ranks, an empty one, three clients), the loss pass, the shared evaluation
+    # pass and the client blocks, bit for bit against the loop; an error raised on rank 1 alone (a ConfigError,
+    # which does not unpickle) is raised on rank 1 and named on rank 0.
+    import json
+
+    script = Path(__file__).parent / "scripts" / "two_ranks.py"
+    done = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = sorted(
+        (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=lambda f: f["rank"]
+    )
+    assert len(found) == 2
+    for values in found:
+        assert all(values[f"{kind}_{n}"] for kind in ("train", "losses") for n in (0, 1, 3)), values
+        assert values["per_sample"] and values["by_clients"] == [[0, 1], [2]] and values["by_no_clients"] == []
+    assert found[1]["error"].startswith("ConfigError: device.inner")
+    assert found[0]["error"].startswith("RuntimeError: rank 1 failed: ConfigError: device.inner")
+
+
 def test_the_distributed_backend_outside_torchrun_is_refused_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
     done = subprocess.run(
