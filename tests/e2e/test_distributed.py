@@ -99,11 +99,11 @@ def test_the_trainer_on_two_ranks_gives_the_loops_values_and_a_ranks_error_reach
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = sorted(
-        (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")), key=lambda f: f["rank"]
-    )
-    assert len(found) == 2
+    # gloo's threads sometimes abort the process as it exits (torch's "terminate called without an active
+    # exception", about 1 run in 10 of this script, after its results are written): tolerated here, nothing else.
+    aborted = "terminate called without an active exception" in done.stderr
+    assert done.returncode == 0 or aborted, done.stderr[-3000:]
+    found = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for values in found:
         assert all(values[f"{kind}_{n}"] for kind in ("train", "losses") for n in (0, 1, 3)), values
         assert values["per_sample"] and values["by_clients"] == [[0, 1], [2]] and values["by_no_clients"] == []

@@ -1,7 +1,9 @@
 """Run by tests/e2e/test_distributed.py under ``torchrun --nproc_per_node=2``: the distributed trainer's pieces
-against the loop's on the same inputs, on gloo. Each rank prints one JSON line of what it found."""
+against the loop's on the same inputs, on gloo. Each rank writes what it found to rank<r>.json in its working
+directory."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,5 +50,6 @@ try:
     ranks.by_clients(fails_on_rank_1, [1, 1])
 except Exception as exc:
     found["error"] = f"{type(exc).__name__}: {exc}"
-print(json.dumps(found), flush=True)
+Path(f"rank{rank}.json").write_text(json.dumps(found))
+dist.barrier()  # neither leaves while the other is still in a collective
 dist.destroy_process_group()
