@@ -245,6 +245,12 @@ def _own_calibration(own: tuple[torch.Tensor, list[np.ndarray]] | None, row: int
     return inputs, torch.as_tensor(parts[row], device=inputs.device)
 
 
+def pooled_judging(model: nn.Module, models: torch.Tensor, own) -> bool:
+    """Whether ``judged_accuracy`` judges one model in one pass over every client's split (inference chunks that
+    cross clients) rather than client by client."""
+    return models.dim() == 1 and not (own is not None and batch_norms(model))
+
+
 def judged_accuracy(
     model: nn.Module,
     models: torch.Tensor,
@@ -263,7 +269,7 @@ def judged_accuracy(
     clients = len(split_sets[0]) if split_sets else 0
     per_client = [[splits[i] for splits in split_sets] for i in range(clients)]  # client by client
     norm = own is not None and bool(batch_norms(model))
-    if models.dim() == 1 and not norm:  # split set by split set (a batch-dependent head sees the same batches)
+    if pooled_judging(model, models, own):  # split set by split set (a batch-dependent head sees the same batches)
         by_set = []
         for splits in split_sets:
             index = torch.as_tensor(np.concatenate([np.zeros(0, np.int64), *splits]), device=x.device)

@@ -16,7 +16,14 @@ from torch import nn
 
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint, snapshot
-from fedrun.clients import FStarEstimate, client_accuracy, client_rows, evaluate_splits, judged_accuracy
+from fedrun.clients import (
+    FStarEstimate,
+    client_accuracy,
+    client_rows,
+    evaluate_splits,
+    judged_accuracy,
+    pooled_judging,
+)
 from fedrun.cohort import ClientLosses, Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError
@@ -97,10 +104,8 @@ def run(
     bits = Bits.of(parts.stages, initial, parts.client_state)
     root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
     judge = Judge(model, parts.client_state, trainer, tensors, clients, client_tests, client_vals, schedule, seed)
-    bar, measure = (
-        progress(first, schedule.rounds, "rounds", "round"),
-        partial(tensors.measure, per_sample=trainer.per_sample),
-    )
+    bar = progress(first, schedule.rounds, "rounds", "round")
+    measure = partial(tensors.measure, per_sample=trainer.per_sample)  # the trainer's ranks may share it
     try:
         for t in range(first, schedule.rounds + 1):
             if parts.exhausted():  # the run ends here, FINISHED (privacy's max_epsilon: the tag stopped_by)
@@ -373,7 +378,7 @@ class Judge:
         """``judged_accuracy`` through the trainer: one model's pass over every client's splits shared as the
         server's evaluation is (``Trainer.per_sample``), or the clients judged one by one dealt in blocks
         (``Trainer.by_clients``); either way each client's accuracy is the plain computation's."""
-        if models.dim() == 1 and not batch_norms(self.model):  # one pass, its chunks crossing clients
+        if pooled_judging(self.model, models, own):  # one pass, its chunks crossing clients
             return judged_accuracy(self.model, models, x, y, split_sets, own, self.trainer.per_sample)
 
         def block(lo: int, hi: int) -> list[np.ndarray]:
