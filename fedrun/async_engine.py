@@ -32,7 +32,15 @@ from fedrun.models import flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
-from fedrun.rounds import Bits, RunResult, attack_columns, malicious_table, record
+from fedrun.rounds import (
+    Bits,
+    RunResult,
+    attack_columns,
+    deviation_column,
+    honest_reference,
+    malicious_table,
+    record,
+)
 from fedrun.seeding import numpy_rng
 from fedrun.state import Context, Stateful
 
@@ -261,9 +269,9 @@ class AsyncEngine:
         report = BufferReport(
             ids, parts.attack.sizes(ids, sizes[ids], lying), staleness, loop.version, [b[3] for b in buffer]
         )
-        update, alpha, diagnostics = parts.aggregation.aggregate(
-            loop.params, torch.stack([b[1] for b in buffer]), report
-        )
+        deltas = torch.stack([b[1] for b in buffer])
+        honest = honest_reference(parts.aggregation, loop.params, deltas, report, lying) if parts.attack else None
+        update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, deltas, report)
         parts.stages.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation
         loop.params, loop.version = parts.server.step(loop.params, update), loop.version + 1
         alpha_all = np.bincount(ids, weights=alpha, minlength=len(loop.jobs))
@@ -278,7 +286,8 @@ class AsyncEngine:
             "download_mb": len(ids) * bits.dense_mb,
         }
         row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
-        row.update(diagnostics, **attack_columns(parts.attack, lying, alpha))
+        row.update(diagnostics, **attack_columns(parts.attack, lying, alpha, parts.aggregation.alpha_is_share))
+        row.update(deviation_column(update, honest, lying) if parts.attack else {})
         row.update({k: float(np.mean([b[4][k] for b in buffer])) for k in buffer[0][4]})
         return row, {"alpha": alpha_all}
 

@@ -192,3 +192,43 @@ class RoundView:
     def read(self, name: str) -> bool:
         """Whether the lazy signal ``name`` was computed (read) this round."""
         return name in self.wall_s
+
+    # Signals with one entry per cohort client (the rest, ``fstar`` and ``server_update``, are the round's own).
+    PER_CLIENT = frozenset(("losses", "true_losses", "local_losses", "steps", "coefficient_norms", "previous_deltas"))
+
+    def subset(self, keep: np.ndarray) -> "RoundView":
+        """The view of the cohort clients ``keep`` selects (a bool mask over the cohort), in cohort order: their
+        sizes and per-client signals, the round's own signals shared. A lazy signal stays lazy and is read through
+        this view, so computing it here computes (and caches) it once for both. ``attack/deviation``'s reference
+        aggregates the honest clients alone through it (``fedrun.rounds.honest_reference``)."""
+        keep = np.asarray(keep, dtype=bool)
+        signals = {}
+        for name, value in self._signals.items():
+            if name not in self.PER_CLIENT or value is None:
+                signals[name] = value
+            else:
+                signals[name] = Lazy(lambda name=name: _rows(getattr(self, name), keep))
+        view = RoundView(
+            self.clients[keep],
+            np.asarray(self.sizes)[keep],
+            round=self.round,
+            accuracy=self.accuracy,
+            accuracy_source=self.accuracy_source,
+            sampled_weights=None if self.sampled_weights is None else np.asarray(self.sampled_weights)[keep],
+            measure=None if self._measure is None else lambda signal: self.per_client(signal)[keep],
+            **signals,
+        )
+        if "true_sizes" in self.__dict__:  # the engine's honest sizes beside the reported ones
+            view.true_sizes = np.asarray(self.true_sizes)[keep]
+        return view
+
+
+def _rows(value, keep: np.ndarray):
+    """The rows ``keep`` selects of a per-client signal (``ClientLosses``, an array or a tensor; None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, ClientLosses):
+        return ClientLosses(np.asarray(value.mean)[keep], np.asarray(value.authors)[keep])
+    if isinstance(value, torch.Tensor):
+        return value[torch.as_tensor(keep, device=value.device)]
+    return np.asarray(value)[keep]

@@ -2,6 +2,7 @@
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -72,12 +73,150 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, f
     return float(x.mean()), float(half)
 
 
-def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, dict]:
+TAIL = 10  # schedule.tail's default: the final rounds a run is judged on (docs/explanation/runs.md)
+UNSTABLE_SWING = 0.1  # metrics.unstable_swing's default: a tail swing above it tags the run ``unstable``
+# The accuracies judged on their tail: (row column, summary name). The personal ones are every client's own model.
+TAILED = (
+    ("test_accuracy", "test_accuracy"),
+    ("val_accuracy", "val_accuracy"),
+    ("client_accuracy", "client_accuracy"),
+    *((f"personal/accuracy_{s}", f"personal_accuracy_{s}") for s in ("mean", "weighted", "p10", "min")),
+)
+
+
+def tail(rounds: Sequence[int], values: Sequence[float], window: int) -> tuple[float, float, int]:
+    """A curve judged on its tail: the mean and the swing (max - min) of its evaluated values (NaN: not evaluated,
+    skipped) over the final ``window`` rounds, those after ``last round - window``, and how many values that is.
+    (NaN, NaN, 0) when none of them was evaluated. A period-2 oscillation between 0.05 and 0.91 has a tail mean near
+    0.48 and a swing of 0.86, where its last round alone says 0.05 or 0.91 by the parity of the round count."""
+    rounds, values = np.asarray(rounds, dtype=np.int64), np.asarray(values, dtype=np.float64)
+    if not len(rounds):
+        return math.nan, math.nan, 0
+    kept = values[(rounds > rounds.max() - window) & ~np.isnan(values)]
+    if not len(kept):
+        return math.nan, math.nan, 0
+    return float(kept.mean()), float(kept.max() - kept.min()), len(kept)
+
+
+def tail_summary(metrics: pd.DataFrame, window: int, threshold: float) -> tuple[dict, dict]:
+    """``tail_<name>`` and ``tail_<name>_swing`` of each accuracy in ``TAILED`` the rows have (``tail``), and the
+    tag ``unstable`` naming those whose swing exceeds ``threshold`` (absent when none does). Returns (metrics, tags)."""
+    values, unstable = {}, []
+    for column, name in TAILED:
+        if column not in metrics:
+            continue
+        mean, swing, count = tail(metrics["round"], metrics[column], window)
+        if not count:
+            continue
+        values[f"tail_{name}"], values[f"tail_{name}_swing"] = mean, swing
+        if swing > threshold:
+            unstable.append(column)
+    return values, ({"unstable": ",".join(unstable)} if unstable else {})
+
+
+def unstable_line(values: dict, tags: dict, window: int) -> str | None:
+    """The line a run ends with when its tail swings (tag ``unstable``): what ranged how far, and the tail mean the
+    reports use; None for a stable run."""
+    if not tags.get("unstable"):
+        return None
+    parts = []
+    for column, name in TAILED:
+        if column in tags["unstable"].split(","):
+            parts.append(
+                f"{column} swung by {values[f'tail_{name}_swing']:.3f} (tail mean {values[f'tail_{name}']:.4f})"
+            )
+    return (
+        f"fedrun: unstable over its last {window} rounds: {'; '.join(parts)}. Its final round alone misdescribes it; "
+        "fedrun-report uses the tail mean (docs/explanation/runs.md)"
+    )
+
+
+def bounds(name: str) -> tuple[float, float] | None:
+    """The range a metric's values lie in, by its name: [0, 1] for an accuracy, a share or a fraction (and an
+    accuracy's tail swing), [-1, 1] for a lag-one autocorrelation, [0, 2] for the L1 distance between two weight
+    vectors; None for an unbounded one (an R-index, megabytes, seconds, a deviation)."""
+    plain = name.removeprefix("metrics.")
+    if "accuracy" in plain or plain.endswith(("_share", "_share_mean", "_fraction")):
+        return (0.0, 1.0)
+    if plain == "lag1_autocorr":
+        return (-1.0, 1.0)
+    if plain.startswith("alpha_distance"):
+        return (0.0, 2.0)
+    return None
+
+
+SHOWN_SEEDS = 5  # below this many runs a cell shows each run's value beside the mean
+SPLIT = 0.5  # seeds whose range exceeds this share of the quantity's range disagree in kind: the cell is ``split``
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over runs and its 95% interval [lo, hi] within the quantity's range (``bounded_ci``), the runs'
+    values (in the order given) and whether they disagree in kind (``split``)."""
+
+    mean: float
+    lo: float
+    hi: float
+    values: tuple[float, ...]
+    split: bool = False
+
+    @property
+    def cut(self) -> bool:
+        """Whether the range cut the Student-t interval (it is then not mean ± a half-width)."""
+        return not math.isclose(self.mean - self.lo, self.hi - self.mean, rel_tol=1e-9, abs_tol=1e-12)
+
+    def cell(self, digits: int = 3) -> str:
+        """``0.874 ± 0.016``; ``0.281 [0.000, 1.000]`` where the range cut the interval; the runs' values after it
+        when there are fewer than ``SHOWN_SEEDS``; ``split`` first when they disagree in kind (and their range when
+        they are not all shown)."""
+        if math.isnan(self.mean):
+            return "-"
+        f = f"{{:.{digits}f}}"
+        if math.isnan(self.lo):
+            text = f.format(self.mean)
+        elif self.cut:
+            text = f"{f.format(self.mean)} [{f.format(self.lo)}, {f.format(self.hi)}]"
+        else:
+            text = f"{f.format(self.mean)} ± {f.format(self.hi - self.mean)}"
+        values = [v for v in self.values if not math.isnan(v)]
+        if 1 < len(values) < SHOWN_SEEDS:
+            text += " (" + ", ".join(f.format(v) for v in values) + ")"
+        elif self.split:
+            text += f" ({f.format(min(values))}–{f.format(max(values))})"
+        return ("split " if self.split else "") + text
+
+
+def bounded_ci(
+    values: Sequence[float], bound: tuple[float, float] | None = (0.0, 1.0), confidence: float = 0.95
+) -> Interval:
+    """The mean of ``values`` (NaN dropped) and its Student-t interval (``mean_ci``) intersected with ``bound``, the
+    range the quantity lies in (None: unbounded). The true mean lies in that range, so the intersection covers it
+    whenever the t interval does: the cut keeps the t interval's coverage and never reports a value the quantity
+    cannot take (docs/explanation/runs.md says why this and not a logit or bootstrap interval). ``split``: the
+    values span more than ``SPLIT`` of the range (with a bound), seeds that disagree in kind (a model that
+    oscillates, a run that failed)."""
+    x = np.asarray([v for v in values if not math.isnan(v)], dtype=np.float64)
+    mean, half = mean_ci(x, confidence)
+    if math.isnan(half):
+        lo = hi = math.nan
+    else:
+        lo, hi = mean - half, mean + half
+        if bound is not None:
+            lo, hi = max(lo, bound[0]), min(hi, bound[1])
+    split = bound is not None and len(x) > 1 and float(x.max() - x.min()) > SPLIT * (bound[1] - bound[0])
+    return Interval(mean, lo, hi, tuple(float(v) for v in values), split)
+
+
+def summarise(
+    metrics: pd.DataFrame, r_targets: Sequence[float], window: int = TAIL, threshold: float = UNSTABLE_SWING
+) -> tuple[dict, dict]:
     """Metrics and tags that summarise a run from its rows so far: rounds and time, megabytes uploaded
-    (``upload_mb_total``), final and best test accuracy, the R-index of each target (and ``R90_mb``, the
+    (``upload_mb_total``), final and best test accuracy, each accuracy judged on its tail (``tail_summary``: the
+    mean and swing over the final ``window`` rounds, the tag ``unstable`` past ``threshold``), the R-index of each target (and ``R90_mb``, the
     megabytes uploaded until it) (for the clients' local models too, and in virtual time for an
     asynchronous run; the tag ``R90=not_reached`` when a target was not reached), the curve's stability, and under
-    an attack the attackers' mean weight and cohort share (``attack/weight_share_mean``, ``attack/cohort_share_mean``),
+    an attack the attackers' mean weight and cohort share (``attack/weight_share_mean``, ``attack/cohort_share_mean``)
+    and the mean relative deviation they caused (``attack/deviation_mean``),
     and with privacy the epsilon spent (``final_epsilon``). NaN values are left out."""
     values, tags = {"rounds_run": len(metrics), "total_wall_s": float(metrics["round_wall_s"].sum())}, {}
     uploaded = metrics["upload_mb"].cumsum() if "upload_mb" in metrics else None  # megabytes sent up so far
@@ -88,9 +227,12 @@ def summarise(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple[dict, 
         values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
     if "epsilon" in metrics and metrics["epsilon"].notna().any():  # what the run spent, in the summary a reader opens
         values["final_epsilon"] = float(metrics["epsilon"].dropna().iloc[-1])
-    for column in ("attack/weight_share", "attack/cohort_share"):  # the attackers' mean share over the rounds run
+    for column in ("attack/weight_share", "attack/cohort_share", "attack/deviation"):  # means over the rounds run
         if column in metrics and metrics[column].notna().any():
             values[column + "_mean"] = float(metrics[column].mean())
+    tailed, tail_tags = tail_summary(metrics, window, threshold)
+    values.update(tailed)
+    tags.update(tail_tags)
     values["smoothness"] = smoothness(metrics["test_accuracy"])
     values["lag1_autocorr"] = lag1_autocorr(metrics["test_accuracy"])
     for column, prefix in (("test_accuracy", ""), ("client_accuracy", "client_")):
@@ -160,11 +302,17 @@ def personal_summary(metrics: pd.DataFrame, r_targets: Sequence[float]) -> tuple
     return values, tags
 
 
-def run_summary(rows: list[dict], r_targets: Sequence[float], measured: dict | None = None) -> tuple[dict, dict]:
+def run_summary(
+    rows: list[dict],
+    r_targets: Sequence[float],
+    measured: dict | None = None,
+    window: int = TAIL,
+    threshold: float = UNSTABLE_SWING,
+) -> tuple[dict, dict]:
     """The run's summary, computed once when it closes (finished, failed or stopped): ``summarise`` of every row
     logged so far (those before a resume too), with the engine's own run-level metrics (``measured``, e.g. the
     asynchronous engine's fairness; NaN left out) added. Returns (metrics, tags)."""
-    values, tags = summarise(pd.DataFrame(rows), r_targets) if rows else ({}, {})
+    values, tags = summarise(pd.DataFrame(rows), r_targets, window, threshold) if rows else ({}, {})
     values.update({k: v for k, v in (measured or {}).items() if not math.isnan(v)})
     return values, tags
 

@@ -480,6 +480,7 @@ class CentralNoise(Aggregator):
         super().__init__("uniform")
         self.inner, self.mechanism, self.clip = aggregator, mechanism, clip
         self.alpha_informative = aggregator.alpha_informative
+        self.alpha_is_share = aggregator.alpha_is_share
 
     def weights(self, report) -> np.ndarray:
         return np.full(len(report.clients), 1.0 / self.mechanism.denominator)

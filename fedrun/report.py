@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedrun.metrics import markdown_table, mean_ci
+from fedrun.metrics import TAIL, Interval, bounded_ci, bounds, markdown_table, mean_ci, tail
 from fedrun.tracking import (
     CONFIG_GROUPS,
     DEFAULT_URI,
@@ -39,7 +39,16 @@ IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
 META_GROUPS = ("experiment", "method", "defence")  # config groups whose options choose options of other groups
 SWEEP_TAG = "tags.fedrun.role"  # "sweep" on a sweep's parent run, "trial" on a study's trial: not runs of their own
 TRIAL_TAG = "tags.fedrun.trial"  # a study's seed run: its trial (``--group-by trial``)
-SUMMARY = ("final_test_accuracy", "best_test_accuracy", "smoothness", "lag1_autocorr")
+# The run judged on its tail first (the mean over its final schedule.tail rounds, and how far it swung there); the
+# final round alone after it, labelled as such.
+SUMMARY = (
+    "tail_test_accuracy",
+    "tail_test_accuracy_swing",
+    "final_test_accuracy",
+    "best_test_accuracy",
+    "smoothness",
+    "lag1_autocorr",
+)
 
 
 # OWASP's rule against CSV injection (https://owasp.org/www-community/attacks/CSV_Injection): a spreadsheet runs a cell
@@ -171,17 +180,50 @@ def metric_columns(runs: pd.DataFrame, extra: tuple[str, ...] = ()) -> tuple[pd.
     return runs, r_columns, [f"metrics.{m}" for m in dict.fromkeys(SUMMARY + tuple(extra)) if f"metrics.{m}" in runs]
 
 
+def by_seed(group: pd.DataFrame) -> pd.DataFrame:
+    """A group's runs in seed order (numbers as numbers), the order a cell lists their values in."""
+    if "params.seed" not in group:
+        return group
+    return group.iloc[sorted(range(len(group)), key=lambda i: _natural(group["params.seed"].iloc[i]))]
+
+
+def interval_columns(name: str, values: np.ndarray) -> dict:
+    """A bounded metric's interval within its range (``fedrun.metrics.bounded_ci``) as columns: ``<name>_lo``,
+    ``<name>_hi``, ``<name>_split`` and ``<name>_values`` (each run's value in seed order); {} for an unbounded one."""
+    bound = bounds(name)
+    if bound is None:
+        return {}
+    interval = bounded_ci(values, bound)
+    return {
+        f"{name}_lo": interval.lo,
+        f"{name}_hi": interval.hi,
+        f"{name}_split": interval.split,
+        f"{name}_values": " ".join(f"{v:.6g}" for v in values),
+    }
+
+
+def interval_of(row, name: str) -> Interval:
+    """The ``Interval`` a table row holds for the bounded metric ``name`` (``interval_columns``)."""
+    text = row.get(f"{name}_values")
+    values = tuple(float(v) for v in text.split()) if isinstance(text, str) else ()
+    return Interval(row[f"{name}_mean"], row[f"{name}_lo"], row[f"{name}_hi"], values, bool(row[f"{name}_split"]))
+
+
 def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) -> pd.DataFrame:
     """One row per group: counts, and mean / CI half-width / reached counts of every R-index, summary metric
-    and ``extra`` metric (each run's last logged value)."""
+    and ``extra`` metric (each run's last logged value); a bounded metric (an accuracy, a share) also its interval
+    cut to its range, its runs' values and whether they split (``interval_columns``)."""
     runs, r_columns, others = metric_columns(runs, extra)
     rows = []
     for values, group in groups(runs, keys):
+        group = by_seed(group)
         row = {label(k): v for k, v in zip(keys, values)}
         row["runs"] = len(group)
         for column in r_columns + others:
             reached = group[column].dropna()
             row[f"{label(column)}_mean"], row[f"{label(column)}_ci95"] = mean_ci(reached.to_numpy())
+            if column not in r_columns:
+                row.update(interval_columns(label(column), group[column].to_numpy(dtype=np.float64)))
             if column in r_columns:
                 row[f"{label(column)}_reached"] = len(reached)
                 row[f"{label(column)}_median"] = censored_median(group[column].to_numpy(dtype=np.float64))
@@ -293,6 +335,8 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
         for m in metrics:
             is_r = f"{m}_reached" in row
             cell = _cell(row[f"{m}_mean"], row[f"{m}_ci95"], 1 if is_r else 4)
+            if f"{m}_lo" in row:  # bounded: the interval within its range, the seeds when few, split when split
+                cell = interval_of(row, m).cell(4)
             cells.append(f"{cell} ({int(row[f'{m}_reached'])}/{runs})" if is_r else cell)
             if is_r:
                 cells.append(
@@ -366,6 +410,27 @@ def plot_distribution(accuracies: dict[str, np.ndarray], path: Path, title: str)
     return path
 
 
+def with_tails(client, runs: pd.DataFrame) -> pd.DataFrame:
+    """Runs logged before the tail summary (no ``tail_test_accuracy``) get it, and its swing, from their test
+    accuracy history over their ``schedule.tail`` (``fedrun.metrics.TAIL`` where the run has no such param), as
+    ``fedrun.metrics.tail`` computes it for a new run."""
+    column = "metrics.tail_test_accuracy"
+    missing = runs.index if column not in runs else runs.index[runs[column].isna()]
+    if not len(missing):
+        return runs
+    runs = runs.copy()
+    for index in missing:
+        points = history(client, runs.at[index, "run_id"], "test_accuracy")
+        if not points:
+            continue
+        window = pd.to_numeric(runs.get("params.schedule.tail", pd.Series(dtype=float)).get(index), errors="coerce")
+        mean, swing, _ = tail(
+            [p.step for p in points], [p.value for p in points], TAIL if pd.isna(window) else int(window)
+        )
+        runs.loc[index, [column, column + "_swing"]] = mean, swing
+    return runs
+
+
 def history(client, run_id: str, metric: str) -> list:
     """A metric's series by its plain name, under its MLflow name (``0_main/test_accuracy``) or, for a run stored
     before the main metrics had a section, the plain one."""
@@ -429,7 +494,7 @@ def plot_bands(
 
 
 def plot_versus(
-    table: pd.DataFrame, keys: list[str], key: str, path: Path, title: str, metric: str = "final_test_accuracy"
+    table: pd.DataFrame, keys: list[str], key: str, path: Path, title: str, metric: str = "tail_test_accuracy"
 ) -> Path:
     """``metric`` (each group's mean with its 95% Student-t interval, from ``summarise``) against the numeric
     config ``key``: one line per combination of the other keys. Groups where ``key`` has no number (a
@@ -439,9 +504,9 @@ def plot_versus(
 
     name, others = label(key), [k for k in keys if k != key]
     x = pd.to_numeric(table[name], errors="coerce")
-    mean, half = table[f"{metric}_mean"], table[f"{metric}_ci95"].fillna(0.0)
-    # An accuracy's interval is cut to [0, 1] (a t-interval of 3 runs can reach past it), as in the band plots.
-    below, above = np.minimum(half, mean), np.minimum(half, 1 - mean)
+    mean = table[f"{metric}_mean"]
+    # The interval within the accuracy's range (``interval_columns``): a t-interval of 3 runs can reach past it.
+    below, above = (mean - table[f"{metric}_lo"]).fillna(0.0), (table[f"{metric}_hi"] - mean).fillna(0.0)
     fig, ax = plt.subplots(figsize=(8, 5), layout="constrained")
     numbered = table[x.notna()].assign(_x=x[x.notna()])
     lines = list(numbered.groupby([label(k) for k in others], sort=False)) if others else [((), numbered)]
@@ -525,8 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--versus",
         metavar="KEY",
-        help="also plot final test accuracy against this numeric config key, one line per value of the other keys "
-        "(e.g. privacy.target_epsilon: a privacy-utility curve; final_test_accuracy_vs_<KEY>.png)",
+        help="also plot tail test accuracy against this numeric config key, one line per value of the other keys "
+        "(e.g. privacy.target_epsilon: a privacy-utility curve; tail_test_accuracy_vs_<KEY>.png)",
     )
     parser.add_argument(
         "--per-mb",
@@ -588,6 +653,7 @@ def main(argv: list[str] | None = None) -> None:
             f"fedrun-report: error: no finished runs in {args.experiment!r}"
             + (f" matching {args.filter!r}" if args.filter else "")
         )
+    finished = with_tails(client, finished)
     out = args.out or Path("outputs") / "report" / args.experiment
     if args.robustness:
         from fedrun import robustness
@@ -692,8 +758,8 @@ def main(argv: list[str] | None = None) -> None:
                 table,
                 keys,
                 versus,
-                out / ("final_test_accuracy_vs_" + re.sub(r"\W", "_", args.versus) + ".png"),
-                f"{args.experiment}: final test accuracy, mean and 95% CI",
+                out / ("tail_test_accuracy_vs_" + re.sub(r"\W", "_", args.versus) + ".png"),
+                f"{args.experiment}: tail test accuracy (mean over each run's last rounds), mean and 95% CI",
             )
         )
     written = [out / "report.md", out / "report.csv", *plots]

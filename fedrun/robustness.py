@@ -1,30 +1,50 @@
 """``fedrun-report --robustness``: the matrix of ``sweep=robustness`` (docs/results/robustness.md).
 
-Every finished run is one seed of a cell (rule, split, attack, f): the rule is the run's ``defence`` choice (its
-``aggregator`` where it has none), the split its ``partition``, f the number of attackers it drew (the tag
-``attack_malicious_count``; 0 for ``attack=none``). The f = 0 cell is the run without attack and stands in every
-attack's column. Per cell: final test accuracy as mean and 95% Student-t interval over the seeds, the attackers'
-mean share of the aggregation weight (``attack/weight_share_mean``, per run the mean over its rounds), and the
-cost (``total_wall_s``, the rounds' wall-clock seconds, and ``upload_mb_total``). The worst case of a rule at a
-split and f is the attack with the lowest mean accuracy, reported with that attack's interval: ByzFL's headline
-(its ``benchmark`` takes the minimum over attacks of the mean over seeds); a minimum over attacks seed by seed
-would be biased low by the noise alone.
+Every finished run is one seed of a cell (rule, split, attack, f, told): the rule is the run's ``defence`` choice
+(its ``aggregator`` where it has none), the split its ``partition``, f the number of attackers it drew (the tag
+``attack_malicious_count``; 0 for ``attack=none``), told the f the rule was told (``declared_f``, set where the sweep
+misstates it; f itself otherwise: the truth). The f = 0 cell is the run without attack and stands in every attack's
+column. Per cell (``cells``):
+
+- accuracy: each run judged on its tail (``tail_test_accuracy``, the mean over its last ``schedule.tail`` rounds:
+  a run that oscillates between rounds is not judged by the parity of its last one), the mean over the seeds with
+  its 95% Student-t interval cut to [0, 1] (``fedrun.metrics.bounded_ci``), each seed's value when there are fewer
+  than five, ``split`` when the seeds span over half the range; the final round's mean beside it, labelled;
+- the attackers' share of the aggregation weight (``attack/weight_share_mean``; only for rules whose alpha is a
+  convex combination, NaN for the others) and ``attack/deviation_mean``, how far the attack moved each round's
+  aggregate from the one the rule gives on the honest updates alone, relative to it (every rule);
+- the cost (``total_wall_s``, ``upload_mb_total``) and how many runs were tagged ``unstable``.
+
+Attacks that are the same here are one attack (``same_as``): an attack that differs from another only by a channel
+the rule may not read (``VARIANTS``: the loss lie on top of the sign flip) and whose per-seed accuracies equal that
+attack's is reported as that attack. The worst case of a rule at a split and f (``worst``) is the lowest mean over
+the k distinct attacks, every attack within ``TIE`` of it seed by seed named with it; its interval is the minimum
+over the attacks of Bonferroni-simultaneous 95% intervals (each at 1 - 0.05 / k), which covers the smallest true
+mean whenever all k intervals cover theirs, so it carries the multiplicity a minimum over k attacks brings
+(the point, a minimum of k noisy means, is biased low, and the page says so).
 """
 
+import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from fedrun.metrics import markdown_table, mean_ci
+from fedrun.metrics import Interval, bounded_ci, markdown_table
 
-ACCURACY, SHARE = "metrics.final_test_accuracy", "metrics.attack/weight_share_mean"
+ACCURACY, FINAL = "metrics.tail_test_accuracy", "metrics.final_test_accuracy"
+SHARE, DEVIATION = "metrics.attack/weight_share_mean", "metrics.attack/deviation_mean"
 WALL, UPLOAD = "metrics.total_wall_s", "metrics.upload_mb_total"
-CELL = ["rule", "split", "attack", "f"]
+CELL = ["rule", "split", "attack", "f", "told"]
+TIE = 1e-6  # attacks whose accuracies differ by at most this on every seed are tied
+# An attack that is another plus a lie on a channel some rules never read: where their results are equal, the rule
+# did not read it, and the variant is reported as the attack it adds to.
+VARIANTS = {"loss_lie_flip": "sign_flip", "loss_lie_flip_strong": "sign_flip_strong"}
+CONFIDENCE = 0.95
 
 
 def labelled(runs: pd.DataFrame) -> pd.DataFrame:
-    """The runs with the cell columns ``rule``, ``split``, ``attack``, ``f`` and ``clients`` (the population)."""
+    """The runs with the cell columns ``rule``, ``split``, ``attack``, ``f``, ``told`` and ``clients``."""
     runs = runs.copy()
     rule = runs["tags.defence"] if "tags.defence" in runs else pd.Series(None, index=runs.index, dtype=object)
     runs["rule"] = rule.where(rule.notna() & (rule != "None"), runs["tags.aggregator"])
@@ -32,129 +52,259 @@ def labelled(runs: pd.DataFrame) -> pd.DataFrame:
     runs["attack"] = runs["tags.attack"].fillna("none") if "tags.attack" in runs else "none"
     count = runs.get("tags.attack_malicious_count", pd.Series(0, index=runs.index))
     runs["f"] = pd.to_numeric(count, errors="coerce").fillna(0).astype(int).where(runs["attack"] != "none", 0)
+    told = pd.to_numeric(runs.get("params.declared_f", pd.Series(np.nan, index=runs.index)), errors="coerce")
+    runs["told"] = told.where(told.notna() & (runs["f"] > 0), runs["f"]).astype(int)
     runs["clients"] = pd.to_numeric(runs.get("params.partition.num_clients"), errors="coerce")
     return runs
 
 
-def _stats(values: pd.Series) -> tuple[float, float]:
-    values = pd.to_numeric(values, errors="coerce").dropna()
-    return mean_ci(values.to_numpy()) if len(values) else (np.nan, np.nan)
+def _column(group: pd.DataFrame, name: str) -> np.ndarray:
+    return pd.to_numeric(group.get(name, pd.Series(np.nan, index=group.index)), errors="coerce").to_numpy(float)
+
+
+def _seeds(group: pd.DataFrame) -> list[str]:
+    return [str(s) for s in group["params.seed"]] if "params.seed" in group else [str(i) for i in range(len(group))]
 
 
 def cells(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per cell: runs, accuracy and weight share (mean, ci95), mean seconds and megabytes."""
+    """One row per cell (module docstring): its runs and seeds, accuracy (tail), the final round's, weight share,
+    deviation, cost, unstable runs, and ``same_as``."""
     rows = []
-    for (rule, split, attack, f), group in labelled(runs).groupby(CELL):
-        accuracy, share = _stats(group[ACCURACY]), _stats(group.get(SHARE, pd.Series(dtype=float)))
+    for (rule, split, attack, f, told), group in labelled(runs).groupby(CELL):
+        if "params.seed" in group:
+            group = group.iloc[np.argsort(pd.to_numeric(group["params.seed"], errors="coerce").to_numpy())]
+        accuracy, final = bounded_ci(_column(group, ACCURACY)), bounded_ci(_column(group, FINAL))
+        share = bounded_ci(_column(group, SHARE)) if attack != "none" else Interval(0.0, np.nan, np.nan, ())
+        deviation = bounded_ci(_column(group, DEVIATION), (0.0, math.inf)) if attack != "none" else None
+        unstable = group.get("tags.unstable", pd.Series(None, index=group.index))
         rows.append(
             {
                 "rule": rule,
                 "split": split,
                 "attack": attack,
                 "f": int(f),
+                "told": int(told),
                 "clients": group["clients"].max(),
                 "runs": len(group),
-                "seeds": " ".join(sorted(group["params.seed"].astype(str))) if "params.seed" in group else "",
-                "accuracy_mean": accuracy[0],
-                "accuracy_ci95": accuracy[1],
-                "weight_share_mean": share[0] if attack != "none" else 0.0,
-                "weight_share_ci95": share[1] if attack != "none" else np.nan,
-                "wall_s_mean": _stats(group.get(WALL, pd.Series(dtype=float)))[0],
-                "upload_mb_mean": _stats(group.get(UPLOAD, pd.Series(dtype=float)))[0],
+                "seeds": " ".join(_seeds(group)),
+                **_interval("accuracy", accuracy),
+                "final_accuracy_mean": final.mean,
+                **_interval("weight_share", share),
+                **_interval("deviation", deviation or Interval(np.nan, np.nan, np.nan, ())),
+                "unstable_runs": int(unstable.notna().sum()),
+                "wall_s_mean": float(np.nanmean(_column(group, WALL))) if len(group) else np.nan,
+                "upload_mb_mean": float(np.nanmean(_column(group, UPLOAD))) if len(group) else np.nan,
             }
         )
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    if len(table):
+        table["same_as"] = [_same_as(table, row) for _, row in table.iterrows()]
+    return table
+
+
+def _interval(name: str, interval: Interval) -> dict:
+    return {
+        f"{name}_mean": interval.mean,
+        f"{name}_lo": interval.lo,
+        f"{name}_hi": interval.hi,
+        f"{name}_split": interval.split,
+        f"{name}_values": " ".join(f"{v:.6g}" for v in interval.values),
+    }
+
+
+def interval_of(row, name: str) -> Interval:
+    """The ``Interval`` a cell row holds for ``name`` (accuracy, weight_share, deviation)."""
+    text = row[f"{name}_values"]
+    values = tuple(float(v) for v in text.split()) if isinstance(text, str) and text else ()
+    return Interval(row[f"{name}_mean"], row[f"{name}_lo"], row[f"{name}_hi"], values, bool(row[f"{name}_split"]))
+
+
+def tied(a, b) -> bool:
+    """Whether two cells' runs have the same seeds and accuracies within ``TIE`` of each other seed by seed."""
+    if a["seeds"] != b["seeds"] or not a["seeds"]:
+        return False
+    x, y = interval_of(a, "accuracy").values, interval_of(b, "accuracy").values
+    return len(x) == len(y) and all(abs(u - v) <= TIE or (math.isnan(u) and math.isnan(v)) for u, v in zip(x, y))
+
+
+def _same_as(table: pd.DataFrame, row) -> str:
+    """The attack a variant is reported as (``VARIANTS``) when its cell is tied with that attack's, else ""."""
+    base = VARIANTS.get(row["attack"])
+    if base is None:
+        return ""
+    match = table[(table["rule"] == row["rule"]) & (table["split"] == row["split"]) & (table["attack"] == base)]
+    match = match[(match["f"] == row["f"]) & (match["told"] == row["told"])]
+    return base if len(match) and tied(row, match.iloc[0]) else ""
+
+
+def simultaneous(row, k: int) -> tuple[float, float]:
+    """The cell's accuracy interval at the Bonferroni level 1 - (1 - CONFIDENCE) / k, cut to [0, 1]."""
+    interval = bounded_ci(interval_of(row, "accuracy").values, (0.0, 1.0), 1 - (1 - CONFIDENCE) / k)
+    return interval.lo, interval.hi
 
 
 def worst(table: pd.DataFrame) -> pd.DataFrame:
-    """Per (rule, split, f): the attack of lowest mean accuracy with its interval (f = 0: the run without attack)."""
+    """Per (rule, split, f, told): the lowest mean accuracy over the distinct attacks (those not ``same_as``
+    another), every attack tied with it named (``tied``), and its interval: the minimum over the k attacks of
+    their simultaneous intervals (``simultaneous``). f = 0: the run without attack, its own interval."""
     rows = []
-    for (rule, split, f), group in table.groupby(["rule", "split", "f"]):
-        low = group.loc[group["accuracy_mean"].idxmin()]
+    for (rule, split, f, told), group in table.groupby(["rule", "split", "f", "told"]):
+        distinct = group[group["same_as"] == ""] if "same_as" in group else group
+        k = len(distinct)
+        low = distinct.loc[distinct["accuracy_mean"].idxmin()]
+        names = [a for a, (_, other) in zip(distinct["attack"], distinct.iterrows()) if tied(low, other)]
+        names = sorted(set(names) | {low["attack"]}, key=_order_key)
+        if f == 0 or k == 1:
+            lo, hi = low["accuracy_lo"], low["accuracy_hi"]
+        else:
+            bounds = [simultaneous(other, k) for _, other in distinct.iterrows()]
+            lo, hi = min(b[0] for b in bounds), min(b[1] for b in bounds)
         rows.append(
             {
                 "rule": rule,
                 "split": split,
                 "f": int(f),
-                "attack": low["attack"],
+                "told": int(told),
+                "attack": " = ".join(names),
                 "accuracy_mean": low["accuracy_mean"],
-                "accuracy_ci95": low["accuracy_ci95"],
+                "accuracy_lo": lo,
+                "accuracy_hi": hi,
+                "accuracy_split": bool(low["accuracy_split"]),
+                "accuracy_values": low["accuracy_values"],
                 "runs": int(low["runs"]),
-                "attacks": len(group),
+                "attacks": k,
             }
         )
     return pd.DataFrame(rows)
 
 
+KNOWN = [
+    "fedavg", "fedsoftmax", "fedmax", "fedsoftmax_trim", "fedsoftmax_cap", "median", "trimmed_mean", "krum",
+    "geomed", "centered_clip", "fltrust", "median_bucketing", "centered_clip_bucketing", "trimmed_mean_nnm",
+    "krum_nnm", "none", "label_flip", "sign_flip", "sign_flip_strong", "alie", "alie_adaptive", "ipm", "ipm_strong",
+    "ipm_adaptive", "loss_lie_flip",
+]  # fmt: skip
+
+
+def _order_key(value, first=("fedavg", "none")) -> tuple:
+    return (value not in first, KNOWN.index(value) if value in KNOWN else len(KNOWN), str(value))
+
+
 def _order(values, first=("fedavg", "none")) -> list:
     """Table order: the baseline first (fedavg, none), then as the sweep lists them where known, then by name."""
-    known = [
-        "fedavg", "fedsoftmax", "fedmax", "fedsoftmax_trim", "fedsoftmax_cap", "median", "trimmed_mean", "krum",
-        "geomed", "centered_clip", "none", "label_flip", "sign_flip", "alie", "ipm", "loss_lie_flip",
-    ]  # fmt: skip
-    values = list(dict.fromkeys(values))
-    return sorted(values, key=lambda v: (v not in first, known.index(v) if v in known else len(known), str(v)))
+    return sorted(dict.fromkeys(values), key=lambda v: _order_key(v, first))
 
 
-def _f_label(f: int, clients: float) -> str:
-    return f"f={f}" if np.isnan(clients) or not clients else f"f={f} ({100 * f / clients:.0f}%)"
+def _columns(table: pd.DataFrame) -> list[tuple[int, int]]:
+    """The (f, told) columns: by f, the rule told the truth before a misspecified f."""
+    pairs = {(int(f), int(t)) for f, t in zip(table["f"], table["told"])}
+    return sorted(pairs, key=lambda p: (p[0], p[0] != p[1], p[1]))
 
 
-def _acc(mean: float, half: float) -> str:
-    if np.isnan(mean):
-        return "-"
-    return f"{mean:.3f}" if np.isnan(half) else f"{mean:.3f} ± {half:.3f}"
+def _f_label(f: int, told: int, clients: float) -> str:
+    share = "" if np.isnan(clients) or not clients else f" ({100 * f / clients:.0f}%)"
+    return f"f={f}{share}" + ("" if told == f else f", told {told}")
 
 
 def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, runs: pd.DataFrame) -> str:
-    """The report: the worst case per rule, then every cell's accuracy and weight share, then the cost."""
+    """The report: the worst case per rule, then every cell's accuracy, weight share and deviation, the unstable
+    runs, then the cost."""
     clients = float(table["clients"].max()) if len(table) else np.nan
-    fs = sorted(table["f"].unique())
+    columns = _columns(table)
     attacks = [a for a in _order(table["attack"].unique()) if a != "none"]
     rules, splits = _order(table["rule"].unique()), _order(table["split"].unique(), first=("iid",))
     commits = sorted(set(runs.get("tags.git_commit", pd.Series(dtype=object)).dropna().astype(str)))
-    seeds = sorted(set(runs["params.seed"].astype(str))) if "params.seed" in runs else []
+    seeds = sorted(set(runs["params.seed"].astype(str)), key=lambda v: (len(v), v)) if "params.seed" in runs else []
+    tails = sorted(set(pd.to_numeric(runs.get("params.schedule.tail", pd.Series(dtype=float))).dropna().astype(int)))
+    window = f"its last {', '.join(map(str, tails))} rounds" if tails else "its last rounds"
     text = [
         f"# {experiment}: clients that lie\n",
         f"{len(runs)} finished runs; seeds {', '.join(seeds) or '-'}; commit {', '.join(commits) or 'unknown'}. "
-        "Each cell: final test accuracy, mean ± 95% Student-t interval over the seeds. f = 0 is the run without "
-        "attack, the same in every attack's column.\n",
+        f"Each cell: tail test accuracy (each run's mean over {window}), mean over the seeds with its 95% Student-t "
+        "interval, cut to [0, 1] where it reaches past (then printed as [low, high]); with fewer than five seeds "
+        "each seed's value follows in parentheses; `split` marks a cell whose seeds span over half the range "
+        "(they disagree in kind: do not read its mean alone). f = 0 is the run without attack, the same in every "
+        "attack's column; 'told' is the f the rule was told where it is not the true one.\n",
         "## Worst case over attacks\n",
-        "The attack of lowest mean accuracy (named) with its interval, per rule, split and f (ByzFL's headline).\n",
+        "Per rule, split and f: the lowest mean accuracy over the k distinct attacks (the `attacks` column of "
+        "robustness_worst.csv), with every attack tied with it seed by seed (`a = b`); an attack that only adds a "
+        "lie on a channel the rule does not read is counted as the attack it adds to. The interval is simultaneous "
+        "over the k attacks (Bonferroni, each at 1 - 0.05 / k): it covers the smallest true mean; the point, the "
+        "lowest of k noisy means, is biased low.\n",
     ]
-    key = worst_table.set_index(["rule", "split", "f"])
-    header = ["rule"] + [f"{s} {_f_label(f, clients)}" for s in splits for f in fs]
+    key = worst_table.set_index(["rule", "split", "f", "told"])
+    header = ["rule"] + [f"{s} {_f_label(f, t, clients)}" for s in splits for f, t in columns]
     rows = []
     for rule in rules:
         row = [rule]
         for split in splits:
-            for f in fs:
-                if (rule, split, f) not in key.index:
+            for f, told in columns:
+                if (rule, split, f, told) not in key.index:
                     row.append("-")
                     continue
-                w = key.loc[(rule, split, f)]
-                row.append(_acc(w["accuracy_mean"], w["accuracy_ci95"]) + ("" if f == 0 else f" ({w['attack']})"))
+                w = key.loc[(rule, split, f, told)]
+                cell = interval_of(w, "accuracy").cell()
+                row.append(cell + ("" if f == 0 else f" ({w['attack']})"))
         rows.append(row)
     text.append(markdown_table(header, rows))
     by_cell = table.set_index(CELL)
-    for title, column, half in (
-        ("Final test accuracy", "accuracy_mean", "accuracy_ci95"),
-        ("The attackers' share of the aggregation weight (mean over rounds)", "weight_share_mean", "weight_share_ci95"),
+    for title, name in (
+        ("Tail test accuracy", "accuracy"),
+        (
+            "The attackers' share of the aggregation weight (mean over rounds; n/a where the rule's alpha is not a "
+            "convex combination: FLTrust, centered clipping)",
+            "weight_share",
+        ),
+        (
+            "Deviation: ||aggregate - the rule's aggregate of the honest updates alone|| / the latter's norm (mean "
+            "over rounds)",
+            "deviation",
+        ),
     ):
         for split in splits:
             text.append(f"## {title}: {split}\n")
-            header = ["rule", "attack"] + [_f_label(f, clients) for f in fs]
+            header = ["rule", "attack"] + [_f_label(f, t, clients) for f, t in columns]
             rows = []
             for rule in rules:
                 for attack in attacks:
                     row = [rule, attack]
-                    for f in fs:
-                        cell = (rule, split, "none" if f == 0 else attack, f)
-                        row.append(
-                            _acc(by_cell.loc[cell, column], by_cell.loc[cell, half]) if cell in by_cell.index else "-"
-                        )
+                    for f, told in columns:
+                        cell = (rule, split, "none" if f == 0 else attack, f, told)
+                        if cell not in by_cell.index:
+                            row.append("-")
+                            continue
+                        found = by_cell.loc[cell]
+                        shown = interval_of(found, name).cell()
+                        if name != "accuracy" and f == 0:
+                            shown = "-"
+                        elif name == "weight_share" and f > 0 and np.isnan(found["weight_share_mean"]):
+                            shown = "n/a"
+                        elif found.get("same_as"):
+                            shown += f" (= {found['same_as']})"
+                        row.append(shown)
                     rows.append(row)
             text.append(markdown_table(header, rows))
+    unstable = table[table["unstable_runs"] > 0]
+    text.append("## Runs tagged unstable\n")
+    if len(unstable):
+        text.append(
+            "Runs whose test accuracy swung more than `metrics.unstable_swing` over their tail (their final round "
+            "alone would misdescribe them), per rule and split: unstable runs / runs.\n"
+        )
+        rows = []
+        for rule in rules:
+            mine = table[table["rule"] == rule]
+            rows.append(
+                [rule]
+                + [
+                    f"{int(m['unstable_runs'].sum())}/{int(m['runs'].sum())}"
+                    for split in splits
+                    for m in [mine[mine["split"] == split]]
+                ]
+            )
+        text.append(markdown_table(["rule"] + splits, rows))
+    else:
+        text.append("None.\n")
     text.append("## Cost\n")
     text.append("Per run: the rounds' wall-clock seconds and the megabytes uploaded, mean over the rule's cells.\n")
     rows = []
@@ -176,12 +326,16 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
 
 
 def heatmaps(table: pd.DataFrame, worst_table: pd.DataFrame, out: Path, experiment: str) -> list[Path]:
-    """``robustness_worst.png`` (per rule: f x split, the worst case over attacks) and ``robustness_<split>.png``
-    (per rule: attack x f), on one colour scale, each square annotated with its mean accuracy."""
+    """``robustness_worst.png`` (per rule: (f, told) x split, the worst case over attacks) and
+    ``robustness_<split>.png`` (per rule: attack x (f, told)), on one colour scale, each square annotated with its
+    mean tail accuracy; a ``split`` cell is hatched and annotated with its seeds' range instead (its mean is no
+    reading of it)."""
+    from matplotlib.patches import Rectangle
+
     from fedrun.plots import plt
 
     rules, splits = _order(table["rule"].unique()), _order(table["split"].unique(), first=("iid",))
-    fs = sorted(table["f"].unique())
+    columns = _columns(table)
     attacks = [a for a in _order(table["attack"].unique()) if a != "none"]
     clients = float(table["clients"].max()) if len(table) else np.nan
     cols = min(5, len(rules))
@@ -199,43 +353,56 @@ def heatmaps(table: pd.DataFrame, worst_table: pd.DataFrame, out: Path, experime
                 ax.axis("off")
                 continue
             rule = rules[index]
-            grid = np.array([[value(rule, r, c) for c in cell_cols] for r in cell_rows], dtype=float)
+            found = [[value(rule, r, c) for c in cell_cols] for r in cell_rows]
+            grid = np.array([[np.nan if v is None else v.mean for v in line] for line in found], dtype=float)
             image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
             for (i, j), v in np.ndenumerate(grid):
-                if not np.isnan(v):
-                    ax.text(
-                        j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black"
-                    )
+                interval = found[i][j]
+                if interval is None or np.isnan(v):
+                    continue
+                if interval.split:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="lightgrey", hatch="///", lw=0))
+                    low, high = min(interval.values), max(interval.values)
+                    ax.text(j, i, f"split\n{low:.2f}-{high:.2f}", ha="center", va="center", fontsize=5.5)
+                    continue
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
             ax.set_xticks(range(len(cell_cols)), col_labels, fontsize=7)
             ax.set_yticks(range(len(cell_rows)), row_labels if index % cols == 0 else [""] * len(cell_rows), fontsize=7)
             ax.set_title(rule, fontsize=9)
-        fig.colorbar(image, ax=axes, shrink=0.8, label="final test accuracy (mean over seeds)")
+        fig.colorbar(image, ax=axes, shrink=0.8, label="tail test accuracy (mean over seeds)")
         fig.suptitle(title, fontsize=10)
         path = out / name
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
 
-    low = worst_table.set_index(["rule", "split", "f"])["accuracy_mean"]
+    low = worst_table.set_index(["rule", "split", "f", "told"])
     panel_grid(
         "robustness_worst.png",
-        fs,
+        columns,
         splits,
-        lambda rule, f, split: low.get((rule, split, f), np.nan),
-        [_f_label(f, clients) for f in fs],
+        lambda rule, ft, split: (
+            interval_of(low.loc[(rule, split, *ft)], "accuracy") if (rule, split, *ft) in low.index else None
+        ),
+        [_f_label(f, t, clients) for f, t in columns],
         splits,
         f"{experiment}: worst case over attacks (rows: attackers; columns: split)",
     )
-    mean = table.set_index(CELL)["accuracy_mean"]
+    by_cell = table.set_index(CELL)
+
+    def cell(rule, attack, ft, split):
+        key = (rule, split, "none" if ft[0] == 0 else attack, *ft)
+        return interval_of(by_cell.loc[key], "accuracy") if key in by_cell.index else None
+
     for split in splits:
         panel_grid(
             f"robustness_{split}.png",
             attacks,
-            fs,
-            lambda rule, attack, f, split=split: mean.get((rule, split, "none" if f == 0 else attack, f), np.nan),
+            columns,
+            lambda rule, attack, ft, split=split: cell(rule, attack, ft, split),
             attacks,
-            [str(f) for f in fs],
-            f"{experiment}, {split}: final test accuracy (rows: attack; columns: attackers f)",
+            [f"{f}" if f == t else f"{f}/{t}" for f, t in columns],
+            f"{experiment}, {split}: tail test accuracy (rows: attack; columns: attackers f, or f/told)",
             width=2.6,
         )
     return paths

@@ -2,6 +2,7 @@
 result, and the recorder that finishes each aggregation's metrics row. The synchronous engine (``fedrun.engine``)
 and the asynchronous one (``fedrun.async_engine``) import it; neither imports the other."""
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -45,6 +46,9 @@ class Schedule:
         stop_at_accuracy: Stop early once the accuracy ``stop_on`` names reaches this, or null.
         stop_on: ``test`` (the global model's test accuracy), ``client`` (the clients' local models on their own
             held-out data, ``client_accuracy``: the loss-weighted papers' measure) or ``both``.
+        tail: The final rounds a run is judged on (``fedrun.metrics.tail``: the mean and swing of each accuracy over
+            the evaluated rounds among them; ``fedrun-report``'s default accuracy). Evaluate every round within it
+            (``eval_every``: 1) or a period-2 oscillation is invisible.
     """
 
     rounds: int = 50
@@ -58,6 +62,7 @@ class Schedule:
     eval_every: int = 1
     stop_at_accuracy: float | None = None
     stop_on: str = "test"
+    tail: int = 10
 
     def __post_init__(self):
         check(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", self.rounds, "an integer >= 1")
@@ -112,6 +117,12 @@ class Schedule:
             "stop_on",
             self.stop_on,
             "test, client (client_accuracy, with dataset.client_test_fraction > 0) or both",
+        )
+        check(
+            isinstance(self.tail, int) and not isinstance(self.tail, bool) and self.tail >= 1,
+            "tail",
+            self.tail,
+            "an integer >= 1 (the final rounds a run is judged on)",
         )
 
     @property
@@ -244,10 +255,46 @@ def malicious_table(attack, rounds: list[int]) -> pd.DataFrame:
     return pd.DataFrame(drawn, columns=["round", "client"])
 
 
-def attack_columns(attack, lying: np.ndarray, alpha: np.ndarray) -> dict:
+SHARE_TOLERANCE = 1e-6  # how far from 1 a round's alpha may sum and still be a share of the weight
+
+
+def attack_columns(attack, lying: np.ndarray, alpha: np.ndarray, is_share: bool = True) -> dict:
     """``attack/weight_share``: the attackers' share of the round's aggregation weight (their alpha; 0 when none
-    was drawn), and ``attack/cohort_share``: their share of the cohort; only when the run has an attack."""
+    was drawn), and ``attack/cohort_share``: their share of the cohort; only when the run has an attack.
+
+    The weight share is a share only where alpha is a convex combination of the updates: ``is_share`` (the
+    aggregator's ``alpha_is_share``: not FLTrust, NormBound, centered clipping, FedNova, MVR, FedAsync, whose alpha
+    are coefficients that need not sum to 1) and this round's alpha non-negative and summing to 1 (an importance
+    sampler's unbiased weights, FedBuff's staleness scaling do not). It is NaN otherwise; ``attack/deviation`` is the
+    measure every rule has."""
     if not attack:
         return {}
-    share = float(np.asarray(alpha)[lying].sum()) if len(alpha) else 0.0
+    alpha = np.asarray(alpha, dtype=np.float64)
+    convex = is_share and bool(np.all(alpha >= 0)) and abs(float(alpha.sum()) - 1.0) <= SHARE_TOLERANCE
+    share = (float(alpha[lying].sum()) if convex else math.nan) if len(alpha) else 0.0
     return {"attack/weight_share": share, "attack/cohort_share": float(lying.mean()) if len(lying) else 0.0}
+
+
+def honest_reference(aggregation, params: torch.Tensor, sent: torch.Tensor, view, lying: np.ndarray):
+    """What the round's rule, in its state before this round, makes of the honest clients' updates alone: the
+    reference of ``attack/deviation``. A copy of the aggregation aggregates them (so its state is untouched, as
+    an adaptive attack's probes leave it) through the view of the honest clients (``RoundView.subset``). None when
+    no attacker is in the cohort (the deviation is 0) or no honest client is (it is undefined)."""
+    honest = ~np.asarray(lying, dtype=bool)
+    if honest.all() or not honest.any():
+        return None
+    rows = torch.as_tensor(honest, device=sent.device)
+    return copy.deepcopy(aggregation).aggregate(params, sent[rows], view.subset(honest)).update
+
+
+def deviation_column(update: torch.Tensor, reference: torch.Tensor | None, lying: np.ndarray) -> dict:
+    """``attack/deviation``: ||U - U_h|| / ||U_h||, how far the attack moved the round's aggregate U from the
+    aggregate U_h the same rule gives on the honest updates alone (``honest_reference``), relative to the latter: 0
+    when no attacker was in the cohort; NaN when every client was one or U_h is zero (a rule that skips a round of
+    the honest clients under its f, or an FLTrust round that trusts none of them)."""
+    if reference is None:
+        return {"attack/deviation": 0.0 if not np.any(lying) else math.nan}
+    norm = float(torch.linalg.vector_norm(reference.double()))
+    if norm == 0.0:
+        return {"attack/deviation": math.nan}
+    return {"attack/deviation": float(torch.linalg.vector_norm(update.double() - reference.double())) / norm}

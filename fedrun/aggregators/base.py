@@ -49,6 +49,12 @@ class Aggregator(Stateful):
     # p_i: only then does a run log them to MLflow (alpha.csv and the heatmap always have alpha).
     alpha_informative = False
 
+    # Whether alpha is a convex combination (non-negative, summing to 1), so that a part of it is a share of the
+    # round's weight (``attack/weight_share``, ``fedrun.rounds.attack_columns``); False where alpha are coefficients of
+    # another form (FLTrust's rescaled trust, NormBound's clipped p_i, centered clipping's, FedNova's p beside a work
+    # scaling).
+    alpha_is_share = True
+
     def __init__(self, weighting: str = "samples"):
         check(weighting in ("samples", "uniform"), "weighting", weighting, "samples or uniform")
         self.weighting = weighting

@@ -36,6 +36,14 @@ class BufferReport:
     version: int
     pulled: list[torch.Tensor]
 
+    def subset(self, keep: np.ndarray) -> "BufferReport":
+        """The report of the buffered updates ``keep`` selects (a bool mask), in arrival order."""
+        keep = np.asarray(keep, dtype=bool)
+        pulled = [p for p, kept in zip(self.pulled, keep) if kept]
+        return BufferReport(
+            self.clients[keep], np.asarray(self.sizes)[keep], self.staleness[keep], self.version, pulled
+        )
+
 
 class AsyncAggregator(Stateful):
     """Base of the buffered asynchronous aggregators; they run on the asynchronous engine.
@@ -52,6 +60,7 @@ class AsyncAggregator(Stateful):
     weights_follow_clients = False
     reads_second_update = False
     alpha_informative = False  # as ``Aggregator.alpha_informative``: whether alpha follows the clients' staleness
+    alpha_is_share = True  # as ``Aggregator.alpha_is_share``
 
     def __init__(self, buffer_size: int = 5):
         check(isinstance(buffer_size, int) and buffer_size >= 1, "buffer_size", buffer_size, "an integer >= 1")
@@ -210,6 +219,10 @@ class BufferedRobust(AsyncAggregator):
         super().__init__(buffer_size)
         check(isinstance(rule, RobustAggregator), "rule", type(rule).__name__, "a robust rule (median, krum, ...)")
         self.rule = rule
+
+    @property
+    def alpha_is_share(self) -> bool:
+        return self.rule.alpha_is_share
 
     def state_dict(self) -> dict:
         return {"rule": self.rule.state_dict()}  # centered clipping's last aggregate

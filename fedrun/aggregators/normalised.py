@@ -16,6 +16,7 @@ class FedNova(Aggregator):
     """
 
     weights_follow_clients = True  # each update is scaled by its client's local work
+    alpha_is_share = False  # alpha is p, but each update is scaled by tau_eff / ||a_i||_1
 
     def weights(self, report: RoundView) -> np.ndarray:
         return self.base_weights(report)
@@ -48,6 +49,7 @@ class MVR(Aggregator):
 
     STATE = ("momentum",)  # m_{t-1}
     reads_second_update = True  # Delta_hat_i, trained from the previous model: no pipeline stage sees it
+    alpha_is_share = False  # the update carries the momentum and the correction besides sum p_i Delta_i
 
     def __init__(self, beta: float = 0.5, weighting: str = "uniform"):
         super().__init__(weighting)

@@ -475,6 +475,7 @@ class CenteredClip(RobustAggregator):
 
     STATE = ("previous",)  # the last aggregate, the next round's start (``start=previous``)
     COLUMNS = ("robust/clipped", "robust/start_weight")
+    alpha_is_share = False  # sum alpha = 1 - gamma: the rest stays on the starting point
 
     def __init__(
         self,
@@ -530,6 +531,7 @@ class NormBound(RobustAggregator):
     """
 
     COLUMNS = ("robust/clipped", "robust/norm_median")
+    alpha_is_share = False  # p_i scaled down where clipped: the sum is below 1
 
     def __init__(self, bound: float = 5.0, weighting: str = "samples"):
         super().__init__(weighting)
@@ -562,6 +564,7 @@ class FLTrust(RobustAggregator):
     """
 
     COLUMNS = ("robust/trust_min", "robust/trust_mean")
+    alpha_is_share = False  # trust rescaled by ||g_0|| / ||g_i||: an attacker's alpha grows as its update shrinks
 
     def __init__(self, root_size: int = 100, weighting: str = "uniform"):
         super().__init__(weighting)

@@ -32,7 +32,7 @@ from fedrun.cli.sweeps import SweepRun, job_cores, seed_report
 from fedrun.clients import calibrate
 from fedrun.engine import server_calibration
 from fedrun.errors import ConfigError, DivergenceError
-from fedrun.metrics import run_summary
+from fedrun.metrics import UNSTABLE_SWING, run_summary, unstable_line
 from fedrun.models import load_flat
 from fedrun.study import PRUNED
 from fedrun.sweepdir import sweep_parent
@@ -241,12 +241,16 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
         raise
     finally:
         # The global model is saved only if the run finished (a failed run's workspace holds a client's model).
-        values, tags = run_summary(tracker.rows, job.cfg.metrics.r_targets, measured)
+        window = parts["schedule"].tail
+        swing = job.cfg.metrics.get("unstable_swing", UNSTABLE_SWING)  # a run saved before the key: its default
+        values, tags = run_summary(tracker.rows, job.cfg.metrics.r_targets, measured, window, swing)
         tags.update(parts["aggregator"].run_tags(), **parts["privacy"].run_tags(), **parts["attack"].run_tags())
         if status == "KILLED" and pruned:
             tags["fedrun.pruned"] = "true"
         tracker.finish(status, values, tags, model=final, reason=reason, title=title)
         signals.__exit__()
+        if (line := unstable_line(values, tags, window)) and not job.follower:
+            print(line, file=sys.stderr)
         if tracker.lost:
             print(
                 f"fedrun: MLflow missed part of this run ({tracker.lost}); {output_dir} has all of it. Import it with:\n"

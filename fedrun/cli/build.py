@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun import compat
 from fedrun.cli.entry import check_resolves
 from fedrun.errors import ConfigError
+from fedrun.metrics import UNSTABLE_SWING
 from fedrun.models import batch_norm_names, batch_norms, flat_parameters
 from fedrun.partitions import LazyClients, Natural, Population, client_sizes, hold_out
 from fedrun.parts import Parts, layout
@@ -228,6 +229,9 @@ def check_run_keys(cfg: DictConfig) -> None:
             OmegaConf.to_container(targets) if OmegaConf.is_config(targets) else targets,
             "a list of accuracies in (0, 1]",
         )
+    swing = cfg.metrics.get("unstable_swing", UNSTABLE_SWING)  # a run saved before the key: its default
+    if isinstance(swing, bool) or not isinstance(swing, (int, float)) or not 0 <= swing <= 1:
+        raise ConfigError("metrics.unstable_swing", swing, "an accuracy range in [0, 1]")
     tracking = cfg.tracking
     if not isinstance(tracking.enabled, bool):
         raise ConfigError("tracking.enabled", tracking.enabled, "true or false")

@@ -2,7 +2,13 @@
 
 import pytest
 
-from hydra_plugins.fedrun_grid_sweeper.grid_sweeper import FedrunGridSweeper, check_rules, collapsed
+from hydra_plugins.fedrun_grid_sweeper.grid_sweeper import (
+    FedrunGridSweeper,
+    check_excludes,
+    check_rules,
+    collapsed,
+    excluded,
+)
 
 RULE = {"when": {"attack.count": 0}, "becomes": {"attack": "none"}, "drop": ["attack.count", "attack.fraction"]}
 
@@ -41,6 +47,16 @@ def test_values_match_as_an_override_writes_them():
     assert collapsed([["flag=true", "x=null", "+y=2"]], [rule]) == ([["flag=true", "x=null", "y=1"]], 0)
     assert collapsed([["flag=false", "x=null"]], [rule]) == ([["flag=false", "x=null"]], 0)
     assert collapsed([["attack.count=0.0"]], [RULE])[0] == [["attack.count=0.0"]]  # the text, not the number
+
+
+def test_excluded_jobs_are_left_out_with_their_reason():
+    jobs = [[f"defence={d}", f"attack.count={c}"] for d in ("median", "median_bucketing") for c in (2, 6)]
+    rule = {"when": {"defence": "median_bucketing", "attack.count": 6}, "why": "10 rows cannot hold f = 6"}
+    kept, dropped = excluded(jobs, check_excludes([rule]))
+    assert kept == jobs[:3] and dropped == [(1, "10 rows cannot hold f = 6")]
+    assert excluded(jobs, []) == (jobs, [])
+    with pytest.raises(ValueError, match="a list of"):
+        check_excludes([{"why": "no when"}])
 
 
 @pytest.mark.parametrize(

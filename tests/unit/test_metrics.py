@@ -83,7 +83,10 @@ def test_summary_from_rows_in_memory():
     values, tags = summarise(rows, (0.6, 0.9))
     assert values["rounds_run"] == 4 and values["total_wall_s"] == 5.0
     assert values["final_test_accuracy"] == 0.65 and values["best_test_accuracy"] == 0.7
-    assert values["R60"] == 3 and values["R60_time"] == 7.0 and tags == {"R90": "not_reached"}
+    assert values["R60"] == 3 and values["R60_time"] == 7.0
+    # the tail (window 10 covers the 4 rounds): (0.5 + 0.7 + 0.65) / 3, swing 0.7 - 0.5 > 0.1: unstable
+    assert values["tail_test_accuracy"] == pytest.approx(1.85 / 3) and values["tail_test_accuracy_swing"] == pytest.approx(0.2)
+    assert tags == {"R90": "not_reached", "unstable": "test_accuracy"}
     # evaluated changes: +0.2, -0.05 -> smoothness = std / mean|d| = 0.125 / 0.125
     assert values["smoothness"] == pytest.approx(1.0)
     assert "lag1_autocorr" not in values  # too short a curve: NaN, left out

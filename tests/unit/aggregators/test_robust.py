@@ -490,19 +490,21 @@ def test_fltrust_through_the_engine_trains_the_server_on_its_root_set():
     # Against two sign flippers of seven clients, the flipped updates point away from g_0: no weight, and it learns.
     clients = [np.arange(40 * c, 40 * (c + 1)) for c in range(7)]
     torch.manual_seed(torch_seed(0, "init"))
-    model, rows = MLP((4,), 3, hidden=(8,)).double(), []
+    model, rows, alphas, attack = MLP((4,), 3, hidden=(8,)).double(), [], [], SignFlip(count=2)
     run(
         model,
         data,
         clients,
-        Parts(FLTrust(), attack=SignFlip(count=2)),
+        Parts(FLTrust(), attack=attack),
         SGD,
         Schedule(rounds=6, local_steps=3, batch_size=10),
         torch.device("cpu"),
         0,
-        on_round=lambda row, per_client: rows.append(row),
+        on_round=lambda row, per_client: (rows.append(row), alphas.append(per_client["alpha"])),
     )
-    assert all(row["attack/weight_share"] == 0.0 for row in rows)
+    assert all(alpha[attack.malicious_ids()].sum() == 0.0 for alpha in alphas)
+    # FLTrust's alpha is no convex combination: no weight share; the deviation is measured instead
+    assert all(math.isnan(row["attack/weight_share"]) and row["attack/deviation"] >= 0 for row in rows)
     assert rows[-1]["test_accuracy"] > 0.6 and rows[-1]["train_wall_s"] > 0
 
 
