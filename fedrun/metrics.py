@@ -165,13 +165,13 @@ class Interval:
         """Whether the range cut the Student-t interval (it is then not mean ± a half-width)."""
         return not math.isclose(self.mean - self.lo, self.hi - self.mean, rel_tol=1e-9, abs_tol=1e-12)
 
-    def cell(self, digits: int = 3) -> str:
+    def cell(self, digits: int | str = 3) -> str:
         """``0.874 ± 0.016``; ``0.281 [0.000, 1.000]`` where the range cut the interval; the runs' values after it
         when there are fewer than ``SHOWN_SEEDS``; ``split`` first when they disagree in kind (and their range when
-        they are not all shown)."""
+        they are not all shown). ``digits``: decimals, or a format spec (``".3g"``)."""
         if math.isnan(self.mean):
             return "-"
-        f = f"{{:.{digits}f}}"
+        f = f"{{:.{digits}f}}" if isinstance(digits, int) else f"{{:{digits}}}"
         if math.isnan(self.lo):
             text = f.format(self.mean)
         elif self.cut:

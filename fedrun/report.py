@@ -659,7 +659,8 @@ def main(argv: list[str] | None = None) -> None:
         from fedrun import robustness
 
         out.mkdir(parents=True, exist_ok=True)
-        text, tables, plots = robustness.report(finished, out, args.experiment)
+        lost = runs[robustness.diverged(runs)] if len(runs) else runs  # the attack won: kept, scored 0
+        text, tables, plots = robustness.report(pd.concat([finished, lost]), out, args.experiment)
         (out / "robustness.md").write_text(text)
         for name, table in tables.items():
             csv_safe(table).to_csv(out / name, index=False)

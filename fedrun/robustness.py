@@ -7,7 +7,8 @@ misstates it; f itself otherwise: the truth). The f = 0 cell is the run without 
 column. Per cell (``cells``):
 
 - accuracy: each run judged on its tail (``tail_test_accuracy``, the mean over its last ``schedule.tail`` rounds:
-  a run that oscillates between rounds is not judged by the parity of its last one), the mean over the seeds with
+  a run that oscillates between rounds is not judged by the parity of its last one; a run the attack drove to a
+  non-finite model, FAILED with a ``DivergenceError``, ends with no model and scores 0), the mean over the seeds with
   its 95% Student-t interval cut to [0, 1] (``fedrun.metrics.bounded_ci``), each seed's value when there are fewer
   than five, ``split`` when the seeds span over half the range; the final round's mean beside it, labelled;
 - the attackers' share of the aggregation weight (``attack/weight_share_mean``; only for rules whose alpha is a
@@ -55,6 +56,10 @@ def labelled(runs: pd.DataFrame) -> pd.DataFrame:
     told = pd.to_numeric(runs.get("params.declared_f", pd.Series(np.nan, index=runs.index)), errors="coerce")
     runs["told"] = told.where(told.notna() & (runs["f"] > 0), runs["f"]).astype(int)
     runs["clients"] = pd.to_numeric(runs.get("params.partition.num_clients"), errors="coerce")
+    runs["diverged"] = diverged(runs)
+    for column in (ACCURACY, FINAL):  # a run driven to a non-finite model ends with none: it scores 0
+        runs[column] = pd.to_numeric(runs.get(column, pd.Series(np.nan, index=runs.index)), errors="coerce")
+        runs.loc[runs["diverged"], column] = 0.0
     return runs
 
 
@@ -92,6 +97,7 @@ def cells(runs: pd.DataFrame) -> pd.DataFrame:
                 **_interval("weight_share", share),
                 **_interval("deviation", deviation or Interval(np.nan, np.nan, np.nan, ())),
                 "unstable_runs": int(unstable.notna().sum()),
+                "diverged_runs": int(group["diverged"].sum()),
                 "wall_s_mean": float(np.nanmean(_column(group, WALL))) if len(group) else np.nan,
                 "upload_mb_mean": float(np.nanmean(_column(group, UPLOAD))) if len(group) else np.nan,
             }
@@ -143,6 +149,15 @@ def simultaneous(row, k: int) -> tuple[float, float]:
     return interval.lo, interval.hi
 
 
+def diverged(runs: pd.DataFrame) -> pd.Series:
+    """Which runs failed because the model became non-finite (the tag ``failure_reason``, a ``DivergenceError``):
+    the matrix keeps them (the attack won), scored 0 (``labelled``); other failed runs are left out."""
+    if "status" not in runs:
+        return pd.Series(False, index=runs.index)
+    reason = runs.get("tags.failure_reason", pd.Series(None, index=runs.index)).astype(str)
+    return (runs["status"] == "FAILED") & reason.str.startswith("DivergenceError")
+
+
 def worst(table: pd.DataFrame) -> pd.DataFrame:
     """Per (rule, split, f, told): the lowest mean accuracy over the distinct attacks (those not ``same_as``
     another), every attack tied with it named (``tied``), and its interval: the minimum over the k attacks of
@@ -172,6 +187,7 @@ def worst(table: pd.DataFrame) -> pd.DataFrame:
                 "accuracy_split": bool(low["accuracy_split"]),
                 "accuracy_values": low["accuracy_values"],
                 "runs": int(low["runs"]),
+                "diverged_runs": int(low["diverged_runs"]),
                 "attacks": k,
             }
         )
@@ -244,6 +260,8 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
                     continue
                 w = key.loc[(rule, split, f, told)]
                 cell = interval_of(w, "accuracy").cell()
+                if w["diverged_runs"]:
+                    cell += f" ({int(w['diverged_runs'])}/{int(w['runs'])} diverged)"
                 row.append(cell + ("" if f == 0 else f" ({w['attack']})"))
         rows.append(row)
     text.append(markdown_table(header, rows))
@@ -274,13 +292,15 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
                             row.append("-")
                             continue
                         found = by_cell.loc[cell]
-                        shown = interval_of(found, name).cell()
+                        shown = interval_of(found, name).cell(".3g" if name == "deviation" else 3)
                         if name != "accuracy" and f == 0:
                             shown = "-"
                         elif name == "weight_share" and f > 0 and np.isnan(found["weight_share_mean"]):
                             shown = "n/a"
                         elif found.get("same_as"):
                             shown += f" (= {found['same_as']})"
+                        if name == "accuracy" and found["diverged_runs"]:
+                            shown += f" ({int(found['diverged_runs'])}/{int(found['runs'])} diverged)"
                         row.append(shown)
                     rows.append(row)
             text.append(markdown_table(header, rows))
@@ -363,13 +383,13 @@ def heatmaps(table: pd.DataFrame, worst_table: pd.DataFrame, out: Path, experime
                 if interval.split:
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="lightgrey", hatch="///", lw=0))
                     low, high = min(interval.values), max(interval.values)
-                    ax.text(j, i, f"split\n{low:.2f}-{high:.2f}", ha="center", va="center", fontsize=5.5)
+                    ax.text(j, i, f"split\n{low:.2f}-{high:.2f}", ha="center", va="center", fontsize=6.5)
                     continue
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")
             ax.set_xticks(range(len(cell_cols)), col_labels, fontsize=7)
             ax.set_yticks(range(len(cell_rows)), row_labels if index % cols == 0 else [""] * len(cell_rows), fontsize=7)
             ax.set_title(rule, fontsize=9)
-        fig.colorbar(image, ax=axes, shrink=0.8, label="tail test accuracy (mean over seeds)")
+        fig.colorbar(image, ax=axes, shrink=0.8, label="tail accuracy (seed mean)")
         fig.suptitle(title, fontsize=10)
         path = out / name
         fig.savefig(path, dpi=110)

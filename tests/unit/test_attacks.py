@@ -352,3 +352,68 @@ def test_capabilities():
     assert LabelFlip().changes_data and not LabelFlip().changes_updates
     assert SignFlip().changes_updates and not SignFlip().lies_about_losses
     assert LossLie(offset=1.0).lies_about_losses and not LossLie(offset=1.0).lies_about_sizes
+
+
+# --- What an attack achieved: attack/deviation and the weight share (fedrun.rounds) ----------------------------------
+
+
+def _deviation(rule, sent, lying, **signals):
+    from fedrun.cohort import RoundView
+    from fedrun.rounds import deviation_column, honest_reference
+
+    view = RoundView(np.arange(len(sent)), np.ones(len(sent)), **signals)
+    params = torch.zeros(sent.shape[1], dtype=torch.float64)
+    reference = honest_reference(rule, params, sent, view, lying)
+    update, alpha, _ = rule.aggregate(params, sent, view)
+    return deviation_column(update, reference, lying)["attack/deviation"], alpha
+
+
+def test_the_deviation_by_hand_on_three_clients():
+    from fedrun.aggregators import FedAvg, FLTrust, Median
+
+    lying = np.array([False, False, True])
+    flipped = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-4.0, -4.0]], dtype=torch.float64)
+    # FedAvg: the mean [-1, -1] against the honest mean [0.5, 0.5]: ||[-1.5, -1.5]|| / ||[0.5, 0.5]|| = 3
+    deviation, alpha = _deviation(FedAvg(), flipped, lying)
+    assert deviation == pytest.approx(3.0) and alpha[2] == pytest.approx(1 / 3)
+    # Median told f = 0: per coordinate the middle of (1, 0, -4) and (0, 1, -4), [0, 0]; of the honest two their
+    # mean [0.5, 0.5]: deviation 1
+    assert _deviation(Median(f=0), flipped, lying)[0] == pytest.approx(1.0)
+    # Median told f = 1: the two honest clients alone are refused by n > 2f (a skipped round, zero): undefined
+    assert math.isnan(_deviation(Median(f=1), flipped, lying)[0])
+    # FLTrust with g_0 = [1, 1]: the flipped update gets no trust, so the honest aggregate is the round's: 0. An
+    # attacker sending [3, 0] gets trust cos 45 = 0.7071 and is rescaled to [1.4142, 0]: the update
+    # (0.7071 [1.4142, 0] + 0.7071 [0, 1.4142] + 0.7071 [1.4142, 0]) / 2.1213 = [0.9428, 0.4714] against the
+    # honest [0.7071, 0.7071]: ||[0.2357, -0.2357]|| / 1 = 1/3.
+    g0 = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    assert _deviation(FLTrust(), flipped, lying, server_update=g0)[0] == pytest.approx(0.0, abs=1e-12)
+    sneaky = torch.tensor([[1.0, 0.0], [0.0, 1.0], [3.0, 0.0]], dtype=torch.float64)
+    assert _deviation(FLTrust(), sneaky, lying, server_update=g0)[0] == pytest.approx(1 / 3)
+    # no attacker in the cohort: 0; only attackers: undefined
+    assert _deviation(FedAvg(), flipped, np.zeros(3, dtype=bool))[0] == 0.0
+    assert math.isnan(_deviation(FedAvg(), flipped, np.ones(3, dtype=bool))[0])
+
+
+def test_the_reference_leaves_the_rules_state_as_it_was():
+    from fedrun.aggregators import CenteredClip
+    from fedrun.cohort import RoundView
+    from fedrun.rounds import honest_reference
+
+    rule = CenteredClip(tau=1.0)
+    sent = torch.tensor([[1.0, 0.0], [0.0, 1.0], [9.0, 9.0]], dtype=torch.float64)
+    params, view = torch.zeros(2, dtype=torch.float64), RoundView(np.arange(3), np.ones(3))
+    rule.aggregate(params, sent, view)  # round 1: the state is its aggregate
+    before = rule.previous.clone()
+    honest_reference(rule, params, sent, view, np.array([False, False, True]))
+    assert torch.equal(rule.previous, before)
+
+
+def test_the_weight_share_is_a_share_only_where_alpha_is_a_convex_combination():
+    from fedrun.rounds import attack_columns
+
+    attack, lying = SignFlip(count=1), np.array([False, True])
+    assert attack_columns(attack, lying, np.array([0.25, 0.75]))["attack/weight_share"] == 0.75
+    assert math.isnan(attack_columns(attack, lying, np.array([0.25, 0.75]), is_share=False)["attack/weight_share"])
+    # an importance sampler's unbiased weights (summing to 1.2): no share this round
+    assert math.isnan(attack_columns(attack, lying, np.array([0.5, 0.7]))["attack/weight_share"])
+    assert attack_columns(attack, lying, np.array([0.5, 0.7]))["attack/cohort_share"] == 0.5

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 
 from fedrun.errors import ConfigError
@@ -85,7 +86,9 @@ def test_summary_from_rows_in_memory():
     assert values["final_test_accuracy"] == 0.65 and values["best_test_accuracy"] == 0.7
     assert values["R60"] == 3 and values["R60_time"] == 7.0
     # the tail (window 10 covers the 4 rounds): (0.5 + 0.7 + 0.65) / 3, swing 0.7 - 0.5 > 0.1: unstable
-    assert values["tail_test_accuracy"] == pytest.approx(1.85 / 3) and values["tail_test_accuracy_swing"] == pytest.approx(0.2)
+    assert values["tail_test_accuracy"] == pytest.approx(1.85 / 3) and values[
+        "tail_test_accuracy_swing"
+    ] == pytest.approx(0.2)
     assert tags == {"R90": "not_reached", "unstable": "test_accuracy"}
     # evaluated changes: +0.2, -0.05 -> smoothness = std / mean|d| = 0.125 / 0.125
     assert values["smoothness"] == pytest.approx(1.0)
@@ -102,3 +105,70 @@ def test_the_summary_of_a_private_run_has_the_epsilon_it_spent():
     )
     assert summarise(rows, (0.9,))[0]["final_epsilon"] == 2.25
     assert "final_epsilon" not in summarise(rows.drop(columns="epsilon"), (0.9,))[0]
+
+
+def test_a_curve_is_judged_on_its_tail_by_hand():
+    from fedrun.metrics import tail
+
+    # FedSoftMax under label flips: 0.91 and 0.05 in turn. Its last round alone says 0.05 (30 rounds) or 0.91 (29).
+    rounds = list(range(1, 31))
+    curve = [0.91 if r % 2 else 0.05 for r in rounds]
+    assert tail(rounds, curve, 10) == (pytest.approx(0.48), pytest.approx(0.86), 10)
+    assert tail(rounds[:-1], curve[:-1], 10)[0] == pytest.approx((5 * 0.91 + 5 * 0.05) / 10)
+    # evaluated every 2 rounds the swing is invisible: rounds 22, 24, ..., 30 are all 0.05
+    strided = [v if r % 2 == 0 else math.nan for r, v in zip(rounds, curve)]
+    assert tail(rounds, strided, 10) == (pytest.approx(0.05), 0.0, 5)
+    assert tail([1, 2], [math.nan, math.nan], 10) == (
+        pytest.approx(math.nan, nan_ok=True),
+        pytest.approx(math.nan, nan_ok=True),
+        0,
+    )
+    assert tail([3, 7, 9], [0.1, 0.5, 0.6], 3)[:2] == (pytest.approx(0.55), pytest.approx(0.1))  # rounds > 6
+
+
+def test_the_tail_summary_tags_a_run_that_swings_and_says_so_in_one_line():
+    import pandas as pd
+
+    from fedrun.metrics import tail_summary, unstable_line
+
+    rows = pd.DataFrame(
+        {
+            "round": [1, 2, 3, 4],
+            "test_accuracy": [0.9, 0.1, 0.9, 0.1],
+            "client_accuracy": [0.8, 0.82, 0.81, 0.8],
+            "personal/accuracy_mean": [0.7, 0.7, 0.7, 0.75],
+        }
+    )
+    values, tags = tail_summary(rows, 10, 0.1)
+    assert values["tail_test_accuracy"] == pytest.approx(0.5) and values["tail_test_accuracy_swing"] == pytest.approx(
+        0.8
+    )
+    assert values["tail_client_accuracy_swing"] == pytest.approx(0.02)
+    assert values["tail_personal_accuracy_mean"] == pytest.approx(0.7125)
+    assert tags == {"unstable": "test_accuracy"}
+    line = unstable_line(values, tags, 10)
+    assert line.startswith("fedrun: unstable over its last 10 rounds: test_accuracy swung by 0.800 (tail mean 0.5000)")
+    assert tail_summary(rows, 10, 0.9) == (values, {}) and unstable_line(values, {}, 10) is None
+
+
+def test_a_bounded_interval_is_the_t_interval_cut_to_the_range_by_hand():
+    from fedrun.metrics import SHOWN_SEEDS, Interval, bounded_ci, bounds
+
+    t2 = 4.302652729911275  # t 0.975, 2 degrees of freedom
+    # The cell: seeds 0.057, 0.057, 0.728: mean 0.2807, sd 0.3874, half-width 0.9624 -> [0, 1]
+    cell = bounded_ci([0.057, 0.057, 0.728])
+    assert cell.mean == pytest.approx(0.842 / 3) and (cell.lo, cell.hi) == (0.0, 1.0) and cell.split and cell.cut
+    assert cell.cell() == "split 0.281 [0.000, 1.000] (0.057, 0.057, 0.728)"
+    inside = bounded_ci([0.8, 0.9, 1.0])  # 0.9 ± 0.2484: cut above only
+    assert inside.lo == pytest.approx(0.9 - t2 * 0.1 / math.sqrt(3)) and inside.hi == 1.0 and not inside.split
+    narrow = bounded_ci([0.86, 0.87, 0.88, 0.87, 0.87])  # five seeds: not listed, symmetric, printed as ±
+    half = 2.7764451051977987 * np.std([0.86, 0.87, 0.88, 0.87, 0.87], ddof=1) / math.sqrt(5)  # t 0.975, 4 df
+    assert narrow.cell() == f"0.870 ± {half:.3f}" and not narrow.cut and SHOWN_SEEDS == 5
+    assert bounded_ci([0.0, 0.0, 0.0]).cell() == "0.000 ± 0.000 (0.000, 0.000, 0.000)"
+    assert bounded_ci([0.4]).cell() == "0.400" and bounded_ci([]).cell() == "-"
+    spread = bounded_ci([0.05, 0.05, 0.05, 0.9, 0.9, 0.9])  # six seeds that split: their range instead of them
+    assert spread.cell().startswith("split 0.475 [") and spread.cell().endswith("(0.050–0.900)")
+    assert bounded_ci([-3.0, 5.0], None).lo < -3  # unbounded: the plain t interval
+    assert Interval(0.5, 0.4, 0.6, ()).cell(".2g") == "0.5 ± 0.1"
+    assert bounds("tail_test_accuracy_swing") == (0, 1) and bounds("attack/weight_share_mean") == (0, 1)
+    assert bounds("lag1_autocorr") == (-1, 1) and bounds("R90") is None and bounds("attack/deviation_mean") is None
