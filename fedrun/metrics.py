@@ -73,7 +73,7 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, f
     return float(x.mean()), float(half)
 
 
-TAIL = 10  # schedule.tail's default: the final rounds a run is judged on (docs/explanation/runs.md)
+TAIL = 10  # schedule.tail's default: the final rounds a run is judged on (docs/explanation/verdicts.md)
 UNSTABLE_SWING = 0.1  # metrics.unstable_swing's default: a tail swing above it tags the run ``unstable``
 # The accuracies judged on their tail: (row column, summary name). The personal ones are every client's own model.
 TAILED = (
@@ -127,7 +127,7 @@ def unstable_line(values: dict, tags: dict, window: int) -> str | None:
             )
     return (
         f"fedrun: unstable over its last {window} rounds: {'; '.join(parts)}. Its final round alone misdescribes it; "
-        "fedrun-report uses the tail mean (docs/explanation/runs.md)"
+        "fedrun-report uses the tail mean (docs/explanation/verdicts.md)"
     )
 
 
@@ -136,7 +136,7 @@ def bounds(name: str) -> tuple[float, float] | None:
     accuracy's tail swing), [-1, 1] for a lag-one autocorrelation, [0, 2] for the L1 distance between two weight
     vectors; None for an unbounded one (an R-index, megabytes, seconds, a deviation)."""
     plain = name.removeprefix("metrics.")
-    if "accuracy" in plain or plain.endswith(("_share", "_share_mean", "_fraction")):
+    if "accuracy" in plain or "share" in plain or plain.endswith("_fraction"):
         return (0.0, 1.0)
     if plain == "lag1_autocorr":
         return (-1.0, 1.0)
@@ -192,7 +192,7 @@ def bounded_ci(
     """The mean of ``values`` (NaN dropped) and its Student-t interval (``mean_ci``) intersected with ``bound``, the
     range the quantity lies in (None: unbounded). The true mean lies in that range, so the intersection covers it
     whenever the t interval does: the cut keeps the t interval's coverage and never reports a value the quantity
-    cannot take (docs/explanation/runs.md says why this and not a logit or bootstrap interval). ``split``: the
+    cannot take (docs/explanation/verdicts.md says why this and not a logit or bootstrap interval). ``split``: the
     values span more than ``SPLIT`` of the range (with a bound), seeds that disagree in kind (a model that
     oscillates, a run that failed)."""
     x = np.asarray([v for v in values if not math.isnan(v)], dtype=np.float64)

@@ -608,8 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--personal",
         action="store_true",
-        help="add the clients' own accuracies (personal/ metrics: dataset.client_test_fraction > 0): at the round "
-        "selected on validation (mean, weighted, p10, worst client, the round), PFLlib's best round on test "
+        help="add the clients' own accuracies (personal/ metrics: dataset.client_test_fraction > 0): their tail means "
+        "(mean, weighted, p10, worst client over each run's last schedule.tail rounds), at the round selected on validation (mean, weighted, p10, worst client, the round), PFLlib's best round on test "
         "(weighted, labelled best_on_test), and a band plot of the clients' mean accuracy per round",
     )
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
@@ -645,6 +645,8 @@ def main(argv: list[str] | None = None) -> None:
         selected = column in runs and runs[column].notna().any()
         wanted = PERSONAL_METRICS if selected else tuple(m.replace("selected", "final") for m in PERSONAL_METRICS[:4])
         wanted += () if selected else PERSONAL_METRICS[5:]
+        tails = tuple(f"tail_personal_accuracy_{s}" for s in ("mean", "weighted", "p10", "min"))
+        wanted = tuple(m for m in tails if f"metrics.{m}" in runs and runs[f"metrics.{m}"].notna().any()) + wanted
         args.metrics += [m for m in wanted if m not in args.metrics]
         args.plot += [m for m in ("personal/accuracy_mean",) if m not in args.plot]
     finished = runs[runs["status"] == "FINISHED"] if len(runs) else runs

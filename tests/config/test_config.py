@@ -228,7 +228,7 @@ def test_every_group_of_the_config_tree_is_a_run_tag_and_a_report_key():
 OPTIONS_LINE = "none, qsgd, sign, topk"
 SCHEDULE_KEYS = (
     "_target_, rounds, local_epochs, local_steps, batch_size, clients_per_round, cohort, sampling, lr_decay, "
-    "eval_every, stop_at_accuracy, stop_on"
+    "eval_every, stop_at_accuracy, stop_on, tail"
 )
 LAUNCHERS = (
     "basic, joblib, ray, ray_aws, ray_cluster, slurm, slurm_cpu, submitit_local, submitit_local_requeue, submitit_slurm"

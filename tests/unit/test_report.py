@@ -121,6 +121,13 @@ def test_further_metrics_are_summarised_only_when_asked_for():
     assert table.loc[("fedsoftmax", "10"), "weight_share/slow_ci95"] == 0.0
     assert "weight_share/slow_reached" not in table  # not an R-index
     assert "| weight_share/slow |" in markdown(table.reset_index(), keys)
+    # a share lies in [0, 1]: fedavg's 0.2 ± 1.27 is printed cut, with its two seeds' values
+    assert table.loc[("fedavg", "-"), "weight_share/slow_lo"] == 0.0
+    assert table.loc[("fedavg", "-"), "weight_share/slow_hi"] == 1.0
+    assert "| 0.2000 [0.0000, 1.0000] (0.1000, 0.3000) |" in markdown(table.reset_index(), keys)
+    # accuracies too, by default: the tail (here absent: "-") first, the final round after it, labelled
+    text = markdown(summarise(runs, keys), keys)
+    assert "| final_test_accuracy |" in text and "| 0.9100 [0.7829, 1.0000] (0.9000, 0.9200) |" in text
 
 
 def test_paired_differences_match_runs_on_the_seed_against_the_baseline():
@@ -212,8 +219,11 @@ def test_a_privacy_utility_plot_has_a_line_per_other_setting_and_the_baseline_as
             "privacy.target_epsilon": ["1", "8", "1", "8", "-"],
             "privacy.adaptive": ["False", "False", "True", "True", "-"],
             "runs": [3, 3, 3, 2, 3],
-            "final_test_accuracy_mean": [0.8, 0.9, 0.1, 0.85, 0.97],
-            "final_test_accuracy_ci95": [0.05, 0.02, np.nan, 0.03, 0.01],
+            "tail_test_accuracy_mean": [0.8, 0.9, 0.1, 0.85, 0.97],
+            "tail_test_accuracy_ci95": [0.05, 0.02, np.nan, 0.03, 0.01],
+            # the interval within [0, 1] (report.interval_columns): 0.97 ± 0.05 is cut at 1
+            "tail_test_accuracy_lo": [0.75, 0.88, np.nan, 0.82, 0.92],
+            "tail_test_accuracy_hi": [0.85, 0.92, np.nan, 0.88, 1.0],
         }
     )
     drawn = {}
@@ -231,6 +241,8 @@ def test_a_privacy_utility_plot_has_a_line_per_other_setting_and_the_baseline_as
     fixed = ax.containers[0].lines[0]  # the first error-bar line: x in order, y the means
     assert list(fixed.get_xdata()) == [1.0, 8.0] and list(fixed.get_ydata()) == [0.8, 0.9]
     assert ax.get_xscale() == "log"  # 1 to 8 spans a factor of 8
+    band = ax.patches[-1]  # the baseline's band: cut at 1, not 1.02
+    assert band.get_y() == pytest.approx(0.92) and band.get_y() + band.get_height() == pytest.approx(1.0)
 
 
 def test_the_keys_of_a_group_switched_off_are_blanked():
