@@ -102,7 +102,8 @@ def tail_summary(metrics: pd.DataFrame, window: int, threshold: float) -> tuple[
     """``tail_<name>`` and ``tail_<name>_swing`` of each accuracy in ``TAILED`` the rows have (``tail``), and the
     tag ``unstable`` naming those whose swing exceeds ``threshold`` (absent when none does). Returns (metrics, tags)."""
     values, unstable = {}, []
-    for column, name in TAILED:
+    groups = [(c, c) for c in metrics.columns if str(c).startswith("accuracy/")]  # the async engine's speed groups
+    for column, name in (*TAILED, *groups):
         if column not in metrics:
             continue
         mean, swing, count = tail(metrics["round"], metrics[column], window)
@@ -120,8 +121,9 @@ def unstable_line(values: dict, tags: dict, window: int) -> str | None:
     if not tags.get("unstable"):
         return None
     parts = []
-    for column, name in TAILED:
-        if column in tags["unstable"].split(","):
+    for column in tags["unstable"].split(","):
+        name = dict(TAILED).get(column, column)
+        if f"tail_{name}" in values:
             parts.append(
                 f"{column} swung by {values[f'tail_{name}_swing']:.3f} (tail mean {values[f'tail_{name}']:.4f})"
             )

@@ -138,6 +138,24 @@ class Schedule:
         """Whether round (or aggregation) ``t`` is evaluated: every ``eval_every``, and always the last."""
         return t % self.eval_every == 0 or t == self.rounds
 
+    @property
+    def tail_evaluations(self) -> int:
+        """How many evaluated rounds the tail of a full run holds (``evaluates`` among the last ``tail`` rounds)."""
+        return sum(self.evaluates(t) for t in range(max(1, self.rounds - self.tail + 1), self.rounds + 1))
+
+    def thin_tail(self) -> str | None:
+        """The one-line warning when the tail holds fewer than 3 evaluated rounds of a run that has 3 or more (a
+        stride ``eval_every`` wider than a third of ``tail``): the tail is then (nearly) the final round; None
+        otherwise."""
+        evaluated = sum(self.evaluates(t) for t in range(1, self.rounds + 1))
+        if self.tail_evaluations >= 3 or evaluated < 3:
+            return None
+        return (
+            f"fedrun: warning: schedule.tail={self.tail} holds {self.tail_evaluations} evaluated round(s) at "
+            f"schedule.eval_every={self.eval_every}: the run is judged on (nearly) its final round alone; "
+            f"schedule.tail={3 * self.eval_every} or more judges it on 3 evaluations"
+        )
+
     def reached(self, row: dict) -> bool:
         """Whether the round's accuracies that ``stop_on`` names (NaN when not evaluated) meet ``stop_at_accuracy``."""
         return self.stop_at_accuracy is not None and all(

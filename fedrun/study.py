@@ -41,7 +41,7 @@ RUN_ATTR = "fedrun:mlflow_run_id"  # a trial's system attribute: its MLflow run
 SETTINGS_ATTR = "fedrun:settings"  # a study's user attribute: what a resume must repeat (``settings_of``)
 
 # Summary metrics a study may optimise, and their direction (``direction: null`` takes it from here).
-MAXIMIZED = ("final_test_accuracy", "best_test_accuracy", "final_client_accuracy")
+MAXIMIZED = ("tail_test_accuracy", "final_test_accuracy", "best_test_accuracy", "final_client_accuracy")
 MINIMIZED = ("upload_mb_total", "total_wall_s", "smoothness")
 
 # An objective's per-round curve, from the rows the engine hands ``on_round``: the row's column and how a seed's
@@ -50,7 +50,8 @@ MINIMIZED = ("upload_mb_total", "total_wall_s", "smoothness")
 # the running sum, because Optuna's percentile pruners judge a trial by its best value over steps
 # (optuna/pruners/_percentile.py, ``_get_best_intermediate_result_over_steps``), which for a sum that only grows is
 # its first round's; dividing every trial's sum at round t by the same t keeps their order at t. The R-index (a
-# round reached or not), ``smoothness`` and ``lag1_autocorr`` (of the whole curve) are known when the run ends:
+# round reached or not), ``tail_test_accuracy`` (the mean over the run's last schedule.tail rounds), ``smoothness``
+# and ``lag1_autocorr`` (of the whole curve) are known when the run ends:
 # they have none, and no pruner judges them (``pruner_for``).
 CURVES = {
     "final_test_accuracy": ("test_accuracy", "last"),

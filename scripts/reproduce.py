@@ -413,11 +413,16 @@ def report(
 
 def best_temperature(report_csv: Path, select_by: str = "R90") -> str | None:
     """The temperature with the smallest median ``select_by`` R-index (runs that never reached the target count as
-    infinitely late), then the highest mean final accuracy; None when the report has one temperature only (no column)."""
+    infinitely late), then the highest mean tail accuracy (each run's mean over its last rounds: a temperature whose
+    model swings from round to round is not ranked by its last one; the final round's for runs logged before the
+    tail); None when the report has one temperature only (no column)."""
     table = pd.read_csv(report_csv)
     if "aggregator.temperature" not in table:
         return None
-    ranked = table.assign(_final=-table["final_test_accuracy_mean"]).sort_values([f"{select_by}_median", "_final"])
+    accuracy = (
+        table["tail_test_accuracy_mean"] if "tail_test_accuracy_mean" in table else table["final_test_accuracy_mean"]
+    )
+    ranked = table.assign(_final=-accuracy).sort_values([f"{select_by}_median", "_final"])
     return str(ranked["aggregator.temperature"].iloc[0])
 
 

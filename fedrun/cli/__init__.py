@@ -209,6 +209,8 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
             if why := report.report(int(row["round"]), row):  # the study takes its objective's column
                 pruned, checkpoint.stop_requested = why, PRUNED
 
+    if (line := parts["schedule"].thin_tail()) and not job.follower:
+        print(line, file=sys.stderr)  # a warning: a long stride may be the point (an expensive evaluation)
     signals = StopSignals(checkpoint).__enter__()  # until the run is closed: a signal while it closes waits for that
     try:
         result = parts["engine"](

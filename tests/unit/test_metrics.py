@@ -172,3 +172,29 @@ def test_a_bounded_interval_is_the_t_interval_cut_to_the_range_by_hand():
     assert Interval(0.5, 0.4, 0.6, ()).cell(".2g") == "0.5 ± 0.1"
     assert bounds("tail_test_accuracy_swing") == (0, 1) and bounds("attack/weight_share_mean") == (0, 1)
     assert bounds("lag1_autocorr") == (-1, 1) and bounds("R90") is None and bounds("attack/deviation_mean") is None
+
+
+def test_a_tail_too_thin_for_the_evaluation_stride_is_warned_about():
+    from fedrun.rounds import Schedule
+
+    assert Schedule(rounds=30, tail=10, eval_every=1).tail_evaluations == 10
+    assert Schedule(rounds=30, tail=10, eval_every=1).thin_tail() is None
+    # stride 25 over 500 rounds: rounds 491-500 hold one evaluation (500, the last)
+    stride = Schedule(rounds=500, tail=10, eval_every=25)
+    assert stride.tail_evaluations == 1 and "schedule.tail=75 or more" in stride.thin_tail()
+    assert Schedule(rounds=500, tail=125, eval_every=25).tail_evaluations == 5
+    assert Schedule(rounds=2, tail=10, eval_every=1).thin_tail() is None  # two evaluations in all: nothing to judge
+
+
+def test_the_async_engines_group_accuracies_are_judged_on_their_tail_too():
+    import pandas as pd
+
+    from fedrun.metrics import tail_summary, unstable_line
+
+    rows = pd.DataFrame({"round": [1, 2, 3], "test_accuracy": [0.8, 0.8, 0.8], "accuracy/slow": [0.2, 0.6, 0.4]})
+    values, tags = tail_summary(rows, 10, 0.1)
+    assert values["tail_accuracy/slow"] == pytest.approx(0.4) and values["tail_accuracy/slow_swing"] == pytest.approx(
+        0.4
+    )
+    assert tags == {"unstable": "accuracy/slow"}
+    assert "accuracy/slow swung by 0.400 (tail mean 0.4000)" in unstable_line(values, tags, 10)

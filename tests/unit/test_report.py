@@ -280,3 +280,27 @@ def test_accuracy_per_megabyte_is_indexed_by_the_cumulative_upload():
     uploads = {"topk": pd.DataFrame({"a": [2.0, 2.0, 2.0], "b": [4.0, 4.0, 4.0]}, index=[1, 2, 3])}
     frame = per_megabyte(accuracy, uploads)["topk"]
     assert frame.index.tolist() == [3.0, 6.0, 9.0] and frame["b"].tolist() == [0.6, 0.8, 0.9]
+
+
+def test_a_run_logged_before_the_tail_summary_gets_it_from_its_history(monkeypatch):
+    from types import SimpleNamespace
+
+    from fedrun import report
+
+    curve = {"old": [(r, 0.9 if r % 2 else 0.1) for r in range(1, 13)], "short": [(1, 0.5), (2, 0.7)]}
+    monkeypatch.setattr(
+        report, "history", lambda client, run_id, metric: [SimpleNamespace(step=s, value=v) for s, v in curve[run_id]]
+    )
+    runs = pd.DataFrame(
+        {
+            "run_id": ["old", "short", "new"],
+            "params.schedule.tail": [None, "1", "10"],
+            "metrics.tail_test_accuracy": [np.nan, np.nan, 0.42],
+        }
+    )
+    filled = report.with_tails(None, runs).set_index("run_id")
+    # old: no schedule.tail param, the default 10: rounds 3-12, five 0.9 and five 0.1
+    assert filled.loc["old", "metrics.tail_test_accuracy"] == pytest.approx(0.5)
+    assert filled.loc["old", "metrics.tail_test_accuracy_swing"] == pytest.approx(0.8)
+    assert filled.loc["short", "metrics.tail_test_accuracy"] == pytest.approx(0.7)  # its own tail of 1
+    assert filled.loc["new", "metrics.tail_test_accuracy"] == 0.42  # logged: kept

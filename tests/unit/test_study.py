@@ -48,6 +48,7 @@ def test_the_search_space_syntax_of_hydras_optuna_sweeper():
 
 def test_the_objective_s_direction_follows_it_unless_given_and_unknown_names_are_refused():
     assert objective_direction("final_test_accuracy", None, [0.9]) == "maximize"
+    assert objective_direction("tail_test_accuracy", None, [0.9]) == "maximize"  # the run judged on its tail
     assert objective_direction("R90", None, [0.6, 0.9]) == "minimize"
     assert objective_direction("client_R60", None, [0.6]) == "minimize"
     assert objective_direction("upload_mb_total", "maximize", [0.9]) == "maximize"
