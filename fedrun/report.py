@@ -266,6 +266,10 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
         for column in r_columns + others:
             diff = (pairs[column] - pairs[f"{column}_base"]).dropna().to_numpy(dtype=np.float64)
             row[f"{label(column)}_diff"], row[f"{label(column)}_ci95"] = mean_ci(diff)
+            if (bound := bounds(column)) is not None:  # a difference of two values in [a, b] lies in [a - b, b - a]
+                span = bound[1] - bound[0]
+                interval = bounded_ci(diff, (-span, span))
+                row[f"{label(column)}_lo"], row[f"{label(column)}_hi"] = interval.lo, interval.hi
             row[f"{label(column)}_pairs"] = len(diff)
             # How many pairs went each way: a mean can hide one seed far off and the others the other way.
             row[f"{label(column)}_lower"], row[f"{label(column)}_higher"] = int((diff < 0).sum()), int((diff > 0).sum())
@@ -283,9 +287,10 @@ def paired_markdown(table: pd.DataFrame, keys: list[str], key: str, baseline: st
         for m in metrics:
             digits = 1 if R_INDEX.match(m) else 4
             n, lower, higher = int(row[f"{m}_pairs"]), int(row[f"{m}_lower"]), int(row[f"{m}_higher"])
-            cells.append(
-                f"{_cell(row[f'{m}_diff'], row[f'{m}_ci95'], digits)} ({n}: {lower}-/{n - lower - higher}=/{higher}+)"
-            )
+            cell = _cell(row[f"{m}_diff"], row[f"{m}_ci95"], digits)
+            if f"{m}_lo" in row:  # bounded: cut to the differences' range, [low, high] where cut
+                cell = Interval(row[f"{m}_diff"], row[f"{m}_lo"], row[f"{m}_hi"], ()).cell(digits)
+            cells.append(f"{cell} ({n}: {lower}-/{n - lower - higher}=/{higher}+)")
         rows.append(cells)
     return (
         f"Paired by seed, against {label(key)} = {baseline}: mean difference (this group - baseline) ± 95% CI "

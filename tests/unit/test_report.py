@@ -152,6 +152,9 @@ def test_paired_differences_match_runs_on_the_seed_against_the_baseline():
         "| fedsoftmax | 1 | 2 | -1.0 ± 0.0 (2: 2-/0=/0+) |" in text
         and "| fedsoftmax | 10 | 2 | 1.0 (1: 0-/0=/1+) |" in text
     )
+    # a difference of accuracies lies in [-1, 1]: 0.03 ± 0.2541 stays inside and is printed as ±
+    assert table.loc["1", "final_test_accuracy_lo"] == pytest.approx(0.03 - 0.2541, abs=1e-4)
+    assert "0.0300 ± 0.2541 (2: 0-/0=/2+)" in text
     with pytest.raises(ValueError, match="no finished run has aggregator = 'fedprox' \\(there: fedavg, fedsoftmax\\)"):
         paired(runs, keys, "tags.aggregator", "fedprox")
     # The FedAvg baseline run twice for each seed (the same job in two sweeps): still one pair a seed, the same figures.
