@@ -34,10 +34,10 @@ from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
 from fedrun.rounds import (
     Bits,
+    HonestReference,
     RunResult,
     attack_columns,
     deviation_column,
-    honest_reference,
     malicious_table,
     record,
 )
@@ -270,8 +270,9 @@ class AsyncEngine:
             ids, parts.attack.sizes(ids, sizes[ids], lying), staleness, loop.version, [b[3] for b in buffer]
         )
         deltas = torch.stack([b[1] for b in buffer])
-        honest = honest_reference(parts.aggregation, loop.params, deltas, report, lying) if parts.attack else None
-        update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, deltas, report)
+        honest = HonestReference.take(parts.aggregation, lying) if parts.attack else None
+        before = loop.params
+        update, alpha, diagnostics = parts.aggregation.aggregate(before, deltas, report)
         parts.stages.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation
         loop.params, loop.version = parts.server.step(loop.params, update), loop.version + 1
         alpha_all = np.bincount(ids, weights=alpha, minlength=len(loop.jobs))
@@ -287,7 +288,8 @@ class AsyncEngine:
         }
         row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
         row.update(diagnostics, **attack_columns(parts.attack, lying, alpha, parts.aggregation.alpha_is_share))
-        row.update(deviation_column(update, honest, lying) if parts.attack else {})
+        reference = None if honest is None else honest.update(before, deltas, report)
+        row.update(deviation_column(update, reference, lying) if parts.attack else {})
         row.update({k: float(np.mean([b[4][k] for b in buffer])) for k in buffer[0][4]})
         return row, {"alpha": alpha_all}
 

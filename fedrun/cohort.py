@@ -199,15 +199,17 @@ class RoundView:
     def subset(self, keep: np.ndarray) -> "RoundView":
         """The view of the cohort clients ``keep`` selects (a bool mask over the cohort), in cohort order: their
         sizes and per-client signals, the round's own signals shared. A lazy signal stays lazy and is read through
-        this view, so computing it here computes (and caches) it once for both. ``attack/deviation``'s reference
-        aggregates the honest clients alone through it (``fedrun.rounds.honest_reference``)."""
+        this view, so it is computed (and cached, and timed) once, in this view, for both. ``attack/deviation``'s reference
+        aggregates the honest clients alone through it (``fedrun.rounds.HonestReference``)."""
         keep = np.asarray(keep, dtype=bool)
         signals = {}
         for name, value in self._signals.items():
-            if name not in self.PER_CLIENT or value is None:
-                signals[name] = value
-            else:
+            if name in self.PER_CLIENT and value is not None:
                 signals[name] = Lazy(lambda name=name: _rows(getattr(self, name), keep))
+            elif isinstance(value, Lazy):  # the round's own (FLTrust's server update): read through, cached here
+                signals[name] = Lazy(lambda name=name: getattr(self, name))
+            else:
+                signals[name] = value
         view = RoundView(
             self.clients[keep],
             np.asarray(self.sizes)[keep],

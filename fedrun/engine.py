@@ -34,12 +34,12 @@ from fedrun.parts import Parts, layout
 from fedrun.personal import STATISTICS, columns, statistics
 from fedrun.rounds import (
     Bits,
+    HonestReference,
     RunResult,
     Schedule,
     Timer,
     attack_columns,
     deviation_column,
-    honest_reference,
     malicious_table,
     progress,
     record,
@@ -142,8 +142,9 @@ def run(
                 sent, stage_diagnostics = parts.stages(sent, cohort, t)
                 parts.stages.end_round()
             local = client_accuracy_column(model, trainer, starts, trained.deltas, tensors, client_tests, cohort, own)
-            # The attack's effect: the same rule on the honest updates alone (a measurement, timed in no column).
-            honest = honest_reference(parts.aggregation, loop.params, sent, view, lying) if parts.attack else None
+            # The attack's effect: the same rule, in its state now, on the honest updates alone (after the round's
+            # own aggregation, which reads and times the signals; the reference is a measurement, in no column).
+            honest = HonestReference.take(parts.aggregation, lying) if parts.attack else None
             with timer("aggregate_wall_s"):
                 update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, sent, view)
                 parts.sampler.observe(cohort, sent)
@@ -153,7 +154,8 @@ def run(
             row.update(local, **diagnostics)
             row.update(selection.spread or {}, **stage_diagnostics, **timings(timer, view))
             row.update(attack_columns(parts.attack, lying, alpha, parts.aggregation.alpha_is_share))
-            row.update(deviation_column(update, honest, lying) if parts.attack else {})
+            reference = None if honest is None else honest.update(loop.previous, sent, view)
+            row.update(deviation_column(update, reference, lying) if parts.attack else {})
             per_client = {"alpha": spread_over(alpha, cohort, len(clients)), "selected": selected}
             per_client["local_steps"] = spread_over(trained.steps, cohort, len(clients)).astype(int)
             if judge:  # evaluated rounds: every client's own model on its held-out splits (NaN otherwise)

@@ -167,16 +167,17 @@ class Interval:
         """Whether the range cut the Student-t interval (it is then not mean ± a half-width)."""
         return not math.isclose(self.mean - self.lo, self.hi - self.mean, rel_tol=1e-9, abs_tol=1e-12)
 
-    def cell(self, digits: int | str = 3) -> str:
+    def cell(self, digits: int | str = 3, brackets: bool = False) -> str:
         """``0.874 ± 0.016``; ``0.281 [0.000, 1.000]`` where the range cut the interval; the runs' values after it
         when there are fewer than ``SHOWN_SEEDS``; ``split`` first when they disagree in kind (and their range when
-        they are not all shown). ``digits``: decimals, or a format spec (``".3g"``)."""
+        they are not all shown). ``digits``: decimals, or a format spec (``".3g"``); ``brackets``: ``[low, high]``
+        even when uncut (an interval that is not the plain t interval of the mean printed beside it)."""
         if math.isnan(self.mean):
             return "-"
         f = f"{{:.{digits}f}}" if isinstance(digits, int) else f"{{:{digits}}}"
         if math.isnan(self.lo):
             text = f.format(self.mean)
-        elif self.cut:
+        elif self.cut or brackets:
             text = f"{f.format(self.mean)} [{f.format(self.lo)}, {f.format(self.hi)}]"
         else:
             text = f"{f.format(self.mean)} ± {f.format(self.hi - self.mean)}"

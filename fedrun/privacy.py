@@ -530,6 +530,16 @@ class CentralNoise(Aggregator):
         )
         return unclipped
 
+    def reference(self, keep: np.ndarray) -> "CentralNoise":
+        """A copy whose clip statistics are those of the clients ``keep`` selects (it checks that its updates were
+        clipped this round, one statistic each)."""
+        copied = super().reference(keep)
+        if copied.clip.last is not None:
+            round_, stats = copied.clip.last
+            rows = torch.as_tensor(np.asarray(keep, dtype=bool), device=stats.norms.device)
+            copied.clip.last = (round_, Clipped(stats.bound, stats.norms[rows], stats.over[rows], stats.finite[rows]))
+        return copied
+
     def bind(self, context) -> None:
         self.inner.bind(context)  # the mechanism is a part of the run, bound on its own
 

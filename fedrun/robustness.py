@@ -114,7 +114,7 @@ def _interval(name: str, interval: Interval) -> dict:
         f"{name}_lo": interval.lo,
         f"{name}_hi": interval.hi,
         f"{name}_split": interval.split,
-        f"{name}_values": " ".join(f"{v:.6g}" for v in interval.values),
+        f"{name}_values": " ".join(f"{v:.17g}" for v in interval.values),  # exact: ties are judged on them
     }
 
 
@@ -144,9 +144,10 @@ def _same_as(table: pd.DataFrame, row) -> str:
 
 
 def simultaneous(row, k: int) -> tuple[float, float]:
-    """The cell's accuracy interval at the Bonferroni level 1 - (1 - CONFIDENCE) / k, cut to [0, 1]."""
+    """The cell's accuracy interval at the Bonferroni level 1 - (1 - CONFIDENCE) / k, cut to [0, 1]; the whole range
+    where it has none (a single run): it then bounds nothing."""
     interval = bounded_ci(interval_of(row, "accuracy").values, (0.0, 1.0), 1 - (1 - CONFIDENCE) / k)
-    return interval.lo, interval.hi
+    return (0.0, 1.0) if math.isnan(interval.lo) else (interval.lo, interval.hi)
 
 
 def diverged(runs: pd.DataFrame) -> pd.Series:
@@ -233,9 +234,10 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
     seeds = sorted(set(runs["params.seed"].astype(str)), key=lambda v: (len(v), v)) if "params.seed" in runs else []
     tails = sorted(set(pd.to_numeric(runs.get("params.schedule.tail", pd.Series(dtype=float))).dropna().astype(int)))
     window = f"its last {', '.join(map(str, tails))} rounds" if tails else "its last rounds"
+    lost = int(diverged(runs).sum())
     text = [
         f"# {experiment}: clients that lie\n",
-        f"{len(runs)} finished runs; seeds {', '.join(seeds) or '-'}; commit {', '.join(commits) or 'unknown'}. "
+        f"{len(runs)} runs ({lost} of them FAILED as diverged, kept and scored 0); seeds {', '.join(seeds) or '-'}; commit {', '.join(commits) or 'unknown'}. "
         f"Each cell: tail test accuracy (each run's mean over {window}), mean over the seeds with its 95% Student-t "
         "interval, cut to [0, 1] where it reaches past (then printed as [low, high]); with fewer than five seeds "
         "each seed's value follows in parentheses; `split` marks a cell whose seeds span over half the range "
@@ -259,7 +261,7 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
                     row.append("-")
                     continue
                 w = key.loc[(rule, split, f, told)]
-                cell = interval_of(w, "accuracy").cell()
+                cell = interval_of(w, "accuracy").cell(brackets=f > 0)  # simultaneous: never a plain ± half-width
                 if w["diverged_runs"]:
                     cell += f" ({int(w['diverged_runs'])}/{int(w['runs'])} diverged)"
                 row.append(cell + ("" if f == 0 else f" ({w['attack']})"))
@@ -270,7 +272,7 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
         ("Tail test accuracy", "accuracy"),
         (
             "The attackers' share of the aggregation weight (mean over rounds; n/a where the rule's alpha is not a "
-            "convex combination: FLTrust, centered clipping)",
+            "convex combination: FLTrust, centered clipping, norm bounding)",
             "weight_share",
         ),
         (
@@ -382,7 +384,7 @@ def heatmaps(table: pd.DataFrame, worst_table: pd.DataFrame, out: Path, experime
                     continue
                 if interval.split:
                     ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="lightgrey", hatch="///", lw=0))
-                    low, high = min(interval.values), max(interval.values)
+                    low, high = np.nanmin(interval.values), np.nanmax(interval.values)
                     ax.text(j, i, f"split\n{low:.2f}-{high:.2f}", ha="center", va="center", fontsize=6.5)
                     continue
                 ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v < 0.6 else "black")

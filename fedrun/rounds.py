@@ -281,9 +281,9 @@ def attack_columns(attack, lying: np.ndarray, alpha: np.ndarray, is_share: bool 
     was drawn), and ``attack/cohort_share``: their share of the cohort; only when the run has an attack.
 
     The weight share is a share only where alpha is a convex combination of the updates: ``is_share`` (the
-    aggregator's ``alpha_is_share``: not FLTrust, NormBound, centered clipping, FedNova, MVR, FedAsync, whose alpha
-    are coefficients that need not sum to 1) and this round's alpha non-negative and summing to 1 (an importance
-    sampler's unbiased weights, FedBuff's staleness scaling do not). It is NaN otherwise; ``attack/deviation`` is the
+    aggregator's ``alpha_is_share``: not FLTrust, NormBound, centered clipping, FedNova, MVR, whose alpha are
+    coefficients that need not sum to 1) and this round's alpha non-negative and summing to 1 (an importance
+    sampler's unbiased weights, FedBuff's staleness scaling and a robust rule's skipped round, all zeros, do not). It is NaN otherwise; ``attack/deviation`` is the
     measure every rule has."""
     if not attack:
         return {}
@@ -293,21 +293,33 @@ def attack_columns(attack, lying: np.ndarray, alpha: np.ndarray, is_share: bool 
     return {"attack/weight_share": share, "attack/cohort_share": float(lying.mean()) if len(lying) else 0.0}
 
 
-def honest_reference(aggregation, params: torch.Tensor, sent: torch.Tensor, view, lying: np.ndarray):
+class HonestReference:
     """What the round's rule, in its state before this round, makes of the honest clients' updates alone: the
-    reference of ``attack/deviation``. A copy of the aggregation aggregates them (so its state is untouched, as
-    an adaptive attack's probes leave it) through the view of the honest clients (``RoundView.subset``). None when
-    no attacker is in the cohort (the deviation is 0) or no honest client is (it is undefined)."""
-    honest = ~np.asarray(lying, dtype=bool)
-    if honest.all() or not honest.any():
-        return None
-    rows = torch.as_tensor(honest, device=sent.device)
-    return copy.deepcopy(aggregation).aggregate(params, sent[rows], view.subset(honest)).update
+    reference of ``attack/deviation``. Taken before the round's aggregation (``take``: the aggregation's
+    ``reference`` copy, so its state is what the real one started from and is never touched, as an adaptive attack's
+    probes leave it), aggregated after it (``update``) through the view of the honest clients (``RoundView.subset``),
+    so that every signal the real aggregation read is read from its cache and timed where it was. None when no
+    attacker is in the cohort (the deviation is 0) or no honest client is (it is undefined)."""
+
+    def __init__(self, copied, honest: np.ndarray):
+        self.copied, self.honest = copied, honest
+
+    @classmethod
+    def take(cls, aggregation, lying: np.ndarray) -> "HonestReference | None":
+        honest = ~np.asarray(lying, dtype=bool)
+        if honest.all() or not honest.any():
+            return None
+        copied = aggregation.reference(honest) if hasattr(aggregation, "reference") else copy.deepcopy(aggregation)
+        return cls(copied, honest)
+
+    def update(self, params: torch.Tensor, sent: torch.Tensor, view) -> torch.Tensor:
+        rows = torch.as_tensor(self.honest, device=sent.device)
+        return self.copied.aggregate(params, sent[rows], view.subset(self.honest)).update
 
 
 def deviation_column(update: torch.Tensor, reference: torch.Tensor | None, lying: np.ndarray) -> dict:
     """``attack/deviation``: ||U - U_h|| / ||U_h||, how far the attack moved the round's aggregate U from the
-    aggregate U_h the same rule gives on the honest updates alone (``honest_reference``), relative to the latter: 0
+    aggregate U_h the same rule gives on the honest updates alone (``HonestReference``), relative to the latter: 0
     when no attacker was in the cohort; NaN when every client was one or U_h is zero (a rule that skips a round of
     the honest clients under its f, or an FLTrust round that trusts none of them)."""
     if reference is None:

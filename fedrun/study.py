@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedrun.errors import ConfigError, check
-from fedrun.metrics import mean_ci, r_name
+from fedrun.metrics import bounds, mean_ci, r_name
 from fedrun.sweepdir import job_dirs, write_parent
 
 STUDY_FILE = "optuna_study.journal"  # the default storage, in the sweep dir
@@ -96,6 +96,15 @@ def objective_value(summary: pd.Series, objective: str) -> float:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         raise ValueError(f"{objective} is not in the run's summary")
     return float(value)
+
+
+def objective_interval(objective: str, mean: float, half: float) -> tuple[float, float]:
+    """The objective's 95% interval, mean ± half, cut to the objective's range where it has one (an accuracy:
+    [0, 1], ``fedrun.metrics.bounds``)."""
+    low, high = mean - half, mean + half
+    if (bound := bounds(objective)) is not None:
+        low, high = max(low, bound[0]), min(high, bound[1])
+    return low, high
 
 
 def read_summary(job_dir: Path) -> pd.Series:
@@ -512,8 +521,13 @@ class TrialRecord:
         """One line: the trial, its parameters and how it ended."""
         params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items())
         if trial.state.name == "COMPLETE":
-            half = trial.user_attrs.get("objective_ci95", math.nan)
-            ended = f"{self.objective} {trial.value:.4g} ± {half:.2g} (95% CI) over seeds {self.seeds}"
+            low, high = objective_interval(
+                self.objective, trial.value, trial.user_attrs.get("objective_ci95", math.nan)
+            )
+            interval = (
+                f"± {high - trial.value:.2g}" if high - trial.value == trial.value - low else f"[{low:.4g}, {high:.4g}]"
+            )
+            ended = f"{self.objective} {trial.value:.4g} {interval} (95% CI) over seeds {self.seeds}"
         elif trial.state.name == "PRUNED":
             ended = describe_pruned(trial.system_attrs[PRUNED_ATTR])
         else:
@@ -569,13 +583,13 @@ class TrialRecord:
         complete = [t for t in trials if t.state.name == "COMPLETE"]
         if complete:
             best = study.best_trial
-            half = best.user_attrs.get("objective_ci95", math.nan)
+            low, high = objective_interval(self.objective, best.value, best.user_attrs.get("objective_ci95", math.nan))
             out["best_trial"] = {
                 "number": best.number,
                 "params": dict(best.params),
                 "mean": best.value,
                 "se": best.user_attrs.get("objective_se"),
-                "ci95": [best.value - half, best.value + half],
+                "ci95": [low, high],
                 "seed_values": best.user_attrs.get("seed_values"),
             }
             # the "best" keys kept for users of hydra-optuna-sweeper's file
@@ -592,6 +606,7 @@ class TrialRecord:
             if complete:
                 best = out["best_trial"]
                 metrics += [("best_objective", float(best["mean"]), 0), ("best_trial", float(best["number"]), 0)]
+                half = study.best_trial.user_attrs.get("objective_ci95", math.nan)
                 if not math.isnan(half):
                     metrics.append(("best_objective_ci95", float(half), 0))
                 tags.update({f"best.{k}": str(v) for k, v in best["params"].items()})

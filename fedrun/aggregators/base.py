@@ -8,6 +8,7 @@ Aggregators differ in how they choose alpha; ``weights`` is the only method most
 (an aggregator keeps no per-round results on itself; its attributes are its state, ``fedrun.state``).
 """
 
+import copy
 from typing import NamedTuple
 
 import numpy as np
@@ -75,6 +76,12 @@ class Aggregator(Stateful):
     def run_tags(self) -> dict[str, str]:
         """Run-level facts, logged as tags when the run closes (e.g. the round a hybrid switched)."""
         return {}
+
+    def reference(self, keep: np.ndarray) -> "Aggregator":
+        """A copy of this aggregator in its state now, to aggregate the round's clients ``keep`` selects (a bool
+        mask over the cohort) alone: ``attack/deviation``'s honest reference (``fedrun.rounds.HonestReference``).
+        Its state is its own, so aggregating with it leaves this one's untouched."""
+        return copy.deepcopy(self)
 
     def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, report: RoundView) -> Aggregation:
         """Combine the cohort's updates.

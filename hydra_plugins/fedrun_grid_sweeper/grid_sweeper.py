@@ -8,7 +8,8 @@ the run without attack, exactly (``tests/config/test_attacks.py``), so every att
 ``attack=none`` instead of five equal runs. ``hydra.sweeper.exclude`` lists jobs that cannot run: a job whose
 overrides give every value of a rule's ``when`` is left out, and the rule's ``why`` printed (``sweep=robustness``:
 bucketing in pairs leaves 10 rows of 20 clients, and a rule told f = 6 needs more than 12: the run would be refused).
-The sweep says how many jobs it left out and why before it launches.
+Exclusions apply to the product before the collapse rules (a ``when`` matches the overrides as swept). The sweep says
+how many jobs it left out and why before it launches.
 Hydra's basic sweeper has no such filter (hydra-core 1.3: ``BasicSweeper.split_arguments`` is a plain product).
 """
 

@@ -359,12 +359,13 @@ def test_capabilities():
 
 def _deviation(rule, sent, lying, **signals):
     from fedrun.cohort import RoundView
-    from fedrun.rounds import deviation_column, honest_reference
+    from fedrun.rounds import HonestReference, deviation_column
 
     view = RoundView(np.arange(len(sent)), np.ones(len(sent)), **signals)
     params = torch.zeros(sent.shape[1], dtype=torch.float64)
-    reference = honest_reference(rule, params, sent, view, lying)
+    honest = HonestReference.take(rule, lying)  # as the engine: taken before the round's aggregation, used after
     update, alpha, _ = rule.aggregate(params, sent, view)
+    reference = None if honest is None else honest.update(params, sent, view)
     return deviation_column(update, reference, lying)["attack/deviation"], alpha
 
 
@@ -397,15 +398,21 @@ def test_the_deviation_by_hand_on_three_clients():
 def test_the_reference_leaves_the_rules_state_as_it_was():
     from fedrun.aggregators import CenteredClip
     from fedrun.cohort import RoundView
-    from fedrun.rounds import honest_reference
+    from fedrun.rounds import HonestReference
 
     rule = CenteredClip(tau=1.0)
     sent = torch.tensor([[1.0, 0.0], [0.0, 1.0], [9.0, 9.0]], dtype=torch.float64)
     params, view = torch.zeros(2, dtype=torch.float64), RoundView(np.arange(3), np.ones(3))
     rule.aggregate(params, sent, view)  # round 1: the state is its aggregate
-    before = rule.previous.clone()
-    honest_reference(rule, params, sent, view, np.array([False, False, True]))
-    assert torch.equal(rule.previous, before)
+    start = rule.previous.clone()
+    reference = HonestReference.take(rule, np.array([False, False, True]))  # before round 2's aggregation
+    rule.aggregate(params, sent, view)  # round 2 moves the state on
+    after = rule.previous.clone()
+    honest = reference.update(params, sent, view)
+    assert torch.equal(rule.previous, after)  # the reference did not touch the rule
+    fresh = CenteredClip(tau=1.0)  # the rule as it started round 2, on the honest two alone
+    fresh.previous = start
+    assert torch.equal(honest, fresh.aggregate(params, sent[:2], RoundView(np.arange(2), np.ones(2))).update)
 
 
 def test_the_weight_share_is_a_share_only_where_alpha_is_a_convex_combination():
@@ -417,3 +424,34 @@ def test_the_weight_share_is_a_share_only_where_alpha_is_a_convex_combination():
     # an importance sampler's unbiased weights (summing to 1.2): no share this round
     assert math.isnan(attack_columns(attack, lying, np.array([0.5, 0.7]))["attack/weight_share"])
     assert attack_columns(attack, lying, np.array([0.5, 0.7]))["attack/cohort_share"] == 0.5
+
+
+def test_the_honest_view_reads_every_lazy_signal_through_the_rounds_cache():
+    from fedrun.aggregators import FLTrust
+    from fedrun.cohort import Lazy
+    from fedrun.rounds import HonestReference
+
+    calls = {"server_update": 0, "losses": 0}
+
+    def counted(name, value):
+        def compute():
+            calls[name] += 1
+            return value
+
+        return Lazy(compute)
+
+    sent = torch.tensor([[1.0, 0.0], [0.0, 1.0], [3.0, 0.0]], dtype=torch.float64)
+    losses = ClientLosses(np.array([1.0, 2.0, 3.0]), np.array([0.1, 0.2, 0.3]))
+    view = RoundView(
+        np.arange(3),
+        np.ones(3),
+        losses=counted("losses", losses),
+        server_update=counted("server_update", torch.tensor([1.0, 1.0], dtype=torch.float64)),
+    )
+    params, lying = torch.zeros(2, dtype=torch.float64), np.array([False, False, True])
+    reference = HonestReference.take(FLTrust(), lying)
+    FLTrust().aggregate(params, sent, view)
+    reference.update(params, sent, view)
+    honest = view.subset(~lying)
+    assert honest.losses.mean.tolist() == [1.0, 2.0] and honest.clients.tolist() == [0, 1]
+    assert calls == {"server_update": 1, "losses": 1}  # FLTrust's g_0 trained once for both aggregations

@@ -170,6 +170,7 @@ def test_a_bounded_interval_is_the_t_interval_cut_to_the_range_by_hand():
     assert spread.cell().startswith("split 0.475 [") and spread.cell().endswith("(0.050–0.900)")
     assert bounded_ci([-3.0, 5.0], None).lo < -3  # unbounded: the plain t interval
     assert Interval(0.5, 0.4, 0.6, ()).cell(".2g") == "0.5 ± 0.1"
+    assert Interval(0.5, 0.4, 0.6, ()).cell(2, brackets=True) == "0.50 [0.40, 0.60]"  # a simultaneous interval
     assert bounds("tail_test_accuracy_swing") == (0, 1) and bounds("attack/weight_share_mean") == (0, 1)
     assert bounds("lag1_autocorr") == (-1, 1) and bounds("R90") is None and bounds("attack/deviation_mean") is None
 

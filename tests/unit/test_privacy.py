@@ -810,3 +810,28 @@ def test_central_noise_refuses_updates_its_clip_stage_did_not_clip_this_round():
     torch.testing.assert_close(update, torch.full((2,), 2**-0.5, dtype=torch.float64), rtol=0, atol=1e-15)
     with pytest.raises(RuntimeError, match="did not clip this round"):  # round 2's updates, round 1's statistics
         aggregator.aggregate(params, sent, RoundView(np.arange(4), np.ones(4), round=2))
+
+
+def test_an_attack_on_a_private_run_measures_its_deviation_through_the_mechanisms_own_reference():
+    """Central DP's aggregation checks that its clip stage clipped this round's updates, one statistic each: the
+    honest reference's copy carries the honest clients' statistics (``CentralNoise.reference``), draws the round's
+    noise from the same stream and leaves the real mechanism's ledger where one round put it."""
+    from fedrun.attacks import SignFlip
+    from fedrun.parts import Parts
+
+    torch.manual_seed(0)
+    rows, privacy = [], private()
+    schedule = Schedule(rounds=3, local_steps=2, batch_size=4, clients_per_round=1.0)
+    run(
+        Logistic((4,), 3).double(),
+        DATA,
+        CLIENTS,
+        Parts(FedAvg(weighting="uniform"), privacy=privacy, attack=SignFlip(count=2)),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        schedule,
+        Device("cpu", "contiguous", "loop"),
+        0,
+        on_round=lambda row, per_client: rows.append(row),
+    )
+    assert len(rows) == 3 and all(row["attack/deviation"] > 0 for row in rows)
+    assert privacy.ledger.rounds == 3  # the references' ledger steps were their copies'

@@ -134,7 +134,7 @@ def test_markdown_and_heatmaps(rows, tmp_path):
     for seed, value in enumerate((0.057, 0.057, 0.728)):
         rows.append(run("krum", "ipm", 2, seed, value))
     text, tables, plots = robustness.report(frame(rows), tmp_path, "robustness")
-    assert "18 finished runs; seeds 0, 1, 2; commit abc123" in text
+    assert "18 runs (0 of them FAILED as diverged, kept and scored 0); seeds 0, 1, 2; commit abc123" in text
     # the worst-case table: fedavg first (one attack: its own interval), then krum (three: simultaneous, the upper
     # end the smallest of the three at 1 - 0.05 / 3: sign_flip's)
     seeds = "(0.900, 0.900, 0.900)"
@@ -178,3 +178,12 @@ def test_no_cell_of_a_bounded_metric_leaves_its_range():
             text = robustness.interval_of(row, "accuracy").cell()
             numbers = [float(x) for x in re.findall(r"-?\d+\.\d+", text)]
             assert all(0 <= x <= 1 for x in numbers), text
+
+
+def test_an_attack_with_one_run_bounds_nothing_in_the_worst_case(rows):
+    # sign_flip's three runs and alie's three, and one run of ipm at 0.3: it is the lowest mean, has no interval of
+    # its own, so the simultaneous interval's ends are the others' and the whole range's: [0, min(hi)]
+    rows.append(run("krum", "ipm", 2, 0, 0.3))
+    worst = robustness.worst(robustness.cells(frame(rows))).set_index(["rule", "split", "f"]).loc[("krum", "iid", 2)]
+    assert worst["attack"] == "ipm" and worst["accuracy_mean"] == pytest.approx(0.3)
+    assert worst["accuracy_lo"] == 0.0 and worst["accuracy_lo"] <= 0.3 <= worst["accuracy_hi"] < 1.0

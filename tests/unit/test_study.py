@@ -438,3 +438,11 @@ def test_interrupted_trials_are_relaunched_in_runs_of_consecutive_numbers():
 
     runs = contiguous([T(5), T(2), T(3), T(7)])
     assert [[t.number for t in run] for run in runs] == [[2, 3], [5], [7]]
+
+
+def test_an_accuracy_objectives_interval_stays_in_its_range():
+    from fedrun.study import objective_interval
+
+    assert objective_interval("tail_test_accuracy", 0.281, 0.962) == (0.0, 1.0)  # seeds 0.057, 0.057, 0.728
+    assert objective_interval("final_test_accuracy", 0.9, 0.05) == pytest.approx((0.85, 0.95))
+    assert objective_interval("R90", 12.0, 15.0) == (-3.0, 27.0)  # a round count has no range to cut to
