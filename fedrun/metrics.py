@@ -188,6 +188,29 @@ class Interval:
             text += f" ({f.format(min(values))}–{f.format(max(values))})"
         return ("split " if self.split else "") + text
 
+    def columns(self, name: str) -> dict:
+        """The interval as a table row's columns ``<name>_lo``, ``_hi``, ``_split`` and ``_values`` (each run's value,
+        exact: ties are judged on them); the mean is the table's own column."""
+        return {
+            f"{name}_lo": self.lo,
+            f"{name}_hi": self.hi,
+            f"{name}_split": self.split,
+            f"{name}_values": " ".join(repr(float(v)) for v in self.values),
+        }
+
+    @classmethod
+    def from_row(cls, row, name: str, mean: str | None = None) -> "Interval":
+        """The interval a table row holds for ``name`` (``columns``), its mean in ``<name>_mean`` (or ``mean``)."""
+        text = row.get(f"{name}_values")
+        values = tuple(float(v) for v in text.split()) if isinstance(text, str) else ()
+        centre = row[mean or f"{name}_mean"]
+        return cls(centre, row[f"{name}_lo"], row[f"{name}_hi"], values, bool(row[f"{name}_split"]))
+
+
+def within(lo: float, hi: float, bound: tuple[float, float] | None) -> tuple[float, float]:
+    """[lo, hi] intersected with ``bound``, the range the quantity lies in (None: unbounded)."""
+    return (lo, hi) if bound is None else (max(lo, bound[0]), min(hi, bound[1]))
+
 
 def bounded_ci(
     values: Sequence[float], bound: tuple[float, float] | None = (0.0, 1.0), confidence: float = 0.95
@@ -200,12 +223,7 @@ def bounded_ci(
     oscillates, a run that failed)."""
     x = np.asarray([v for v in values if not math.isnan(v)], dtype=np.float64)
     mean, half = mean_ci(x, confidence)
-    if math.isnan(half):
-        lo = hi = math.nan
-    else:
-        lo, hi = mean - half, mean + half
-        if bound is not None:
-            lo, hi = max(lo, bound[0]), min(hi, bound[1])
+    lo, hi = (math.nan, math.nan) if math.isnan(half) else within(mean - half, mean + half, bound)
     split = bound is not None and len(x) > 1 and float(x.max() - x.min()) > SPLIT * (bound[1] - bound[0])
     return Interval(mean, lo, hi, tuple(float(v) for v in values), split)
 
@@ -318,6 +336,21 @@ def run_summary(
     values, tags = summarise(pd.DataFrame(rows), r_targets, window, threshold) if rows else ({}, {})
     values.update({k: v for k, v in (measured or {}).items() if not math.isnan(v)})
     return values, tags
+
+
+def natural(value) -> tuple:
+    """Sorts numbers as numbers ("3" before "10"), then any other value as text."""
+    try:
+        return (0, float(value), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(value))
+
+
+def by_seed(group: pd.DataFrame) -> pd.DataFrame:
+    """A group of runs in seed order (numbers as numbers), the order a table cell lists their values in."""
+    if "params.seed" not in group:
+        return group
+    return group.iloc[sorted(range(len(group)), key=lambda i: natural(group["params.seed"].iloc[i]))]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

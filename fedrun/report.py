@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedrun.metrics import TAIL, Interval, bounded_ci, bounds, markdown_table, mean_ci, tail
+from fedrun.metrics import TAIL, Interval, bounded_ci, bounds, by_seed, markdown_table, mean_ci, natural, tail
 from fedrun.tracking import (
     CONFIG_GROUPS,
     DEFAULT_URI,
@@ -152,7 +152,7 @@ def groups(runs: pd.DataFrame, keys: list[str]):
         ((values if isinstance(values, tuple) else (values,)), group)
         for values, group in runs.fillna({k: "-" for k in keys}).groupby(keys)
     ]
-    yield from sorted(parts, key=lambda part: tuple(_natural(v) for v in part[0]))
+    yield from sorted(parts, key=lambda part: tuple(natural(v) for v in part[0]))
 
 
 def censored_median(values: np.ndarray) -> float:
@@ -180,33 +180,11 @@ def metric_columns(runs: pd.DataFrame, extra: tuple[str, ...] = ()) -> tuple[pd.
     return runs, r_columns, [f"metrics.{m}" for m in dict.fromkeys(SUMMARY + tuple(extra)) if f"metrics.{m}" in runs]
 
 
-def by_seed(group: pd.DataFrame) -> pd.DataFrame:
-    """A group's runs in seed order (numbers as numbers), the order a cell lists their values in."""
-    if "params.seed" not in group:
-        return group
-    return group.iloc[sorted(range(len(group)), key=lambda i: _natural(group["params.seed"].iloc[i]))]
-
-
 def interval_columns(name: str, values: np.ndarray) -> dict:
-    """A bounded metric's interval within its range (``fedrun.metrics.bounded_ci``) as columns: ``<name>_lo``,
-    ``<name>_hi``, ``<name>_split`` and ``<name>_values`` (each run's value in seed order); {} for an unbounded one."""
+    """A bounded metric's interval within its range (``fedrun.metrics.bounded_ci``) as columns (``Interval.columns``:
+    ``<name>_lo``, ``_hi``, ``_split``, ``_values``, each run's value in seed order); {} for an unbounded one."""
     bound = bounds(name)
-    if bound is None:
-        return {}
-    interval = bounded_ci(values, bound)
-    return {
-        f"{name}_lo": interval.lo,
-        f"{name}_hi": interval.hi,
-        f"{name}_split": interval.split,
-        f"{name}_values": " ".join(f"{v:.6g}" for v in values),
-    }
-
-
-def interval_of(row, name: str) -> Interval:
-    """The ``Interval`` a table row holds for the bounded metric ``name`` (``interval_columns``)."""
-    text = row.get(f"{name}_values")
-    values = tuple(float(v) for v in text.split()) if isinstance(text, str) else ()
-    return Interval(row[f"{name}_mean"], row[f"{name}_lo"], row[f"{name}_hi"], values, bool(row[f"{name}_split"]))
+    return {} if bound is None else bounded_ci(values, bound).columns(name)
 
 
 def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) -> pd.DataFrame:
@@ -224,7 +202,7 @@ def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) 
             row[f"{label(column)}_mean"], row[f"{label(column)}_ci95"] = mean_ci(reached.to_numpy())
             if column not in r_columns:
                 row.update(interval_columns(label(column), group[column].to_numpy(dtype=np.float64)))
-            if column in r_columns:
+            else:
                 row[f"{label(column)}_reached"] = len(reached)
                 row[f"{label(column)}_median"] = censored_median(group[column].to_numpy(dtype=np.float64))
         # Where a median is infinite, the table says "> N": N, the most rounds any run of the group ran.
@@ -247,7 +225,7 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
     runs, r_columns, others = metric_columns(runs.fillna({k: "-" for k in keys}), extra)
     base = runs[runs[key].astype(str) == baseline]
     if base.empty:
-        values = ", ".join(sorted(runs[key].astype(str).unique(), key=_natural))
+        values = ", ".join(sorted(runs[key].astype(str).unique(), key=natural))
         raise ValueError(
             f"--paired {label(key)}={baseline}: no finished run has {label(key)} = {baseline!r} (there: {values})"
         )
@@ -299,14 +277,6 @@ def paired_markdown(table: pd.DataFrame, keys: list[str], key: str, baseline: st
     )
 
 
-def _natural(value) -> tuple:
-    """Sorts numbers as numbers ("3" before "10"), then any other value as text."""
-    try:
-        return (0, float(value), "")
-    except (TypeError, ValueError):
-        return (1, 0.0, str(value))
-
-
 R_INDEX = re.compile(
     r"^(?P<client>client_)?R(?P<target>\d+(\.\d+)?)(?P<time>_time|_mb)?$"
 )  # R60, client_R60, R60_time, R60_mb
@@ -341,7 +311,7 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
             is_r = f"{m}_reached" in row
             cell = _cell(row[f"{m}_mean"], row[f"{m}_ci95"], 1 if is_r else 4)
             if f"{m}_lo" in row:  # bounded: the interval within its range, the seeds when few, split when split
-                cell = interval_of(row, m).cell(4)
+                cell = Interval.from_row(row, m).cell(4)
             cells.append(f"{cell} ({int(row[f'{m}_reached'])}/{runs})" if is_r else cell)
             if is_r:
                 cells.append(

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedrun.metrics import Interval, bounded_ci, markdown_table
+from fedrun.metrics import Interval, bounded_ci, by_seed, markdown_table
 
 ACCURACY, FINAL = "metrics.tail_test_accuracy", "metrics.final_test_accuracy"
 SHARE, DEVIATION = "metrics.attack/weight_share_mean", "metrics.attack/deviation_mean"
@@ -76,8 +76,7 @@ def cells(runs: pd.DataFrame) -> pd.DataFrame:
     deviation, cost, unstable runs, and ``same_as``."""
     rows = []
     for (rule, split, attack, f, told), group in labelled(runs).groupby(CELL):
-        if "params.seed" in group:
-            group = group.iloc[np.argsort(pd.to_numeric(group["params.seed"], errors="coerce").to_numpy())]
+        group = by_seed(group)
         accuracy, final = bounded_ci(_column(group, ACCURACY)), bounded_ci(_column(group, FINAL))
         share = bounded_ci(_column(group, SHARE)) if attack != "none" else Interval(0.0, np.nan, np.nan, ())
         deviation = bounded_ci(_column(group, DEVIATION), (0.0, math.inf)) if attack != "none" else None
@@ -109,27 +108,14 @@ def cells(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def _interval(name: str, interval: Interval) -> dict:
-    return {
-        f"{name}_mean": interval.mean,
-        f"{name}_lo": interval.lo,
-        f"{name}_hi": interval.hi,
-        f"{name}_split": interval.split,
-        f"{name}_values": " ".join(f"{v:.17g}" for v in interval.values),  # exact: ties are judged on them
-    }
-
-
-def interval_of(row, name: str) -> Interval:
-    """The ``Interval`` a cell row holds for ``name`` (accuracy, weight_share, deviation)."""
-    text = row[f"{name}_values"]
-    values = tuple(float(v) for v in text.split()) if isinstance(text, str) and text else ()
-    return Interval(row[f"{name}_mean"], row[f"{name}_lo"], row[f"{name}_hi"], values, bool(row[f"{name}_split"]))
+    return {f"{name}_mean": interval.mean, **interval.columns(name)}
 
 
 def tied(a, b) -> bool:
     """Whether two cells' runs have the same seeds and accuracies within ``TIE`` of each other seed by seed."""
     if a["seeds"] != b["seeds"] or not a["seeds"]:
         return False
-    x, y = interval_of(a, "accuracy").values, interval_of(b, "accuracy").values
+    x, y = Interval.from_row(a, "accuracy").values, Interval.from_row(b, "accuracy").values
     return len(x) == len(y) and all(abs(u - v) <= TIE or (math.isnan(u) and math.isnan(v)) for u, v in zip(x, y))
 
 
@@ -146,7 +132,7 @@ def _same_as(table: pd.DataFrame, row) -> str:
 def simultaneous(row, k: int) -> tuple[float, float]:
     """The cell's accuracy interval at the Bonferroni level 1 - (1 - CONFIDENCE) / k, cut to [0, 1]; the whole range
     where it has none (a single run): it then bounds nothing."""
-    interval = bounded_ci(interval_of(row, "accuracy").values, (0.0, 1.0), 1 - (1 - CONFIDENCE) / k)
+    interval = bounded_ci(Interval.from_row(row, "accuracy").values, (0.0, 1.0), 1 - (1 - CONFIDENCE) / k)
     return (0.0, 1.0) if math.isnan(interval.lo) else (interval.lo, interval.hi)
 
 
@@ -168,8 +154,7 @@ def worst(table: pd.DataFrame) -> pd.DataFrame:
         distinct = group[group["same_as"] == ""] if "same_as" in group else group
         k = len(distinct)
         low = distinct.loc[distinct["accuracy_mean"].idxmin()]
-        names = [a for a, (_, other) in zip(distinct["attack"], distinct.iterrows()) if tied(low, other)]
-        names = sorted(set(names) | {low["attack"]}, key=_order_key)
+        names = sorted({other["attack"] for _, other in distinct.iterrows() if tied(low, other)}, key=_order_key)
         if f == 0 or k == 1:
             lo, hi = low["accuracy_lo"], low["accuracy_hi"]
         else:
@@ -261,7 +246,7 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
                     row.append("-")
                     continue
                 w = key.loc[(rule, split, f, told)]
-                cell = interval_of(w, "accuracy").cell(brackets=f > 0)  # simultaneous: never a plain ± half-width
+                cell = Interval.from_row(w, "accuracy").cell(brackets=f > 0)  # simultaneous: never a plain ± half-width
                 if w["diverged_runs"]:
                     cell += f" ({int(w['diverged_runs'])}/{int(w['runs'])} diverged)"
                 row.append(cell + ("" if f == 0 else f" ({w['attack']})"))
@@ -294,7 +279,7 @@ def markdown(table: pd.DataFrame, worst_table: pd.DataFrame, experiment: str, ru
                             row.append("-")
                             continue
                         found = by_cell.loc[cell]
-                        shown = interval_of(found, name).cell(".3g" if name == "deviation" else 3)
+                        shown = Interval.from_row(found, name).cell(".3g" if name == "deviation" else 3)
                         if name != "accuracy" and f == 0:
                             shown = "-"
                         elif name == "weight_share" and f > 0 and np.isnan(found["weight_share_mean"]):
@@ -404,7 +389,7 @@ def heatmaps(table: pd.DataFrame, worst_table: pd.DataFrame, out: Path, experime
         columns,
         splits,
         lambda rule, ft, split: (
-            interval_of(low.loc[(rule, split, *ft)], "accuracy") if (rule, split, *ft) in low.index else None
+            Interval.from_row(low.loc[(rule, split, *ft)], "accuracy") if (rule, split, *ft) in low.index else None
         ),
         [_f_label(f, t, clients) for f, t in columns],
         splits,
@@ -414,7 +399,7 @@ def heatmaps(table: pd.DataFrame, worst_table: pd.DataFrame, out: Path, experime
 
     def cell(rule, attack, ft, split):
         key = (rule, split, "none" if ft[0] == 0 else attack, *ft)
-        return interval_of(by_cell.loc[key], "accuracy") if key in by_cell.index else None
+        return Interval.from_row(by_cell.loc[key], "accuracy") if key in by_cell.index else None
 
     for split in splits:
         panel_grid(

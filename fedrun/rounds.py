@@ -2,7 +2,6 @@
 result, and the recorder that finishes each aggregation's metrics row. The synchronous engine (``fedrun.engine``)
 and the asynchronous one (``fedrun.async_engine``) import it; neither imports the other."""
 
-import copy
 import math
 import time
 from collections.abc import Callable
@@ -309,8 +308,7 @@ class HonestReference:
         honest = ~np.asarray(lying, dtype=bool)
         if honest.all() or not honest.any():
             return None
-        copied = aggregation.reference(honest) if hasattr(aggregation, "reference") else copy.deepcopy(aggregation)
-        return cls(copied, honest)
+        return cls(aggregation.reference(honest), honest)
 
     def update(self, params: torch.Tensor, sent: torch.Tensor, view) -> torch.Tensor:
         rows = torch.as_tensor(self.honest, device=sent.device)

@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedrun.errors import ConfigError, check
-from fedrun.metrics import bounds, mean_ci, r_name
+from fedrun.metrics import bounds, mean_ci, r_name, within
 from fedrun.sweepdir import job_dirs, write_parent
 
 STUDY_FILE = "optuna_study.journal"  # the default storage, in the sweep dir
@@ -101,10 +101,7 @@ def objective_value(summary: pd.Series, objective: str) -> float:
 def objective_interval(objective: str, mean: float, half: float) -> tuple[float, float]:
     """The objective's 95% interval, mean ± half, cut to the objective's range where it has one (an accuracy:
     [0, 1], ``fedrun.metrics.bounds``)."""
-    low, high = mean - half, mean + half
-    if (bound := bounds(objective)) is not None:
-        low, high = max(low, bound[0]), min(high, bound[1])
-    return low, high
+    return within(mean - half, mean + half, bounds(objective))
 
 
 def read_summary(job_dir: Path) -> pd.Series:

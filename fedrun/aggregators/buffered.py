@@ -5,6 +5,7 @@ at aggregation) - (version the client pulled). The aggregate update is sum_j alp
 server optimizer applies (``server=sgd``: w <- w + server_lr * update).
 """
 
+import copy
 from collections import deque
 from dataclasses import dataclass
 
@@ -61,6 +62,10 @@ class AsyncAggregator(Stateful):
     reads_second_update = False
     alpha_informative = False  # as ``Aggregator.alpha_informative``: whether alpha follows the clients' staleness
     alpha_is_share = True  # as ``Aggregator.alpha_is_share``
+
+    def reference(self, keep: np.ndarray) -> "AsyncAggregator":
+        """As ``Aggregator.reference``: a copy in its state now, for the buffer's updates ``keep`` selects alone."""
+        return copy.deepcopy(self)
 
     def __init__(self, buffer_size: int = 5):
         check(isinstance(buffer_size, int) and buffer_size >= 1, "buffer_size", buffer_size, "an integer >= 1")

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from fedrun import robustness
+from fedrun.metrics import Interval
 
 T_2 = 4.302652729911275  # Student t, 0.975 quantile, 2 degrees of freedom (scipy.stats.t.ppf(0.975, 2))
 T_2_BONFERRONI_2 = 6.205346816570706  # t 0.9875 quantile, 2 df: each of k = 2 intervals at 1 - 0.05 / 2
@@ -104,7 +105,7 @@ def test_a_cell_of_few_seeds_shows_them_and_one_whose_seeds_disagree_is_split(ro
     for seed, value in enumerate((0.057, 0.057, 0.728)):  # the cell: a t interval of 0.281 ± 0.962
         rows.append(run("fedsoftmax", "label_flip", 2, seed, value))
     table = robustness.cells(frame(rows)).set_index(["rule", "attack"])
-    cell = robustness.interval_of(table.loc[("fedsoftmax", "label_flip")], "accuracy")
+    cell = Interval.from_row(table.loc[("fedsoftmax", "label_flip")], "accuracy")
     assert cell.split and cell.lo == 0.0 and cell.hi == 1.0
     assert cell.cell() == "split 0.281 [0.000, 1.000] (0.057, 0.057, 0.728)"
 
@@ -175,7 +176,7 @@ def test_no_cell_of_a_bounded_metric_leaves_its_range():
                 lo, hi = part[f"{name}_lo"].dropna(), part[f"{name}_hi"].dropna()
                 assert (lo >= 0).all() and (hi <= 1).all() and (lo <= hi).all(), (trial, name)
         for _, row in table.iterrows():
-            text = robustness.interval_of(row, "accuracy").cell()
+            text = Interval.from_row(row, "accuracy").cell()
             numbers = [float(x) for x in re.findall(r"-?\d+\.\d+", text)]
             assert all(0 <= x <= 1 for x in numbers), text
 
