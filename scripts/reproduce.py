@@ -16,6 +16,7 @@ Usage:
     python scripts/reproduce.py all
     python scripts/reproduce.py 000 --parts fedavg_iid fedsoftmax_iid   # some parts only (and the T sweep they need)
     python scripts/reproduce.py 002 --tiny     # one seed, two rounds, first value of each list: checks the commands
+    python scripts/reproduce.py 004 --set device.threads=1   # overrides added to every run
 """
 
 import argparse
@@ -355,6 +356,7 @@ PAPERS = {
                     "aggregator=fedbuff,fedstaleweight",
                     "schedule.rounds=2000",
                     "schedule.eval_every=50",
+                    "schedule.tail=250",  # judged on its last 5 evaluations (1800-2000), as the preset's 125 of 500
                     "seed={seeds}",
                 ),
             ),
@@ -375,9 +377,11 @@ def first_values(args: tuple[str, ...]) -> list[str]:
     return out
 
 
-def command(paper: str, part: Part, out: Path, seeds: int, temperature: str, tiny: bool) -> list[str]:
+def command(
+    paper: str, part: Part, out: Path, seeds: int, temperature: str, tiny: bool, extra: tuple[str, ...] = ()
+) -> list[str]:
     values = {"seeds": ",".join(str(s) for s in range(seeds)), "temperature": temperature}
-    args = [a.format(**values) for a in part.args]
+    args = [a.format(**values) for a in part.args] + list(extra)
     if tiny:  # TINY's keys replace the part's own (schedule.rounds=30 becomes 2)
         replaced = {t.partition("=")[0] for t in TINY}
         args = [a for a in first_values(tuple(args)) if a.partition("=")[0] not in replaced] + list(TINY)
@@ -453,13 +457,21 @@ def selected(spec: Paper, names: list[str] | None) -> list[Part]:
     return [p for p in spec.parts if p.name in names or (needs_t and p.name == "temperature")]
 
 
-def reproduce(paper: str, out: Path, seeds: int, tiny: bool, dry_run: bool, parts: list[str] | None = None) -> None:
+def reproduce(
+    paper: str,
+    out: Path,
+    seeds: int,
+    tiny: bool,
+    dry_run: bool,
+    parts: list[str] | None = None,
+    extra: tuple[str, ...] = (),
+) -> None:
     spec = PAPERS[paper]
     print(f"# {paper}: {spec.title}", flush=True)
     temperature = "1.0"
     chosen = selected(spec, parts)
     for part in chosen:
-        run(command(paper, part, out, seeds, temperature, tiny), dry_run)
+        run(command(paper, part, out, seeds, temperature, tiny, extra), dry_run)
         if part.tuning:
             run(report(paper, out, part.side), dry_run)
             if part.name == "temperature" and not dry_run:
@@ -511,11 +523,18 @@ def main() -> None:
         metavar="PART",
         help="only these parts of the paper (default: all; the report covers every run so far)",
     )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides added to every run (e.g. device.threads=1 to run beside other work); they are in each run's config",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for paper in PAPERS if args.paper == "all" else [args.paper]:
-        reproduce(paper, args.out, 1 if args.tiny else args.seeds, args.tiny, args.dry_run, args.parts)
+        reproduce(paper, args.out, 1 if args.tiny else args.seeds, args.tiny, args.dry_run, args.parts, tuple(args.set))
 
 
 if __name__ == "__main__":
