@@ -33,11 +33,9 @@ from fedrun.optimizers import base_lr
 from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
 from fedrun.rounds import (
+    AttackEffect,
     Bits,
-    HonestReference,
     RunResult,
-    attack_columns,
-    deviation_column,
     malicious_table,
     record,
 )
@@ -270,7 +268,7 @@ class AsyncEngine:
             ids, parts.attack.sizes(ids, sizes[ids], lying), staleness, loop.version, [b[3] for b in buffer]
         )
         deltas = torch.stack([b[1] for b in buffer])
-        honest = HonestReference.take(parts.aggregation, lying) if parts.attack else None
+        effect = AttackEffect(parts.attack, parts.aggregation, lying)
         before = loop.params
         update, alpha, diagnostics = parts.aggregation.aggregate(before, deltas, report)
         parts.stages.end_round()  # the buffer's updates all passed: an adaptive stage adapts once per aggregation
@@ -287,9 +285,7 @@ class AsyncEngine:
             "download_mb": len(ids) * bits.dense_mb,
         }
         row.update(dict.fromkeys(["test_accuracy", "test_loss"] + [f"accuracy/{g}" for g in label_sets], math.nan))
-        row.update(diagnostics, **attack_columns(parts.attack, lying, alpha, parts.aggregation.alpha_is_share))
-        reference = None if honest is None else honest.update(before, deltas, report)
-        row.update(deviation_column(update, reference, lying) if parts.attack else {})
+        row.update(diagnostics, **effect.columns(update, alpha, before, deltas, report))
         row.update({k: float(np.mean([b[4][k] for b in buffer])) for k in buffer[0][4]})
         return row, {"alpha": alpha_all}
 

@@ -48,6 +48,13 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ
 
 
+def several() -> bool:
+    """Whether this process is one of several ranks a launcher started (world size above 1), read from the
+    environment before the group is joined: a ``resume=`` under torchrun is spread over its ranks whatever the
+    command line says of the device (the saved config does)."""
+    return launched() and int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1))) > 1
+
+
 def rank() -> int:
     """This process's rank: 0 when it is not one of several (it writes everything), from the environment before the
     group is joined (the command line decides who writes before it builds anything)."""

@@ -33,13 +33,11 @@ from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
 from fedrun.personal import STATISTICS, columns, statistics
 from fedrun.rounds import (
+    AttackEffect,
     Bits,
-    HonestReference,
     RunResult,
     Schedule,
     Timer,
-    attack_columns,
-    deviation_column,
     malicious_table,
     progress,
     record,
@@ -58,6 +56,14 @@ class Loop:
     previous: torch.Tensor | None = None  # w_{t-1}, for aggregators that read it (MVR)
     latest_accuracy: float = math.nan  # what accuracy-triggered aggregators (hybrid) see
     fstar: dict = field(default_factory=dict)  # the F* estimate's cache
+
+    @classmethod
+    def started(cls, parts: Parts, checkpoint: Checkpoint | None, initial: torch.Tensor, seed: int) -> tuple:
+        """(loop, result, first round): as they were after the checkpoint's round, or new."""
+        if (saved := parts.restore(checkpoint)) is None:
+            return cls(initial, numpy_rng(seed, "sampling")), RunResult(initial), 1
+        loop = cls(**saved["loop"])
+        return loop, RunResult(loop.params, rows=saved["rows"]), saved["round"] + 1
 
 
 def run(
@@ -86,32 +92,25 @@ def run(
         schedule: Rounds, local work, sampling, evaluation.
         device: Where and how to train (a ``torch.device`` means the plain loop in the contiguous layout).
         seed: Run seed (client sampling and mini-batch streams).
-        on_round: Called after each round with the metrics row and per-client series over all clients
-            (``alpha``, ``local_steps``, ``selected``; 0 for clients not in the cohort).
-        client_tests: Each client's own held-out samples (indices into train), or None. When given, the
-            mean accuracy of the cohort's local models on them is logged as ``client_accuracy``, and each evaluated
-            round every client's model (``ClientState.models``) is judged on them (``personal/`` columns).
+        on_round: Called after each round with its row and per-client series (``alpha``, ``local_steps``, ...).
+        client_tests: Each client's own held-out samples (indices into train), or None: the cohort's local models
+            on them (``client_accuracy``), every client's model (``ClientState.models``) each evaluated round.
         checkpoint: Where and when to checkpoint, and whether to resume from its file (see fedrun.checkpoint).
-        client_vals: Each client's own validation samples (indices into train), or None: judged as
-            ``client_tests`` are (``personal/val_`` columns), the split a run's round is selected on.
+        client_vals: Each client's own validation samples, or None: as ``client_tests`` (``personal/val_``).
 
-    Returns: The final model and the metrics rows.
-    """
+    Returns: The final model and the metrics rows."""
     device, sizes = as_device(device), client_sizes(clients)  # a population's sizes: one shared array
     tensors, weighting = Tensors.on(device, model, data, clients), getattr(parts.aggregator, "weighting", "samples")
     first_lr, initial = base_lr(optimizer), flat_parameters(model)  # w_0, where the F* estimate starts
     workdir = checkpoint.path.parent if checkpoint is not None else None
     shape = dict(layout=layout(model), batch_norm=batch_norm_names(model))  # the flat model's layers, by name
     parts.bind(Context(schedule, sizes, seed, weighting, initial=initial, workdir=workdir, **shape))
-    loop, result, first = Loop(initial, numpy_rng(seed, "sampling")), RunResult(initial), 1
-    if (saved := parts.restore(checkpoint)) is not None:  # the loop as it was after round saved["round"]
-        loop, first = Loop(**saved["loop"]), saved["round"] + 1
-        result = RunResult(loop.params, rows=saved["rows"])
+    loop, result, first = Loop.started(parts, checkpoint, initial, seed)
     m = schedule.cohort_size(len(clients))
     x, y = parts.attack.training_data(*parts.client_state.training_data(tensors.x, tensors.y))
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
     fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)
-    fstar.cache.update(loop.fstar)
+    fstar.cache = loop.fstar  # one dict: the checkpoint's loop holds the estimates
     bits = Bits.of(parts.stages, initial, parts.client_state)
     root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
     judge = Judge(model, parts.client_state, trainer, tensors, clients, client_tests, client_vals, schedule, seed)
@@ -128,10 +127,8 @@ def run(
             selection, works, selected = who_trains(parts, selection, t, sizes, schedule, seed, len(clients))
             cohort, lr, lying = selection.cohort, schedule.lr(first_lr, t), parts.attack.malicious(t, selection.cohort)
             own = parts.client_state.data(cohort, [clients[i] for i in cohort])
-            trained_on, starts = (
-                parts.attack.data(t, cohort, own, lying),
-                parts.client_state.starts(loop.params, cohort),
-            )
+            trained_on = parts.attack.data(t, cohort, own, lying)  # a data-poisoning attack's clients train on theirs
+            starts = parts.client_state.starts(loop.params, cohort)
             with timer("train_wall_s"):
                 trained = parts.client_state.train(trainer, starts, trained_on, cohort, lr, works, seed, t)
             parts.client_state.keep(cohort, starts, trained.deltas)
@@ -142,9 +139,7 @@ def run(
                 sent, stage_diagnostics = parts.stages(sent, cohort, t)
                 parts.stages.end_round()
             local = client_accuracy_column(model, trainer, starts, trained.deltas, tensors, client_tests, cohort, own)
-            # The attack's effect: the same rule, in its state now, on the honest updates alone (after the round's
-            # own aggregation, which reads and times the signals; the reference is a measurement, in no column).
-            honest = HonestReference.take(parts.aggregation, lying) if parts.attack else None
+            effect = AttackEffect(parts.attack, parts.aggregation, lying)  # the rule in its state now, on the honest
             with timer("aggregate_wall_s"):
                 update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, sent, view)
                 parts.sampler.observe(cohort, sent)
@@ -153,24 +148,19 @@ def run(
             row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule)
             row.update(local, **diagnostics)
             row.update(selection.spread or {}, **stage_diagnostics, **timings(timer, view))
-            row.update(attack_columns(parts.attack, lying, alpha, parts.aggregation.alpha_is_share))
-            reference = None if honest is None else honest.update(loop.previous, sent, view)
-            row.update(deviation_column(update, reference, lying) if parts.attack else {})
+            row.update(effect.columns(update, alpha, loop.previous, sent, view))
             per_client = {"alpha": spread_over(alpha, cohort, len(clients)), "selected": selected}
             per_client["local_steps"] = spread_over(trained.steps, cohort, len(clients)).astype(int)
-            if judge:  # evaluated rounds: every client's own model on its held-out splits (NaN otherwise)
-                row.update(judge(loop.params, lr, t, per_client, measured=not diverged and schedule.evaluates(t)))
+            row.update(judge(loop.params, lr, t, per_client, measured=not diverged and schedule.evaluates(t)))
             last = record(row, loop.params, diverged, lr, schedule, measure, result, on_round, per_client, bar, started)
             loop.latest_accuracy = row[tensors.accuracy_source] if schedule.evaluates(t) else loop.latest_accuracy
             if checkpoint:
-                loop.fstar = fstar.cache
                 checkpoint.after_round(
                     t, row["round_wall_s"], last, lambda: snapshot("sync", t, last, parts, vars(loop), result.rows)
                 )
             bar.update()
             if last:
                 break
-        bar.close()
         finish(result, parts)
     finally:
         bar.close()  # before the caller's one-line error, so that the line is the last one printed
@@ -359,7 +349,9 @@ class Judge:
 
     def __call__(self, params: torch.Tensor, lr: float, t: int, per_client: dict, measured: bool = True) -> dict:
         """The round's ``personal/`` columns (NaN unless ``measured``) and its seconds; adds ``personal_accuracy``
-        to ``per_client`` when measured."""
+        to ``per_client`` when measured. None in a run that holds nothing out per client."""
+        if not self:
+            return {}
         if not measured:
             return dict.fromkeys(columns(), math.nan) | {"personal_eval_wall_s": 0.0}
         started, ids = time.perf_counter(), np.arange(len(self.clients))

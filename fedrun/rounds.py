@@ -315,6 +315,25 @@ class HonestReference:
         return self.copied.aggregate(params, sent[rows], view.subset(self.honest)).update
 
 
+class AttackEffect:
+    """What a round's attack achieved, for either engine: made before the round's aggregation (the honest reference
+    taken from the rule's state then), ``columns`` after it (``attack_columns`` and ``deviation_column``); no
+    columns in a run without an attack."""
+
+    def __init__(self, attack, aggregation, lying: np.ndarray):
+        self.attack, self.aggregation, self.lying = attack, aggregation, lying
+        self.honest = HonestReference.take(aggregation, lying) if attack else None
+
+    def columns(self, update: torch.Tensor, alpha: np.ndarray, params: torch.Tensor, sent: torch.Tensor, view) -> dict:
+        """The round's columns: ``params`` the model the round started from, ``sent`` and ``view`` what it
+        aggregated."""
+        if not self.attack:
+            return {}
+        reference = None if self.honest is None else self.honest.update(params, sent, view)
+        shares = attack_columns(self.attack, self.lying, alpha, self.aggregation.alpha_is_share)
+        return {**shares, **deviation_column(update, reference, self.lying)}
+
+
 def deviation_column(update: torch.Tensor, reference: torch.Tensor | None, lying: np.ndarray) -> dict:
     """``attack/deviation``: ||U - U_h|| / ||U_h||, how far the attack moved the round's aggregate U from the
     aggregate U_h the same rule gives on the honest updates alone (``HonestReference``), relative to the latter: 0

@@ -92,6 +92,27 @@ def resolve_uri(uri: str, start_dir: Path) -> str:
     return uri
 
 
+def log_run_dir(directory: Path, uri: str) -> None:
+    """Log the run dir's files as the open MLflow run's artifacts, except a tracking store kept in it: the SQLite
+    file of ``uri`` with its journals, and a folder holding the local artifact root. Logging that root into itself
+    never ends (each copy lands inside the root it copies; seen with ``tracking.uri=sqlite:///<run dir>/mlflow.db``)."""
+    import mlflow
+
+    root = mlflow.get_artifact_uri()
+    root = Path(root.removeprefix("file://")).resolve() if root.startswith(("file://", "/")) else None
+    db = Path(uri.removeprefix("sqlite:///")).resolve() if uri.startswith("sqlite:///") else None
+    for entry in sorted(Path(directory).iterdir()):
+        resolved = entry.resolve()
+        if root is not None and root.is_relative_to(resolved):
+            continue
+        if db is not None and resolved.parent == db.parent and resolved.name.split("-")[0] == db.name:
+            continue  # the store, or its journal (-journal, -wal, -shm)
+        if entry.is_dir():
+            mlflow.log_artifacts(str(entry), artifact_path=entry.name)
+        else:
+            mlflow.log_artifact(str(entry))
+
+
 PREFLIGHT_TIMEOUT_S = 10
 # MLflow retries an unreachable server for minutes by default; a run that loses its server mid-run should
 # stall for seconds, not minutes, before it goes on with the files alone (the user's own settings win).
@@ -578,7 +599,7 @@ class Tracker:
                     mlflow.log_metrics({mlflow_name(k, summary=True): float(v) for k, v in values.items()})
                 if tags:
                     mlflow.set_tags(tags)
-                mlflow.log_artifacts(str(self.dir))
+                log_run_dir(self.dir, self.uri)
         except Exception as exc:
             self._lost(exc)
         finally:

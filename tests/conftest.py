@@ -12,6 +12,21 @@ from fedrun.datasets import FederatedData
 
 FEDRUN = str(Path(sys.executable).parent / "fedrun")  # the installed console script, as a user runs it
 
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n``), each worker process and every ``fedrun`` it starts keep to their own share of the
+    cores: torch processes that each use every core slow each other far more than twice (the README's machine
+    note), so worker k of n is pinned to cores k, k + n, ... (one of them when there are more workers than cores)
+    and runs torch on that many threads. A run's default thread count is its usable cores, so the runs the tests
+    start resolve one thread per core of their worker."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cores, index, count = sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw")), int(count)
+    mine = set(cores[index::count]) or {cores[index % len(cores)]}
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+
 # A tiny federation for engine-level tests: 6 clients of 10 samples, 4 features, 3 classes, float64, seed 0.
 _G = torch.Generator().manual_seed(0)
 TINY_DATA = FederatedData(

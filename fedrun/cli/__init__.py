@@ -61,8 +61,7 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         for directory in held() - before:
             unlock(directory)
-        if distributed.chosen(cfg.device):
-            distributed.close()
+        distributed.close()  # a distributed run's group (also one resumed from a command line that does not say so)
 
 
 def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
@@ -93,6 +92,7 @@ def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
             preflight(resolve_uri(job.cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)))
         parts = setup(job.cfg)
         parts["device"].load_backend()  # imports a class of the user's: named on the command line (``open_job``)
+        settle_threads(job, hydra_cfg, parts["device"])
     except (ConfigError, FileNotFoundError) as exc:
         fail(hydra_cfg, f"fedrun: error: {exc}", 2)
     try:
@@ -126,9 +126,6 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
     seed job: its trial and study too). Returns it and the run's title."""
     cfg, output_dir, checkpoint = job.cfg, job.output_dir, job.checkpoint
     choices = {g: hydra_cfg.runtime.choices[g] for g in CONFIG_GROUPS if hydra_cfg.runtime.choices.get(g)}
-    cores = job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores()
-    if distributed.chosen(cfg.device):  # the ranks on this machine share its cores
-        cores = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     tags = {
         **choices,
         "seed": str(cfg.seed),
@@ -136,7 +133,7 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
         "git_commit": git_commit(),
         "torch_version": torch.__version__,
         "num_clients": str(len(parts["clients"])),
-        "torch_threads": str(parts["device"].use_cores(cores)),
+        "torch_threads": str(parts["device"].threads),
     }
     if report is not None:
         tags.update({"fedrun.trial": str(report.trial_number), "fedrun.study": report.study.study_name})
@@ -189,6 +186,33 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
     temporary.write_text(json.dumps(checkpoint.extra) + "\n")
     os.replace(temporary, output_dir / RUN_FILE)
     return tracker, title
+
+
+MAX_THREADS = 4096  # a thread count read back from a run dir is checked (the dir may come from elsewhere)
+
+
+def settle_threads(job: Job, hydra_cfg, device) -> int:
+    """Set the job's torch threads and default workers, resolved once per run: a run that continues (from its
+    checkpoint, or from round 1 after a stop before it) takes the counts its first start resolved (``run.json`` and
+    the checkpoint keep them), whatever the machine, the sweep's ``n_jobs`` or the world size now; matrix products
+    give other last bits at other thread counts. A new run resolves ``device.threads: null`` to the cores it may use
+    (all, or cores / jobs in a parallel sweep), one thread per rank for ``device.backend=distributed`` (the ranks
+    are the parallelism: a default that followed the ranks per machine would change a run's numbers with its world
+    size). Returns the threads set."""
+    saved = job.checkpoint.restored()["extra"] if job.checkpoint.resume else (job.reopened or {})
+    if "threads" in saved:
+        for key in ("threads", "cores"):
+            value = saved.get(key)
+            if not (isinstance(value, int) and 1 <= value <= MAX_THREADS):
+                raise ConfigError(f"{key} saved in {job.output_dir}", value, f"an integer from 1 to {MAX_THREADS}")
+        device.threads, cores = saved["threads"], saved["cores"]
+    else:
+        cores = job_cores(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else usable_cores()
+        if distributed.chosen(job.cfg.device) and device.threads is None:
+            device.threads = 1
+    device.threads = device.use_cores(cores)
+    job.checkpoint.extra.update(threads=device.threads, cores=cores)
+    return device.threads
 
 
 def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report=None) -> float | None:

@@ -68,7 +68,7 @@ class Job:
 
 def open_job(cfg: DictConfig, hydra_cfg) -> Job:
     """The job this invocation runs (see the module docstring); ConfigError for a resume that cannot be."""
-    if distributed.chosen(cfg.device):
+    if distributed.chosen(cfg.device) or (cfg.resume and distributed.several()):
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise ConfigError(
                 "device.backend", "distributed", "a single run (without -m: start one torchrun per job of a sweep)"
@@ -117,10 +117,23 @@ def follower_job(cfg: DictConfig, hydra_cfg) -> Job:
     output_dir, source = Path(tempfile.mkdtemp(prefix=f"fedrun-rank{distributed.rank()}-")), None
     if cfg.resume:
         source = Path(hydra_cfg.runtime.cwd, cfg.resume).resolve()
-        cfg = saved_config(source, cfg.resume)
+        cfg = spread_run(saved_config(source, cfg.resume), cfg.resume)
         cfg.resume = str(source)
     cfg.tracking.enabled = False
     return Job(cfg, output_dir, FollowerCheckpoint(output_dir, source), follower=True)
+
+
+def spread_run(saved: DictConfig, resume: str) -> DictConfig:
+    """``saved``, the config of the run ``resume=`` continues; a ConfigError when several ranks resume a run that
+    was not distributed (each would run it whole)."""
+    if distributed.several() and not distributed.chosen(saved.device):
+        raise ConfigError(
+            "resume",
+            resume,
+            f"a run of device.backend=distributed when torchrun or srun starts several ranks (this one ran with "
+            f"device.backend={saved.device.get('backend')}: resume it with plain fedrun)",
+        )
+    return saved
 
 
 def opened_run(output_dir: Path) -> dict | None:
@@ -154,7 +167,7 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
             f"no other overrides (the run continues with {directory / 'config.yaml'}); got {' '.join(others)}",
         )
     lock(directory, "resume", cfg.resume)  # before its checkpoint is read: a second resume, or the run itself, holds it
-    saved = saved_config(directory, cfg.resume)
+    saved = spread_run(saved_config(directory, cfg.resume), cfg.resume)
     saved.resume = str(directory)
     checkpoint = Checkpoint(directory, saved.checkpoint.every, resume=(directory / FILE).is_file())
     if checkpoint.resume and checkpoint.restored()["finished"]:

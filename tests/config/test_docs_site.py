@@ -2,6 +2,7 @@
 config reference holds every option and key of ``conf/``, found here by globbing ``conf/`` on its own."""
 
 import html
+import os
 import re
 import subprocess
 import sys
@@ -20,7 +21,10 @@ import doc_commands  # noqa: E402  (docs/_ext, not a package)
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """The site, built once as CI builds it: ``-W --keep-going`` turns every warning (a page outside the toctree, a
-    link or anchor that does not resolve, a docstring autodoc cannot read) into a failure."""
+    link or anchor that does not resolve, a docstring autodoc cannot read) into a failure. ``.ci/run`` builds it
+    first, as the README says, and names it in ``FEDRUN_SITE``: the site is built once per CI run."""
+    if built := os.environ.get("FEDRUN_SITE"):
+        return Path(built)
     out = tmp_path_factory.mktemp("site")
     done = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],

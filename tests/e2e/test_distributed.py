@@ -2,6 +2,7 @@
 metrics.csv as the loop's, rank 0 alone writing; the refusals."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,12 +16,13 @@ from conftest import FEDRUN, mlflow_runs
 pytestmark = pytest.mark.e2e
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-COMMON = ["device=cpu", "device.threads=1", "tracking.experiment=distributed"]
+COMMON = ["device=cpu", "tracking.experiment=distributed"]
 
 
 def command(out, *args, ranks: int | None = None) -> list[str]:
+    """The loop's command at one thread, or torchrun's at its default (one thread per rank, whatever the ranks)."""
     start = [FEDRUN] if ranks is None else [TORCHRUN, "--standalone", f"--nproc_per_node={ranks}", "-m", "fedrun"]
-    backend = [] if ranks is None else ["device.backend=distributed"]
+    backend = ["device.threads=1"] if ranks is None else ["device.backend=distributed"]
     return [*start, *backend, *COMMON, *args, f"hydra.run.dir={out}"]
 
 
@@ -111,6 +113,24 @@ def test_the_trainer_on_two_ranks_gives_the_loops_values_and_a_ranks_error_reach
     assert found[0]["error"].startswith("RuntimeError: rank 1 failed: ConfigError: device.inner")
 
 
+def test_several_ranks_resuming_a_run_that_was_not_distributed_are_refused_in_one_line(tmp_path):
+    out = tmp_path / "loop"
+    fedrun(tmp_path, out, "schedule.rounds=1", "tracking.enabled=false")
+    done = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "fedrun", f"resume={out}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+    )
+    assert done.returncode != 0
+    line = (
+        f"fedrun: error: resume='{out}' is invalid: allowed is a run of device.backend=distributed when torchrun or "
+        "srun starts several ranks (this one ran with device.backend=auto: resume it with plain fedrun)"
+    )
+    assert done.stderr.count(line) == 2, done.stderr[-3000:]  # each rank, before anything runs twice
+
+
 def test_the_distributed_backend_outside_torchrun_is_refused_in_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
     done = subprocess.run(
@@ -141,7 +161,7 @@ def rank_process(parent: int, rank: int) -> int:
 
 
 @pytest.mark.slow
-def test_a_lost_rank_ends_the_run_killed_and_it_resumes_on_one_rank_with_the_same_numbers(tmp_path):
+def test_a_lost_rank_ends_the_run_killed_and_it_resumes_on_one_rank_and_on_three_with_the_same_numbers(tmp_path):
     args = ["schedule.rounds=20", "checkpoint.every=1", "aggregator=fedsoftmax"]
     whole, out = tmp_path / "whole", tmp_path / "ranks"
     subprocess.run(command(whole, "device.backend=loop", *args), cwd=tmp_path, capture_output=True, check=True)
@@ -159,11 +179,14 @@ def test_a_lost_rank_ends_the_run_killed_and_it_resumes_on_one_rank_with_the_sam
     assert "fedrun: stopped: another rank was lost" in stderr, stderr[-3000:]
     client, runs = mlflow_runs(tmp_path / "outputs" / "mlflow.db", "distributed")
     assert [r.info.status for r in runs if r.data.tags["output_dir"] == str(out)] == ["KILLED"]
-    resumed = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc_per_node=1", "-m", "fedrun", f"resume={out}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    pd.testing.assert_frame_equal(metrics(out), metrics(whole), check_exact=True)
+    shutil.copytree(out, tmp_path / "three", symlinks=True)  # the same stopped run, resumed on three ranks
+    for ranks, resumed_dir in ((1, out), (3, tmp_path / "three")):
+        resumed = subprocess.run(
+            [TORCHRUN, "--standalone", f"--nproc_per_node={ranks}", "-m", "fedrun", f"resume={resumed_dir}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        # The default threads (one per rank) and nothing else of the machine or the world size: bit for bit
+        pd.testing.assert_frame_equal(metrics(resumed_dir), metrics(whole), check_exact=True)

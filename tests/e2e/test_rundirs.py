@@ -223,3 +223,21 @@ def test_fedrun_import_copies_no_symbolic_link_and_marks_a_failed_import_failed(
     )
     failed = line.split("its MLflow run ")[1].split(" ")[0]
     assert client.get_run(failed).info.status == "FAILED"
+
+
+def test_a_store_kept_inside_the_run_dir_is_not_logged_into_itself(tmp_path):
+    """The run dir is the run's artifacts, but for the tracking store kept in it: the SQLite file and the artifact
+    root beside it (copying that root into itself nested ``mlartifacts/<id>/artifacts/mlartifacts/...`` until the
+    file name was too long, and MLflow missed the run's artifacts)."""
+    import mlflow
+
+    out = tmp_path / "run"
+    uri = f"sqlite:///{out}/mlflow.db"
+    args = ["schedule.rounds=1", "partition.num_clients=4", f"hydra.run.dir={out}", f"tracking.uri={uri}"]
+    done = subprocess.run([FEDRUN, *args, "tracking.experiment=inside"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0 and "MLflow missed" not in done.stderr, done.stderr[-3000:]
+    client = mlflow.MlflowClient(uri)
+    run = client.search_runs([client.get_experiment_by_name("inside").experiment_id])[0]
+    logged = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"metrics.csv", "summary.csv", "config.yaml"} <= logged
+    assert not logged & {"mlflow.db", "mlartifacts"}

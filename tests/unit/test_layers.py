@@ -119,3 +119,10 @@ def test_only_the_tracking_layer_imports_mlflow():
     importers = mlflow_importers()
     assert "fedrun.tracking" in importers  # the finder still sees the one module that does
     assert [module for module in importers if module != "fedrun.tracking"] == []
+
+
+def test_the_synchronous_engines_run_stays_within_100_lines():
+    """The round's shape is read in one screenful or two (the house rule: engine.run had grown to 116 lines)."""
+    tree = ast.parse((ROOT / "fedrun" / "engine.py").read_text())
+    run = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run")
+    assert run.end_lineno - run.lineno + 1 <= 100
