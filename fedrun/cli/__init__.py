@@ -203,7 +203,7 @@ def settle_threads(job: Job, hydra_cfg, device) -> int:
     if "threads" in saved:
         for key in ("threads", "cores"):
             value = saved.get(key)
-            if not (isinstance(value, int) and 1 <= value <= MAX_THREADS):
+            if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_THREADS):
                 raise ConfigError(f"{key} saved in {job.output_dir}", value, f"an integer from 1 to {MAX_THREADS}")
         device.threads, cores = saved["threads"], saved["cores"]
     else:

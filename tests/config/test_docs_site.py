@@ -17,6 +17,8 @@ sys.path.insert(0, str(DOCS / "_ext"))
 
 import doc_commands  # noqa: E402  (docs/_ext, not a package)
 
+pytestmark = pytest.mark.xdist_group("site")  # the site built once, on one worker
+
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):

@@ -1,5 +1,6 @@
 """End-to-end runs of the real ``fedrun`` command on tiny settings, checked through MLflow and the files."""
 
+import json
 import os
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def test_main_job_logs_metrics_alpha_and_artifacts(fedrun, store):
     metrics, alpha = pd.read_csv(job / "metrics.csv"), pd.read_csv(job / "alpha.csv")
     assert list(metrics["round"]) == [1, 2, 3] and alpha.shape == (3, 6)
     assert metrics["test_accuracy"].iloc[-1] == pytest.approx(history[-1].value)
+    saved = json.loads((job / "run.json").read_text())  # the counts a resume takes (tests/unit/cli/test_threads.py)
+    assert saved["threads"] == saved["cores"] == len(os.sched_getaffinity(0)) == int(run.data.tags["torch_threads"])
     assert not (fedrun.cwd / "mlruns").exists()
 
 

@@ -113,6 +113,7 @@ def test_the_trainer_on_two_ranks_gives_the_loops_values_and_a_ranks_error_reach
     assert found[0]["error"].startswith("RuntimeError: rank 1 failed: ConfigError: device.inner")
 
 
+@pytest.mark.slow
 def test_several_ranks_resuming_a_run_that_was_not_distributed_are_refused_in_one_line(tmp_path):
     out = tmp_path / "loop"
     fedrun(tmp_path, out, "schedule.rounds=1", "tracking.enabled=false")

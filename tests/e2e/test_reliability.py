@@ -1,7 +1,6 @@
 """Never lose a run: checkpoints, kill-and-resume through the real CLI, clean stops on signals, tracking
 outages, fedrun-import, one-line errors."""
 
-import json
 import os
 import signal
 import subprocess
@@ -286,27 +285,6 @@ def test_sigterm_stops_after_the_round_as_killed_with_artifacts_and_a_resume_com
     assert rows_written(tmp_path / "run") == 30
     _, runs = mlflow_runs(store, "resume")
     assert next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "run")).info.status == "FINISHED"
-
-
-def test_a_continued_run_takes_the_thread_count_its_first_start_resolved_and_refuses_a_crafted_one(tmp_path, store):
-    out = tmp_path / "run"
-    first = start(tmp_path, out, store, "schedule.rounds=1", "partition.num_clients=4")
-    assert first.wait() == 0, first.communicate()[1][-3000:]
-    saved = json.loads((out / RUN_FILE).read_text())
-    assert saved["threads"] == saved["cores"] == len(os.sched_getaffinity(0))  # device.threads: null, every core
-    (out / FILE).unlink()  # as if stopped before its first checkpoint: it restarts from run.json
-    (out / RUN_FILE).write_text(json.dumps({**saved, "threads": 3, "cores": 5}))  # another machine's counts
-    done = subprocess.run([FEDRUN, f"resume={out}"], cwd=tmp_path, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    continued = json.loads((out / RUN_FILE).read_text())  # written again by the continued run, from what it used
-    assert (continued["threads"], continued["cores"]) == (3, 5)
-    (out / FILE).unlink()
-    (out / RUN_FILE).write_text(json.dumps({**saved, "threads": 10**9}))  # nothing read from a run dir is trusted
-    done = subprocess.run([FEDRUN, f"resume={out}"], cwd=tmp_path, capture_output=True, text=True)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        f"fedrun: error: threads saved in {out}=1000000000 is invalid: allowed is an integer from 1 to 4096"
-    )
 
 
 def test_resume_refuses_other_overrides_and_missing_checkpoints_in_one_line(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import FEDRUN, mlflow_runs, sweep_runs
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group("remote")]  # one server, one worker
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 
 

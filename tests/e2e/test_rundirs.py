@@ -225,6 +225,7 @@ def test_fedrun_import_copies_no_symbolic_link_and_marks_a_failed_import_failed(
     assert client.get_run(failed).info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_a_store_kept_inside_the_run_dir_is_not_logged_into_itself(tmp_path):
     """The run dir is the run's artifacts, but for the tracking store kept in it: the SQLite file and the artifact
     root beside it (copying that root into itself nested ``mlartifacts/<id>/artifacts/mlartifacts/...`` until the
