@@ -62,7 +62,7 @@ def same_rows(resumed: Path, whole: Path, saved: int | None = None) -> None:
     difference there is two fresh runs differing, not the resume)."""
     left, right = deterministic(resumed), deterministic(whole)
     try:
-        pd.testing.assert_frame_equal(left, right)
+        pd.testing.assert_frame_equal(left, right, check_exact=True)  # pandas' default is rtol=1e-5 for floats
     except AssertionError as error:
         differ = [c for c in left.columns if c in right and not left[c].equals(right[c])]
         shown = pd.concat({"resumed": left[["round", *differ]], "whole": right[["round", *differ]]}, axis=1)
@@ -195,7 +195,9 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     tables = ("alpha.csv", "selected.csv")[: 2 if (tmp_path / "whole" / "selected.csv").exists() else 1]
     optional = tuple(n for n in ("malicious.csv", "personal_accuracy.csv") if (tmp_path / "whole" / n).exists())
     for name in tables + optional:
-        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "killed" / name), pd.read_csv(tmp_path / "whole" / name))
+        pd.testing.assert_frame_equal(
+            pd.read_csv(tmp_path / "killed" / name), pd.read_csv(tmp_path / "whole" / name), check_exact=True
+        )
     client, runs = mlflow_runs(store, "resume")
     run = next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "killed"))
     assert run.info.status == "FINISHED"
@@ -222,7 +224,7 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_in_its_dir_and_mlflow
     assert "restarting" in resumed.stderr and "from round 1" in resumed.stderr
     same_rows(tmp_path / "killed", tmp_path / "whole")
     pd.testing.assert_frame_equal(
-        pd.read_csv(tmp_path / "killed" / "alpha.csv"), pd.read_csv(tmp_path / "whole" / "alpha.csv")
+        pd.read_csv(tmp_path / "killed" / "alpha.csv"), pd.read_csv(tmp_path / "whole" / "alpha.csv"), check_exact=True
     )
     client, runs = mlflow_runs(store, "resume")
     mine = [r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "killed")]
@@ -549,7 +551,9 @@ def test_a_killed_sweep_resumes_skipping_finished_jobs_and_equals_an_uninterrupt
     assert "job 0 (" in resumed.stderr and "had finished: skipped" in resumed.stderr
     assert f"resuming {tmp_path / 'killed' / '1'} after round" in resumed.stderr
     for job in ("0", "1", "2"):
-        pd.testing.assert_frame_equal(deterministic(tmp_path / "killed" / job), deterministic(tmp_path / "whole" / job))
+        pd.testing.assert_frame_equal(
+            deterministic(tmp_path / "killed" / job), deterministic(tmp_path / "whole" / job), check_exact=True
+        )
     changed = subprocess.run(
         [
             FEDRUN,
