@@ -105,8 +105,8 @@ def log_run_dir(directory: Path, uri: str) -> None:
         resolved = entry.resolve()
         if root is not None and root.is_relative_to(resolved):
             continue
-        if db is not None and resolved.parent == db.parent and resolved.name.split("-")[0] == db.name:
-            continue  # the store, or its journal (-journal, -wal, -shm)
+        if db is not None and resolved.parent == db.parent and f"{resolved.name}-".startswith(f"{db.name}-"):
+            continue  # the store, or its journal (-journal, -wal, -shm); a store named my-runs.db too
         if entry.is_dir():
             mlflow.log_artifacts(str(entry), artifact_path=entry.name)
         else:
