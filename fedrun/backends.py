@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedrun.clients import client_rows, client_signal, cohort_losses, train_cohort
+from fedrun.clients import client_rows, client_signal, cohort_losses
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import check
+from fedrun.programs import train_cohort
 from fedrun.trainer import Trainer
 from fedrun.vmap import vmap_supported
 
@@ -251,7 +252,9 @@ class LoopTrainer(Trainer):
     def __init__(self, model, x, y, make_optimizer):
         self.model, self.x, self.y, self.make_optimizer = model, x, y, make_optimizer
 
-    def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
+    def __call__(
+        self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
+    ) -> CohortUpdate:
         return train_cohort(
             self.model,
             global_params,
@@ -265,6 +268,7 @@ class LoopTrainer(Trainer):
             seed,
             round_,
             stream,
+            program,
         )
 
     def losses(self, params, parts, batch_size) -> ClientLosses:
@@ -297,10 +301,10 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
         kind, args = task
         try:
             if kind == "train":
-                params, parts, client_ids, works, lr, seed, round_, stream = args
+                params, parts, client_ids, works, lr, seed, round_, stream, program = args
                 connection.send(
                     train_cohort(
-                        model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream
+                        model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream, program
                     )
                 )
             elif kind == "signal":
@@ -348,7 +352,9 @@ class ProcessTrainer(Trainer):
             self.connections.append(parent)
             self.processes.append(process)
 
-    def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
+    def __call__(
+        self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
+    ) -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
         blocks = _blocks([passes(len(p), w) for p, w in zip(parts, works)], len(self.connections))
         results = self._scatter(
@@ -363,6 +369,7 @@ class ProcessTrainer(Trainer):
                 seed,
                 client_rows(round_, lo, hi),
                 stream,
+                None if program is None else program.rows(lo, hi),
             ),
         )
         return CohortUpdate.concat(results, global_params)

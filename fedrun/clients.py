@@ -1,7 +1,7 @@
 """Clients are data: an index array into the training tensors. Their work is functions over the cohort.
 
-``train_cohort`` is the one place local training happens; it takes the whole cohort so it can be
-parallelised or vectorised later without touching the round loop.
+The passes over clients' data (their losses, accuracies, per-client signals) and the pieces of a local step that
+the client programs share (``fedrun.programs``, where ``train_cohort`` runs a program over a cohort).
 """
 
 import math
@@ -12,10 +12,9 @@ import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
-from fedrun.models import batch_norms, flat_parameters, load_flat
+from fedrun.cohort import ClientLosses, LocalWork
+from fedrun.models import batch_norms, load_flat
 from fedrun.optimizers import base_lr, coefficient_norm
-from fedrun.seeding import torch_generator
 
 # Inference chunks. On a CPU, small enough that the activations stay in cache: for the papers' CNN on 12,500
 # MNIST images with 2 threads, 64 took 0.26 s against 0.27 (128), 0.39 (256) and 1.12 (1024). On a GPU,
@@ -388,89 +387,6 @@ def client_rows(value, lo: int, hi: int):
 def per_client_round(round_, row: int) -> int:
     """Client ``row``'s round (the key of its mini-batch stream): ``round_`` itself or its entry (one each)."""
     return int(round_) if np.ndim(round_) == 0 else int(round_[row])
-
-
-def train_cohort(
-    model: nn.Module,
-    global_params: torch.Tensor,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    parts: list[np.ndarray],
-    client_ids: np.ndarray,
-    make_optimizer: Callable[..., torch.optim.Optimizer],
-    lr: float,
-    work: LocalWork | list[LocalWork],
-    seed: int,
-    round_: int | np.ndarray,
-    stream: str = "batches",
-) -> CohortUpdate:
-    """Train each cohort client from the global model.
-
-    Args:
-        model: A module whose parameters are overwritten (a workspace, not a client's model).
-        global_params: Flat global model w the round started from, or one row per client (each client's own
-            start: the asynchronous engine's clients pulled different versions; the F* estimate's epochs).
-        x, y: Training tensors on the training device.
-        parts: Each cohort client's sample indices.
-        client_ids: The cohort's client ids (they key each client's mini-batch stream).
-        make_optimizer: ``make_optimizer(params, lr=...)`` gives a fresh local solver.
-        lr: Local learning rate of this round.
-        work: How much local work, the same for all or one per client.
-        seed: Run seed; mini-batch order comes from its ``stream`` keyed by (round, client).
-        round_: The round, 1-based, or one per client (an asynchronous client's job count).
-        stream: Name of the mini-batch random stream.
-
-    Returns:
-        The updates (each from its client's start), last-epoch running losses (the last ceil(n / batch_size)
-        mini-batches, in both scales), step counts and FedNova coefficient norms.
-    """
-    works = work if isinstance(work, list) else [work] * len(parts)
-    dimension = global_params.shape[-1]
-    deltas = torch.empty(len(parts), dimension, dtype=global_params.dtype, device=global_params.device)
-    mixing = any(job.mix is not None for job in works)  # APFL: a personal model and its alpha train beside w
-    personal_deltas = torch.zeros_like(deltas) if mixing else None
-    mixes = np.full(len(parts), np.nan) if mixing else None
-    local_mean, local_authors = np.full(len(parts), np.nan), np.full(len(parts), np.nan)
-    steps, norms = np.zeros(len(parts), dtype=int), np.zeros(len(parts))
-    model.train()
-    for row, (part, client, job) in enumerate(zip(parts, client_ids, works)):
-        start, client_round = per_client_start(global_params, row), per_client_round(round_, row)
-        load_flat(model, start)
-        for name, parameter in model.named_parameters():  # FedRep's phases: the frozen part keeps its start
-            parameter.requires_grad_(name not in job.freeze)
-        # fresh state: clients keep nothing across rounds (a frozen parameter is no solver's: it gets no step)
-        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], lr=lr)
-        index = torch.as_tensor(part, device=x.device)
-        pull = (job.prox, _anchors(model, job.anchor.to(start))) if job.prox else None
-        if hasattr(optimizer, "start_round"):  # solvers whose step follows the round (STORM's eta_t)
-            optimizer.start_round(client_round, _loss_closure(model, optimizer, x, y, index, pull))  # all its samples
-        generator = torch_generator(seed, stream, client_round, int(client))
-        plain = plain_sgd_step(optimizer)
-        batch_losses, batch_sizes = [], []
-        if job.mix is not None:
-            v0 = job.personal.to(start)
-            v, alpha = v0, float(job.mix)
-        for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, generator):
-            chosen = index[batch.to(x.device)]
-            if job.mix is not None:  # from the step's (w, v, alpha), before w moves: the same mini-batch
-                v, alpha = apfl_step(model, flat_parameters(model), v, alpha, x[chosen], y[chosen], lr, job.mix_lr)
-            closure = _loss_closure(model, optimizer, x, y, chosen, pull)
-            batch_losses.append((plain(closure) if plain else optimizer.step(closure)).detach())
-            batch_sizes.append(len(batch))
-        for parameter in model.parameters():
-            parameter.requires_grad_(True)
-        deltas[row] = flat_parameters(model) - start
-        if job.mix is not None:
-            personal_deltas[row], mixes[row] = v - v0, alpha
-        steps[row] = len(batch_losses)
-        norms[row] = solver_coefficient_norm(optimizer, len(batch_losses), lr)
-        if batch_losses:
-            last = -(-len(part) // job.batch_size)  # batches in one epoch
-            epoch_losses = torch.stack(batch_losses[-last:]).double().cpu().numpy()
-            local_mean[row] = np.average(epoch_losses, weights=batch_sizes[-last:])
-            local_authors[row] = epoch_losses.sum() / len(part)
-    model.eval()
-    return CohortUpdate(deltas, ClientLosses(local_mean, local_authors), steps, norms, personal_deltas, mixes)
 
 
 def apfl_step(

@@ -73,6 +73,8 @@ class CohortUpdate:
         coefficient_norms: FedNova's ||a_i||_1 of each client's solver and steps.
         personal_deltas: With ``LocalWork.mix`` (APFL): v_i' - v_i, each client's personal-model update; else None.
         mixes: With ``LocalWork.mix``: each client's alpha after its local work; else None.
+        kept: With a client program that keeps a state (``fedrun.programs``): each client's state after its local
+            work, one row per client; else None.
     """
 
     deltas: torch.Tensor
@@ -81,6 +83,27 @@ class CohortUpdate:
     coefficient_norms: np.ndarray
     personal_deltas: torch.Tensor | None = None
     mixes: np.ndarray | None = None
+    kept: torch.Tensor | None = None
+
+    @staticmethod
+    def of(done: list, params: torch.Tensor) -> "CohortUpdate":
+        """The cohort's update from each client's ``fedrun.programs.Finished`` record, in cohort order."""
+        if not done:
+            return CohortUpdate.concat([], params)
+        mixing = any(f.personal_delta is not None for f in done)
+        return CohortUpdate(
+            deltas=torch.stack([f.delta for f in done]),
+            local_losses=ClientLosses(np.array([f.loss_mean for f in done]), np.array([f.loss_authors for f in done])),
+            steps=np.array([f.steps for f in done], dtype=int),
+            coefficient_norms=np.array([f.norm for f in done], dtype=float),
+            personal_deltas=torch.stack(
+                [f.delta.new_zeros(f.delta.shape) if f.personal_delta is None else f.personal_delta for f in done]
+            )
+            if mixing
+            else None,
+            mixes=np.array([f.mix for f in done], dtype=float) if mixing else None,
+            kept=torch.stack([f.kept for f in done]) if done[0].kept is not None else None,
+        )
 
     @staticmethod
     def concat(parts: list["CohortUpdate"], params: torch.Tensor) -> "CohortUpdate":
@@ -98,6 +121,7 @@ class CohortUpdate:
             coefficient_norms=np.concatenate([p.coefficient_norms for p in parts]),
             personal_deltas=None if parts[0].personal_deltas is None else torch.cat([p.personal_deltas for p in parts]),
             mixes=None if parts[0].mixes is None else np.concatenate([p.mixes for p in parts]),
+            kept=None if parts[0].kept is None else torch.cat([p.kept for p in parts]),
         )
 
 

@@ -127,7 +127,9 @@ class DistributedTrainer(Trainer):
             raise ConfigError("device.backend", "distributed", "a process that has joined its process group")
         self.inner, self.rank, self.world = inner, dist.get_rank(), dist.get_world_size()
 
-    def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
+    def __call__(
+        self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
+    ) -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
         blocks = _blocks([passes(len(p), w) for p, w in zip(parts, works)], self.world)
         lo, hi = blocks[self.rank]
@@ -143,8 +145,9 @@ class DistributedTrainer(Trainer):
                 seed,
                 client_rows(round_, lo, hi),
                 stream,
+                None if program is None else program.rows(lo, hi),
             )
-            sent["deltas"], sent["personal"] = update.deltas, update.personal_deltas
+            sent["deltas"], sent["personal"], sent["kept"] = update.deltas, update.personal_deltas, update.kept
             for name, value in sent.items():  # checked here, where an error reaches every rank (not in all_gather)
                 if value is not None and (value.shape != (hi - lo, d) or value.dtype != global_params.dtype):
                     raise RuntimeError(
@@ -152,16 +155,19 @@ class DistributedTrainer(Trainer):
                         f"{(hi - lo, d)} {global_params.dtype}"
                     )
             update.deltas, update.personal_deltas = None, update.personal_deltas is not None
+            update.kept = update.kept is not None
             return update
 
         pieces = self._gathered(mine, lo < hi)
-        rows, personal = [end - start for start, end in blocks], any(piece.personal_deltas for piece in pieces)
+        rows = [end - start for start, end in blocks]
+        personal, keeps = any(piece.personal_deltas for piece in pieces), any(piece.kept for piece in pieces)
         deltas = self._stacked(sent.get("deltas"), rows, global_params)
         personal_deltas = self._stacked(sent.get("personal"), rows, global_params) if personal else None
+        kept = self._stacked(sent.get("kept"), rows, global_params) if keeps else None  # a state as wide as the model
         for piece in pieces:
-            piece.deltas, piece.personal_deltas = deltas[:0], None
+            piece.deltas, piece.personal_deltas, piece.kept = deltas[:0], None, None
         update = CohortUpdate.concat(pieces, global_params)
-        update.deltas, update.personal_deltas = deltas, personal_deltas
+        update.deltas, update.personal_deltas, update.kept = deltas, personal_deltas, kept
         return update
 
     def _stacked(self, mine: torch.Tensor | None, rows: list[int], like: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def run(
     trainer = device.trainer(model, x, y, optimizer, m * passes(int(sizes.mean()), schedule.work))
     fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)
     fstar.cache = loop.fstar  # one dict: the checkpoint's loop holds the estimates
-    bits = Bits.of(parts.stages, initial, parts.client_state)
+    bits = Bits.of(parts.stages, initial, parts.client_state, parts.client)
     root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
     judge = Judge(model, parts.client_state, trainer, tensors, clients, client_tests, client_vals, schedule, seed)
     bar = progress(first, schedule.rounds, "rounds", "round")
@@ -130,7 +130,7 @@ def run(
             trained_on = parts.attack.data(t, cohort, own, lying)  # a data-poisoning attack's clients train on theirs
             starts = parts.client_state.starts(loop.params, cohort)
             with timer("train_wall_s"):
-                trained = parts.client_state.train(trainer, starts, trained_on, cohort, lr, works, seed, t)
+                trained = parts.train(trainer, starts, trained_on, cohort, lr, works, seed, t)
             parts.client_state.keep(cohort, starts, trained.deltas)
             view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes, root)
             view = reported(view, parts.attack, lying, probe, selection)  # what the attackers report
@@ -143,7 +143,7 @@ def run(
             with timer("aggregate_wall_s"):
                 update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, sent, view)
                 parts.sampler.observe(cohort, sent)
-                loop.previous, loop.params = loop.params, parts.server.step(loop.params, update)
+                loop.previous, loop.params = loop.params, parts.step(loop.params, update, sent, cohort)
             diverged = not torch.isfinite(loop.params).all()
             row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule)
             row.update(local, **diagnostics)
@@ -322,9 +322,9 @@ def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, div
         "round": t,
         "train_loss": train_loss,
         "lr": lr,
-        "upload_mb": len(cohort) * (bits.upload_mb + (models - 1) * bits.dense_mb)
+        "upload_mb": len(cohort) * (bits.upload_mb + (models - 1 + bits.extra_up) * bits.dense_mb)
         + selection.probed * LOSS_BYTES / 1e6,
-        "download_mb": (models * len(cohort) + unkept) * bits.dense_mb,
+        "download_mb": ((models + bits.extra_down) * len(cohort) + unkept) * bits.dense_mb,
         "local_steps_mean": float(trained.steps.mean()) if len(cohort) else 0.0,
         "cohort_size": len(cohort),
     }

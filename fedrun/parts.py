@@ -1,7 +1,7 @@
 """The parts of a round, held together, with one lifecycle.
 
 A round reads: select (``sampler``), each client's start and data (``client_state``), how much each trains
-(``heterogeneity``), train, what the attackers send and report instead (``attack``), the stages (``pipeline``: clip, noise, compress), aggregate (``aggregator``: FedAvg, a
+(``heterogeneity``), train (``client``: the program each client runs, ``fedrun.programs``), what the attackers send and report instead (``attack``), the stages (``pipeline``: clip, noise, compress), aggregate (``aggregator``: FedAvg, a
 loss-weighted rule, or a privacy mechanism wrapping FedAvg), the server step (``server``), what clients keep
 (``client_state``), record. ``privacy`` is the accountant the private parts report to (its ledger, its stop).
 
@@ -26,6 +26,7 @@ from fedrun.errors import ConfigError
 from fedrun.heterogeneity import EqualWork
 from fedrun.pipeline import Pipeline
 from fedrun.privacy import Privacy
+from fedrun.programs import LocalSGD
 from fedrun.sampling import Uniform
 from fedrun.servers import ServerOptimizer
 from fedrun.state import Context, Stateful
@@ -102,12 +103,15 @@ class Parts:
     sampler: Any = None
     heterogeneity: Any = None
     client_state: Any = None
+    client: Any = None
     pipeline: Any = None
     server: Any = None
     privacy: Any = None
     attack: Any = None
 
-    NAMES = ("sampler", "heterogeneity", "client_state", "attack", "pipeline", "aggregator", "server", "privacy")
+    NAMES = (
+        "sampler", "heterogeneity", "client_state", "client", "attack", "pipeline", "aggregator", "server", "privacy",
+    )  # fmt: skip
 
     def __post_init__(self):
         for name, default in DEFAULTS.items():  # None: the default part (plain objects passed through as None)
@@ -136,6 +140,16 @@ class Parts:
                     part.bind(context)
                 except ConfigError as exc:  # a part's own key (count) gets its group (attack.count); a full one stays
                     raise exc if "." in exc.key else exc.within(GROUPS.get(name, name)) from None
+
+    def train(self, trainer, starts, data, cohort, lr, works, seed, t) -> CohortUpdate:
+        """The cohort's local work: the client program (``client``) run as the client state says (its starts;
+        plain SGD through ``ClientState.train``: FedRep's phases, Ditto's personal model)."""
+        return self.client.train(self.client_state, trainer, starts, data, cohort, lr, works, seed, t)
+
+    def step(self, params: torch.Tensor, update: torch.Tensor, sent: torch.Tensor, cohort: np.ndarray) -> torch.Tensor:
+        """The server's step from the round's aggregate: the client program's server half adjusts it (FedDyn's h),
+        then the server optimizer steps along it."""
+        return self.server.step(params, self.client.adjust(update, sent, cohort))
 
     def exhausted(self) -> bool:
         """Whether the run must end before the next round (privacy: it would pass ``max_epsilon``)."""
@@ -168,6 +182,7 @@ DEFAULTS = {
     "sampler": Uniform,
     "heterogeneity": EqualWork,
     "client_state": ClientState,
+    "client": LocalSGD,
     "pipeline": Pipeline,
     "server": ServerOptimizer,
     "privacy": Privacy,

@@ -22,8 +22,6 @@ percentile and minimum) and ``fedrun.metrics.summarise`` (the round selected on 
 
 import fnmatch
 import math
-import os
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -35,112 +33,7 @@ from fedrun.cohort import CohortUpdate
 from fedrun.errors import ConfigError, check
 from fedrun.parts import ClientState
 from fedrun.state import Context
-
-# ---------------------------------------------------------------------------------------------------------- store
-
-
-class PersonalStore:
-    """Per-client tensors, held only for the clients that have some.
-
-    Up to ``budget_mb`` megabytes stay in memory (the most recently used); beyond it the least recently used are
-    written to ``directory`` (one ``torch.save`` file per client and version, read back with
-    ``weights_only=True``: a run dir's files never run code) and read back when the client is asked for. A file is
-    never rewritten: a checkpoint names the files it holds, so the files a checkpoint names survive until a later
-    checkpoint replaces it, and a kill between the two loses nothing.
-
-    Args:
-        budget_mb: Megabytes of tensors kept in memory.
-        directory: Where spilled tensors go (None: nothing may spill; the budget is then only a bound on the tensors
-            held, which a run without a directory never exceeds by refusing in ``put``).
-    """
-
-    def __init__(self, budget_mb: float, directory: Path | None = None):
-        self.budget = int(budget_mb * 1e6)
-        self.directory = Path(directory) if directory is not None else None
-        self.memory: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self.disk: dict[int, str] = {}  # client -> file name in directory
-        self.written = 0  # files written so far: the next file's version
-        self.bytes = 0
-        self._files: set[str] = set()  # every file this store may still need or must delete
-        self._saved: set[str] = set()  # the files the last checkpoint names
-        self._swept = False  # whether files of an earlier attempt (a restart before any checkpoint) were deleted
-
-    def __contains__(self, client: int) -> bool:
-        return client in self.memory or client in self.disk
-
-    def __len__(self) -> int:
-        return len(self.memory) + len(self.disk)
-
-    def get(self, client: int) -> torch.Tensor | None:
-        """The client's tensor (read back from disk when spilled), or None when it has none."""
-        client = int(client)
-        if client in self.memory:
-            self.memory.move_to_end(client)
-            return self.memory[client]
-        if client not in self.disk:
-            return None
-        value = torch.load(self.directory / self.disk.pop(client), weights_only=True)["value"]
-        self._hold(client, value)
-        return value
-
-    def put(self, client: int, value: torch.Tensor) -> None:
-        client = int(client)
-        if client in self.memory:
-            self.bytes -= _nbytes(self.memory.pop(client))
-        self.disk.pop(client, None)  # the file stays until no checkpoint names it
-        self._hold(client, value.detach().clone())
-
-    def _hold(self, client: int, value: torch.Tensor) -> None:
-        self.memory[client] = value
-        self.bytes += _nbytes(value)
-        while self.bytes > self.budget and len(self.memory) > 1:
-            self._spill(*self.memory.popitem(last=False))
-
-    def _spill(self, client: int, value: torch.Tensor) -> None:
-        if self.directory is None:
-            raise MemoryError("personal state over its memory budget and no directory to spill it to")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        name = f"{client}.{self.written}.pt"
-        self.written += 1
-        temporary = self.directory / f".{name}.tmp"
-        torch.save({"value": value.cpu()}, temporary)
-        os.replace(temporary, self.directory / name)
-        self.bytes -= _nbytes(value)
-        self.disk[client] = name
-        self._files.add(name)
-
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps: the tensors in memory, the names of the spilled files. Files that neither this
-        checkpoint nor the one before it names are deleted (the one before is on disk by now; this one may not be
-        yet); at the first, so are the files of an attempt that ended before any checkpoint (no checkpoint names
-        them and this store never wrote them)."""
-        named = set(self.disk.values())
-        if not self._swept and self.directory is not None and self.directory.is_dir():
-            for path in self.directory.glob("*.pt"):
-                if path.name not in self._files:
-                    path.unlink()
-        self._swept = True
-        for name in self._files - named - self._saved:
-            (self.directory / name).unlink(missing_ok=True)
-        self._files, self._saved = named | self._saved, named
-        return {"memory": dict(self.memory), "disk": dict(self.disk), "written": self.written}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.memory = OrderedDict((int(c), v) for c, v in state.get("memory", {}).items())
-        self.bytes = sum(_nbytes(v) for v in self.memory.values())
-        self.disk = {int(c): str(n) for c, n in state.get("disk", {}).items()}
-        self.written = int(state.get("written", 0))
-        self._files = self._saved = set(self.disk.values())
-        self._swept = True  # below
-        if self.directory is not None and self.directory.is_dir():  # written after the checkpoint: orphans
-            for path in self.directory.glob("*.pt"):
-                if path.name not in self._files:
-                    path.unlink()
-
-
-def _nbytes(value: torch.Tensor) -> int:
-    return value.numel() * value.element_size()
-
+from fedrun.store import PersonalStore
 
 # ------------------------------------------------------------------------------------------------------- methods
 

@@ -243,15 +243,21 @@ class Timer(dict):
 class Bits:
     """Megabytes of one model sent down (dense) and of one client's update sent up (through the stages: a
     compressed message, or a dense one again after noise), over the coordinates a client exchanges with the server
-    (``ClientState.shared``: FedPer's clients neither receive nor send their head)."""
+    (``ClientState.shared``: FedPer's clients neither receive nor send their head); ``extra_down`` and
+    ``extra_up``: the dense model-sized messages a client program exchanges besides (SCAFFOLD's variates)."""
 
     dense_mb: float
     upload_mb: float
+    extra_down: int = 0
+    extra_up: int = 0
 
     @classmethod
-    def of(cls, pipeline, params: torch.Tensor, client_state=None) -> "Bits":
+    def of(cls, pipeline, params: torch.Tensor, client_state=None, program=None) -> "Bits":
         d = params.numel() if client_state is None else client_state.shared(params.numel())
-        return cls(d * params.element_size() / 1e6, upload_message_mb(pipeline, d, params.element_size()))
+        down, up = (1, 1) if program is None else program.exchanged()
+        return cls(
+            d * params.element_size() / 1e6, upload_message_mb(pipeline, d, params.element_size()), down - 1, up - 1
+        )
 
 
 def progress(first: int, rounds: int, desc: str, unit: str) -> tqdm:

@@ -41,9 +41,12 @@ class Trainer:
         takes more than these overrides it."""
         return cls(model, x, y, make_optimizer)
 
-    def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
+    def __call__(
+        self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
+    ) -> CohortUpdate:
         """Train each cohort client from ``global_params`` on its ``parts`` entry with its (round, client) stream;
-        ``work`` is one ``LocalWork`` or one per client. ``global_params`` may hold one row per client and
+        ``work`` is one ``LocalWork`` or one per client; ``program`` the client program to run
+        (``fedrun.programs.Program``: its rows of own states go with the clients; None: plain local SGD). ``global_params`` may hold one row per client and
         ``round_`` one entry per client (the asynchronous engine's clients started from different versions and
         are at different jobs; the F* estimate's clients at different points). The updates come back in cohort
         order, each from its client's start."""

@@ -26,11 +26,12 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.functional import cross_entropy
 
-from fedrun.clients import _batches, client_rows, cohort_losses, per_client_round, train_cohort
+from fedrun.clients import _batches, client_rows, cohort_losses, per_client_round
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import ConfigError
 from fedrun.models import BatchSoftmax
 from fedrun.optimizers import ProxSGD, base_lr, coefficient_norm
+from fedrun.programs import train_cohort
 from fedrun.seeding import torch_generator
 from fedrun.trainer import Trainer
 
@@ -136,12 +137,15 @@ class VmapTrainer(Trainer):
 
         self._grad = vmap(grad_and_value(loss))
 
-    def __call__(self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches") -> CohortUpdate:
+    def __call__(
+        self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
+    ) -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
-        if not all(job.plain for job in works):  # a personal phase (frozen layers, Ditto's pull): the loop's training
+        if not all(job.plain for job in works) or (program is not None and not program.program.plain):
+            # a personal phase (frozen layers, Ditto's pull) or a client program other than plain SGD: the loop's
             return train_cohort(
                 self.model, global_params, self.x, self.y, parts, client_ids, self.make_optimizer, lr, works, seed,
-                round_, stream,
+                round_, stream, program,
             )  # fmt: skip
         rule = SGDRule.of(self.make_optimizer, lr)
         size = self.chunk or max(1, len(parts))

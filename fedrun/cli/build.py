@@ -96,10 +96,11 @@ def setup(cfg: DictConfig) -> dict:
     objects["sampler"] = build("sampler", cfg.sampler)
     objects["attack"] = build("attack", cfg.attack)
     objects["client_state"] = build("personalization", cfg.personalization)
+    objects["client"] = build("client", cfg.client)
     objects["privacy"] = privacy
     compat.check(objects)  # every combination that cannot run, before the dataset is read
     # A state a checkpoint cannot hold fails now, not at round 10.
-    for group in ("aggregator", "server", "pipeline", "sampler", "attack", "client_state"):
+    for group in ("aggregator", "server", "pipeline", "sampler", "attack", "client_state", "client"):
         key = "personalization" if group == "client_state" else group
         try:
             encode(objects[group].state_dict(), key)

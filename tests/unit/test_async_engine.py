@@ -404,9 +404,10 @@ def test_each_arrival_trains_at_the_rate_of_the_aggregation_it_joins(monkeypatch
 @pytest.mark.parametrize("backend", ["loop", "processes", "vmap"])
 def test_the_fstar_estimate_trains_its_clients_together_equal_to_each_alone_on_every_backend(backend):
     from fedrun.backends import Device
-    from fedrun.clients import FStarEstimate, cohort_losses, train_cohort
+    from fedrun.clients import FStarEstimate, cohort_losses
     from fedrun.cohort import LocalWork
     from fedrun.models import flat_parameters
+    from fedrun.programs import train_cohort
 
     torch.manual_seed(0)
     net = Logistic((4,), 3).double()

@@ -10,9 +10,10 @@ from numpy.testing import assert_allclose
 from torch.nn.functional import cross_entropy
 
 from fedrun.aggregators import FedAvg, RoundView
-from fedrun.clients import LocalWork, _batches, cohort_losses, train_cohort
+from fedrun.clients import LocalWork, _batches, cohort_losses
 from fedrun.models import MLP, flat_parameters, load_flat
 from fedrun.parts import Parts
+from fedrun.programs import train_cohort
 from fedrun.seeding import torch_generator
 
 torch.manual_seed(0)

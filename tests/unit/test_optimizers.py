@@ -8,11 +8,12 @@ import torch
 from numpy.testing import assert_allclose
 
 from fedrun.aggregators import MVR, FedAvg, FedNova, RoundView
-from fedrun.clients import LocalWork, train_cohort
+from fedrun.clients import LocalWork
 from fedrun.heterogeneity import RandomSteps, Stragglers
 from fedrun.models import MLP, flat_parameters
 from fedrun.optimizers import STORM, ProxSGD, coefficient_norm
 from fedrun.parts import Parts
+from fedrun.programs import train_cohort
 from fedrun.servers import ServerOptimizer
 
 torch.manual_seed(0)

@@ -1,0 +1,516 @@
+"""The ``client`` group: what one client computes in a round, as a program every backend runs without knowing it.
+
+A program has three calls over flat tensors (fedjax's ``for_each_client``: ``client_init``, ``client_step``,
+``client_final``): ``start(client, start, own, shared)`` gives a client's local state from the model it starts
+from, its own state kept from earlier rounds and what the server broadcasts besides the model; ``step(local,
+batch)`` takes one mini-batch step; ``finish(local)`` gives its ``Finished`` record (the update it uploads, the
+state it keeps, its report: losses, steps, FedNova's norm). ``train_cohort`` runs one program over a cohort, and is
+what every backend calls (the loop here, the worker processes and the distributed ranks on their blocks of clients;
+vmap trains plain local SGD batched and hands any other program to the loop).
+
+The options:
+
+- ``sgd`` (``LocalSGD``): local training with the run's local solver (``optimizer=``), FedAvg's client. It also
+  runs what a personalisation method asks of a client's work (``LocalWork``: FedRep's frozen phases, Ditto's pull,
+  APFL's mixture).
+- ``scaffold`` (``Scaffold``): SCAFFOLD's control variates (Karimireddy et al. 2020, Algorithm 1, option II).
+- ``feddyn`` (``FedDyn``): FedDyn's dynamic regulariser (Acar et al. 2021, Algorithm 1).
+- ``moon`` (``Moon``): MOON's model-contrastive term (Li, He and Song 2021, Algorithm 1).
+
+Per-client state (SCAFFOLD's c_i, FedDyn's gradient term, MOON's previous local model) is one flat tensor per
+client, held only for the clients that have trained, in a ``fedrun.personal.PersonalStore`` (a memory budget,
+spilled to ``client/`` in the run dir beyond it, restored exactly by a checkpoint): a population of a million holds
+the state of the clients that trained, never a table of all of them. What the server keeps (SCAFFOLD's c, FedDyn's
+h) is the program's own state, checkpointed with it. A program travels to worker processes without that state
+(``__getstate__``): the clients get what ``start`` is given, nothing more.
+"""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.functional import cross_entropy
+
+from fedrun.clients import (
+    _anchors,
+    _batches,
+    _loss_closure,
+    apfl_step,
+    per_client_round,
+    per_client_start,
+    plain_sgd_step,
+    solver_coefficient_norm,
+)
+from fedrun.cohort import CohortUpdate
+from fedrun.errors import check
+from fedrun.models import flat_parameters, load_flat
+from fedrun.seeding import torch_generator
+from fedrun.state import Context
+from fedrun.store import PersonalStore
+
+
+@dataclass
+class Client:
+    """One client's call: its workspace, data and work (``index``: its samples in ``x``, ``y``)."""
+
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    index: torch.Tensor
+    job: object  # fedrun.cohort.LocalWork
+    lr: float
+    make_optimizer: object
+    id: int
+    round: int
+    seed: int
+    stream: str
+
+
+@dataclass
+class Local:
+    """A client's state during its local work (``start``'s result, stepped by ``step``)."""
+
+    client: Client
+    start: torch.Tensor
+    own: torch.Tensor | None
+    shared: torch.Tensor | None
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator
+    plain: object  # plain_sgd_step's fast step, or None
+    pull: tuple | None
+    losses: list
+    sizes: list
+    personal: tuple | None = None  # APFL: (v0, v, alpha)
+
+
+@dataclass
+class Finished:
+    """What a client's program gives back: its upload, the state it keeps, its report."""
+
+    delta: torch.Tensor
+    kept: torch.Tensor | None
+    steps: int
+    norm: float
+    loss_mean: float
+    loss_authors: float
+    personal_delta: torch.Tensor | None = None
+    mix: float = math.nan
+
+
+class LocalSGD:
+    """Plain local training (FedAvg's client), and the base of every program: ``start`` loads the start into the
+    workspace and builds the local solver, ``step`` takes a solver step on the mini-batch's loss (``objective``,
+    then ``corrected``), ``finish`` reads the update. A new local objective overrides ``objective`` (a term added
+    to the mini-batch loss) or ``corrected`` (the gradients before the solver's step), ``finish`` (the state it
+    keeps), and on the server's side ``initial``, ``shared``, ``server_keep`` and ``adjust``.
+
+    Args:
+        memory_mb: Megabytes of per-client state kept in memory (programs that keep some); beyond it the least
+            recently used clients' state is spilled to ``client/`` in the run dir.
+    """
+
+    keeps = False  # capability: it keeps a state per client between rounds
+    name = "sgd"
+
+    def __init__(self, memory_mb: float = 1024.0):
+        check(
+            isinstance(memory_mb, (int, float)) and memory_mb > 0, "memory_mb", memory_mb, "a number of megabytes > 0"
+        )
+        self.memory_mb = memory_mb
+        self.context: Context | None = None
+        self.store = PersonalStore(memory_mb)
+        self.server: torch.Tensor | None = None  # the server's own state (SCAFFOLD's c, FedDyn's h)
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is plain local SGD (what vmap batches and a personalisation method may train with)."""
+        return type(self) is LocalSGD
+
+    def __getstate__(self) -> dict:  # to a worker process: the program without the server's state
+        return {**self.__dict__, "store": None, "server": None, "context": None}
+
+    # -------------------------------------------------------------------------------------------- the client's side
+
+    def start(self, client: Client, start: torch.Tensor, own: torch.Tensor | None, shared) -> Local:
+        job, model = client.job, client.model
+        own, shared = (None if t is None else t.to(start) for t in (own, shared))
+        load_flat(model, start)
+        for name, parameter in model.named_parameters():  # FedRep's phases: the frozen part keeps its start
+            parameter.requires_grad_(name not in job.freeze)
+        # fresh state: clients keep no solver across rounds (a frozen parameter is no solver's: it gets no step)
+        optimizer = client.make_optimizer([p for p in model.parameters() if p.requires_grad], lr=client.lr)
+        pull = (job.prox, _anchors(model, job.anchor.to(start))) if job.prox else None
+        if hasattr(optimizer, "start_round"):  # solvers whose step follows the round (STORM's eta_t)
+            optimizer.start_round(client.round, _loss_closure(model, optimizer, client.x, client.y, client.index, pull))
+        generator = torch_generator(client.seed, client.stream, client.round, client.id)
+        local = Local(client, start, own, shared, optimizer, generator, plain_sgd_step(optimizer), pull, [], [])
+        if job.mix is not None:
+            v0 = job.personal.to(start)
+            local.personal = (v0, v0, float(job.mix))
+        return local
+
+    def step(self, local: Local, batch: torch.Tensor) -> Local:
+        client = local.client
+        chosen = client.index[batch.to(client.x.device)]
+        if local.personal is not None:  # from the step's (w, v, alpha), before w moves: the same mini-batch
+            v0, v, alpha = local.personal
+            v, alpha = apfl_step(
+                client.model, flat_parameters(client.model), v, alpha, client.x[chosen], client.y[chosen],
+                client.lr, client.job.mix_lr,
+            )  # fmt: skip
+            local.personal = (v0, v, alpha)
+        closure = self.closure(local, chosen)
+        local.losses.append((local.plain(closure) if local.plain else local.optimizer.step(closure)).detach())
+        local.sizes.append(len(batch))
+        return local
+
+    def closure(self, local: Local, chosen: torch.Tensor):
+        """The solver's closure for the mini-batch ``chosen``: the loss (and ``objective``'s term) with fresh
+        gradients, ``corrected``; it returns the data term, which is what the client reports."""
+        client = local.client
+        if self.plain:
+            return _loss_closure(client.model, local.optimizer, client.x, client.y, chosen, local.pull)
+        data = _loss_closure(client.model, local.optimizer, client.x, client.y, chosen, local.pull)
+
+        def closure():
+            extra = self.objective(local, chosen)
+            if extra is None:
+                loss = data()
+            else:  # the data term's gradients and the term's, together
+                local.optimizer.zero_grad(set_to_none=True)
+                loss = cross_entropy(client.model(client.x[chosen]), client.y[chosen])
+                (loss + extra(local)).backward()
+                loss = loss.detach()
+            self.corrected(local)
+            return loss
+
+        return closure
+
+    def objective(self, local: Local, chosen: torch.Tensor):
+        """A term added to the mini-batch loss, as a function of ``local`` run inside the closure after the model's
+        forward, or None (the data term alone)."""
+        return None
+
+    def corrected(self, local: Local) -> None:
+        """Change the gradients before the solver steps (SCAFFOLD's and FedDyn's corrections); default: none."""
+
+    def finish(self, local: Local) -> Finished:
+        client, job = local.client, local.client.job
+        for parameter in client.model.parameters():
+            parameter.requires_grad_(True)
+        delta = flat_parameters(client.model) - local.start
+        steps = len(local.losses)
+        mean = authors = math.nan
+        if steps:
+            last = -(-len(client.index) // job.batch_size)  # batches in one epoch
+            epoch_losses = torch.stack(local.losses[-last:]).double().cpu().numpy()
+            mean = float(np.average(epoch_losses, weights=local.sizes[-last:]))
+            authors = float(epoch_losses.sum() / len(client.index))
+        finished = Finished(
+            delta, self.kept(local, delta, steps), steps, solver_coefficient_norm(local.optimizer, steps, client.lr),
+            mean, authors,
+        )  # fmt: skip
+        if local.personal is not None:
+            v0, v, alpha = local.personal
+            finished.personal_delta, finished.mix = v - v0, alpha
+        return finished
+
+    def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor | None:
+        """The state the client keeps after this round (None: it keeps nothing)."""
+        return None
+
+    # -------------------------------------------------------------------------------------------- the server's side
+
+    def bind(self, context: Context) -> None:
+        self.context = context
+        directory = None if context.workdir is None else Path(context.workdir) / "client"
+        self.store = PersonalStore(self.memory_mb, directory)
+
+    def initial(self, d: int) -> torch.Tensor | None:
+        """A client's own state before it first trains (None: the program keeps none)."""
+        return None
+
+    def owns(self, cohort: np.ndarray, like: torch.Tensor) -> torch.Tensor | None:
+        """The cohort's own states, one row per client (None when the program keeps none)."""
+        if not self.keeps:
+            return None
+        d = like.shape[-1]
+        rows = [self.store.get(int(c)) for c in cohort]
+        initial = self.initial(d)
+        return torch.stack([(initial if r is None else r).to(like) for r in rows]) if len(cohort) else None
+
+    def shared(self) -> torch.Tensor | None:
+        """What the server sends every client besides the model (SCAFFOLD's c), or None."""
+        return None
+
+    def train(self, client_state, trainer, starts, data, cohort, lr, works, seed, t) -> CohortUpdate:
+        """The cohort's round of local work: plain SGD as the client state trains it (``ClientState.train``:
+        FedRep's phases, Ditto's personal model); any other program through the trainer, its states kept."""
+        if self.plain:
+            return client_state.train(trainer, starts, data, cohort, lr, works, seed, t)
+        owns = self.owns(cohort, starts)
+        trained = trainer(starts, data, cohort, lr, works, seed, t, program=Program(self, owns, self.shared()))
+        if len(cohort):
+            self.server_keep(cohort, owns, trained.kept)
+            for row, client in enumerate(cohort):
+                self.store.put(int(client), trained.kept[row].cpu())
+        return trained
+
+    def server_keep(self, cohort: np.ndarray, before: torch.Tensor, after: torch.Tensor) -> None:
+        """The server's state after the cohort's clients changed theirs from ``before`` to ``after``."""
+
+    def adjust(self, update: torch.Tensor, sent: torch.Tensor, cohort: np.ndarray) -> torch.Tensor:
+        """The server's update after aggregation (FedDyn's h), from the aggregated ``update`` and what the cohort
+        ``sent``; default: the aggregate."""
+        return update
+
+    def exchanged(self) -> tuple[int, int]:
+        """Models a client downloads and updates it uploads each round, counting the control variates."""
+        return 1, 1
+
+    def state_dict(self) -> dict:
+        if not self.keeps:
+            return {}
+        return {"store": self.store.state_dict(), "server": self.server}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.keeps:
+            self.store.load_state_dict(state.get("store", {}))
+            self.server = state.get("server")
+
+
+@dataclass
+class Program:
+    """A program as a trainer call carries it: the program and the cohort's own states and broadcast."""
+
+    program: LocalSGD
+    owns: torch.Tensor | None = None
+    shared: torch.Tensor | None = None
+
+    def rows(self, lo: int, hi: int) -> "Program":
+        """The call for clients [lo, hi) of the cohort (a worker's or a rank's block)."""
+        return Program(self.program, None if self.owns is None else self.owns[lo:hi], self.shared)
+
+
+PLAIN = Program(LocalSGD())
+
+
+class Scaffold(LocalSGD):
+    """SCAFFOLD (Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning",
+    Algorithm 1). Each local step corrects the gradient by the variates, y <- y - eta_l (g_i(y) - c_i + c) (line 10);
+    after K steps the client's variate is option II's, c_i+ = c_i - c + (x - y_i) / (K eta_l) (line 12); the server
+    keeps c <- c + (1/N) sum_{i in S} (c_i+ - c_i) (line 17, |S|/N times the cohort's mean) and steps the model
+    along the run's aggregate of the y_i - x (line 16: with ``aggregator=fedavg aggregator.weighting=uniform`` and
+    ``server.lr`` eta_g, the paper's x <- x + eta_g mean(Delta y)). Every c_i starts at 0, c at 0 (line 1).
+
+    Option II reuses the local steps' own displacement (no extra pass over the client's data); option I, the
+    gradient of the client's data at x, costs a pass and is not offered. The correction goes into the run's local
+    solver: with plain SGD it is the paper's step. Each client downloads c beside x and uploads c_i+ - c_i beside
+    its update (``exchanged``).
+    """
+
+    keeps, name = True, "scaffold"
+
+    def initial(self, d: int) -> torch.Tensor:
+        return torch.zeros(d)
+
+    def shared(self) -> torch.Tensor | None:
+        return torch.zeros(self.context.layout[-1][2]) if self.server is None else self.server
+
+    def corrected(self, local: Local) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in local.client.model.parameters():
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.add_((local.shared[offset : offset + n] - local.own[offset : offset + n]).view_as(p))
+                offset += n
+
+    def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
+        if not steps:
+            return local.own.clone()
+        return local.own - local.shared - delta / (steps * local.client.lr)  # (x - y_i) = -delta
+
+    def server_keep(self, cohort, before, after) -> None:
+        total = len(self.context.sizes)  # N: every client of the run
+        self.server = self.shared() + (after - before).sum(0).cpu() / total
+
+    def exchanged(self) -> tuple[int, int]:
+        return 2, 2
+
+
+class FedDyn(LocalSGD):
+    """FedDyn (Acar et al. 2021, "Federated Learning Based on Dynamic Regularization", Algorithm 1). Client k
+    minimises L_k(theta) - <grad L_k(theta_k^{t-1}), theta> + (alpha / 2) ||theta - theta^{t-1}||^2 from the
+    server's theta^{t-1} (line 6); its linear term starts at 0 and becomes grad L_k(theta_k^{t-1}) - alpha
+    (theta_k^t - theta^{t-1}) (line 7, the first-order condition of its problem). The server keeps
+    h^t = h^{t-1} - alpha (1/m) sum_{k in P_t} (theta_k^t - theta^{t-1}) over the m clients of the run (line 9) and
+    sets theta^t = (1/|P_t|) sum theta_k^t - (1/alpha) h^t (line 10): here the run's aggregate of the updates less
+    h^t / alpha (``adjust``; the paper's with ``aggregator.weighting=uniform`` and server SGD at lr 1).
+
+    The regulariser enters as its gradient, -g_k + alpha (theta - theta^{t-1}), added to the data term's (the local
+    loss a client reports is the data term, as FedProx's). In its first round (g_k = 0) a client solves FedProx's
+    problem with mu = alpha.
+
+    Args:
+        alpha: alpha > 0 (the paper's 0.01-0.1; FL-bench 0.01, PFLlib 0.01).
+    """
+
+    keeps, name = True, "feddyn"
+
+    def __init__(self, alpha: float = 0.01, memory_mb: float = 1024.0):
+        super().__init__(memory_mb)
+        check(isinstance(alpha, (int, float)) and alpha > 0, "alpha", alpha, "a number > 0")
+        self.alpha = float(alpha)
+
+    def initial(self, d: int) -> torch.Tensor:
+        return torch.zeros(d)
+
+    def corrected(self, local: Local) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in local.client.model.parameters():
+                n = p.numel()
+                if p.grad is not None:
+                    anchor = local.start[offset : offset + n].view_as(p)
+                    p.grad.add_(p - anchor, alpha=self.alpha).sub_(local.own[offset : offset + n].view_as(p))
+                offset += n
+
+    def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
+        return local.own - self.alpha * delta
+
+    def adjust(self, update: torch.Tensor, sent: torch.Tensor, cohort: np.ndarray) -> torch.Tensor:
+        h = torch.zeros_like(update) if self.server is None else self.server.to(update)
+        if len(cohort):
+            h = h - self.alpha * sent.sum(0) / len(self.context.sizes)
+        self.server = h.cpu()
+        return update - h / self.alpha
+
+
+class Moon(LocalSGD):
+    """MOON (Li, He and Song 2021, "Model-Contrastive Federated Learning", Algorithm 1). Each mini-batch's loss is
+    the data term plus mu times the model-contrastive loss (eq. 3),
+
+        l_con = -log( exp(sim(z, z_glob) / tau) / (exp(sim(z, z_glob) / tau) + exp(sim(z, z_prev) / tau)) ),
+
+    with z, z_glob and z_prev the representations of the inputs under the local model being trained, the round's
+    global model and the client's previous local model (its model at the end of its last round; the initial global
+    model before: the authors' code starts every ``prev_nets`` at it), and sim the cosine similarity. The
+    representation is the input of the model's last layer (the module holding its last parameter): for ``mlp`` the
+    last hidden layer's 200 (or ``hidden[-1]``) units, for ``cnn`` and ``fedavg_cnn`` the flattened features before
+    ``fc``, for ``leaf_cnn`` its 2048-unit dense layer, for ``char_lstm`` the last step's LSTM output. The paper adds
+    a projection head before it; fedrun's models have none, as PFLlib's and FL-bench's MOON use the base's output.
+    A model whose last layer reads its raw inputs (``logistic``) has no representation to contrast: refused.
+
+    Args:
+        mu: Weight of the contrastive term (the paper: 1 on MNIST-like data, 5 on CIFAR-10); 0 is FedAvg.
+        tau: Temperature (the paper's 0.5).
+    """
+
+    keeps, name = True, "moon"
+
+    def __init__(self, mu: float = 1.0, tau: float = 0.5, memory_mb: float = 1024.0):
+        super().__init__(memory_mb)
+        check(isinstance(mu, (int, float)) and mu >= 0, "mu", mu, "a number >= 0")
+        check(isinstance(tau, (int, float)) and tau > 0, "tau", tau, "a number > 0")
+        self.mu, self.tau = float(mu), float(tau)
+
+    def bind(self, context: Context) -> None:
+        super().bind(context)
+        if context.layout:
+            names = [name for name, _, _ in context.layout]
+            check(
+                len({n.rsplit(".", 1)[0] for n in names}) > 1,
+                "client",
+                "moon",
+                "a model with a layer before its last (logistic has none: its representation would be its inputs)",
+            )
+
+    def initial(self, d: int) -> torch.Tensor:
+        return self.context.initial
+
+    def objective(self, local: Local, chosen: torch.Tensor):
+        if not self.mu:
+            return None
+        model, x = local.client.model, local.client.x[chosen]
+        with torch.no_grad():
+            z_glob = representation(model, local.start, x)
+            z_prev = representation(model, local.own, x)
+        last = last_layer(model)
+        seen = {}
+        handle = last.register_forward_pre_hook(lambda module, inputs: seen.__setitem__("z", inputs[0].flatten(1)))
+
+        def term(local: Local):
+            handle.remove()
+            z = seen["z"]
+            positive = torch.cosine_similarity(z, z_glob, dim=-1) / self.tau
+            negative = torch.cosine_similarity(z, z_prev, dim=-1) / self.tau
+            logits = torch.stack([positive, negative], dim=1)
+            return self.mu * cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
+
+        return term
+
+    def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
+        return local.start + delta  # the client's local model: next round's z_prev
+
+
+def last_layer(model: nn.Module) -> nn.Module:
+    """The module that holds the model's last parameter (MOON reads its input as the representation)."""
+    name = [n for n, _ in model.named_parameters()][-1]
+    return model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+
+
+def representation(model: nn.Module, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The input of ``model``'s last layer for ``x`` under the flat parameters ``flat`` (flattened per sample), by a
+    functional call: the workspace's own parameters are untouched."""
+    views, start = {}, 0
+    for name, p in model.named_parameters():
+        views[name] = flat[start : start + p.numel()].view_as(p)
+        start += p.numel()
+    seen = {}
+    handle = last_layer(model).register_forward_pre_hook(lambda module, inputs: seen.__setitem__("z", inputs[0]))
+    try:
+        torch.func.functional_call(model, views, (x,))
+    finally:
+        handle.remove()
+    return seen["z"].flatten(1)
+
+
+def train_cohort(
+    model: nn.Module,
+    global_params: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    parts: list[np.ndarray],
+    client_ids: np.ndarray,
+    make_optimizer,
+    lr: float,
+    work,
+    seed: int,
+    round_,
+    stream: str = "batches",
+    program: Program | None = None,
+) -> CohortUpdate:
+    """Run the client program on each cohort client from its start (``global_params``: the global model, or one
+    row per client), on its samples (``parts``), with its work (one ``LocalWork`` or one each) and its (round,
+    client) mini-batch stream under ``seed``; ``round_`` may hold one round per client (an asynchronous client's
+    job count). ``model`` is a workspace whose parameters are overwritten. ``program``: the program and the cohort's
+    own states (default: plain local SGD). Returns the updates and reports in cohort order."""
+    call, works = program or PLAIN, work if isinstance(work, list) else [work] * len(parts)
+    done = []
+    model.train()
+    for row, (part, client, job) in enumerate(zip(parts, client_ids, works)):
+        index = torch.as_tensor(part, device=x.device)
+        run = Client(
+            model, x, y, index, job, lr, make_optimizer, int(client), per_client_round(round_, row), seed, stream
+        )
+        own = None if call.owns is None else call.owns[row]
+        local = call.program.start(run, per_client_start(global_params, row), own, call.shared)
+        for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, local.generator):
+            local = call.program.step(local, batch)
+        done.append(call.program.finish(local))
+    model.eval()
+    return CohortUpdate.of(done, global_params)
