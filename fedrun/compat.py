@@ -26,6 +26,9 @@ Capabilities, by part:
 - ``client_state.keeps``: it holds something per client between rounds (``fedrun.parts.ClientState``: a
   personal head, a personal model), which only the synchronous engine hands back; ``client_state.personal``: each
   client is served and judged by a model of its own (``fedrun.personal``: fine-tuning keeps nothing but is one).
+- ``client.plain``: the client program is plain local SGD (``fedrun.programs.LocalSGD``); ``client.name``: its option
+  name (in messages only); ``client.exchanged()``: the models a client downloads and updates it uploads a round
+  (SCAFFOLD's variates make it (2, 2)).
 - ``attack``: true when some clients are malicious (``fedrun.attacks.Attack``).
 - ``privacy``: true when private; ``privacy.mechanism``: ``central`` or ``local``.
 - ``partition.draws_clients_when_they_train``: a population whose clients exist only once drawn, so a round must
@@ -349,6 +352,42 @@ RULES = [
         lambda p: (
             f"test with {private(p)} and stop_at_accuracy (the clients' held-out accuracy is un-noised client "
             "data: stopping on it would release it)"
+        ),
+    ),
+    # A client program other than plain local SGD (fedrun.programs): its states and server half are the synchronous
+    # round's, a personal method trains its own way, MVR's second training would run the program twice.
+    Rule(
+        ("engine", "client"),
+        lambda p: p.engine.asynchronous and not p.client.plain,
+        "client",
+        lambda p: p.client.name,
+        "sgd with engine=async (a program's per-client state and server half are the synchronous round's so far)",
+    ),
+    Rule(
+        ("client_state", "client"),
+        lambda p: p.client_state.keeps and not p.client.plain,
+        "client",
+        lambda p: p.client.name,
+        lambda p: (
+            f"sgd with personalization={name(p.client_state).lower()} (a personal method trains its clients its own "
+            "way: FedRep's phases, Ditto's and APFL's personal models)"
+        ),
+    ),
+    Rule(
+        ("aggregator", "client"),
+        lambda p: p.aggregator.reads_second_update and not p.client.plain,
+        "client",
+        lambda p: p.client.name,
+        "sgd with aggregator=mvr (its second update per client, from the previous model, would run the program twice)",
+    ),
+    Rule(
+        ("privacy", "client"),
+        lambda p: bool(p.privacy) and p.client.exchanged() != (1, 1),
+        "client",
+        lambda p: p.client.name,
+        lambda p: (
+            f"sgd, feddyn or moon with {private(p)} (SCAFFOLD's clients upload their control variates beside their "
+            "update, unclipped and un-noised: the accounted epsilon would not cover them)"
         ),
     ),
     # Stopping on the clients' own accuracy needs their held-out samples.

@@ -43,6 +43,10 @@ CASES = {  # every method that changes what a client computes, sends or reports
     ],
     "label_flip": ["attack=label_flip", "attack.fraction=0.34"],  # attackers train on their own data view
     "power_of_choice": ["sampler=power_of_choice", "schedule.clients_per_round=0.5"],  # the candidates' loss pass
+    # the client programs (fedrun/programs.py): per-client state (spilled to client/ for SCAFFOLD) and server halves
+    "scaffold": ["client=scaffold", "client.memory_mb=0.001", "schedule.clients_per_round=0.5"],
+    "feddyn": ["client=feddyn", "client.alpha=0.1", "schedule.clients_per_round=0.5"],
+    "moon": ["client=moon", "model=mlp", "schedule.clients_per_round=0.5"],
 }
 BACKENDS = ("loop", "processes")
 

@@ -160,6 +160,14 @@ CASES = {
         "schedule.rounds=8",
         "partition.num_clients=6",
     ],
+    # a client program's per-client state (SCAFFOLD's variates, spilled to client/ beyond 1 kB) and its server half (c)
+    "scaffold": [
+        "client=scaffold",
+        "client.memory_mb=0.001",
+        "schedule.clients_per_round=0.5",
+        "schedule.rounds=8",
+        "partition.num_clients=6",
+    ],
     # local DP: each client's count of rounds in the ledger, each client's noise stream
     "local": [
         "privacy=local",
