@@ -364,6 +364,24 @@ PAPERS = {
         report_extra=("--metrics", "accuracy/slow", "accuracy/fast", "weight_share/slow", "--plot", "accuracy/slow"),
         paired="aggregator=fedbuff",
     ),
+    # Not a seed paper: the heterogeneity baselines every such paper compares against (docs/results/heterogeneity.md),
+    # each client program and FedProx and FedSoftMax beside FedAvg at 10 and 50 local steps on 2-label shards.
+    "heterogeneity": Paper(
+        "Client drift: FedAvg, FedProx, SCAFFOLD, FedDyn, MOON and FedSoftMax on 2-label shards of MNIST",
+        tuple(
+            Part(name, ("experiment=heterogeneity_mnist", *args, "schedule.local_steps=10,50", "seed={seeds}"))
+            for name, args in (
+                ("fedavg", ()),
+                ("fedprox", ("optimizer=prox", "optimizer.lr=0.05", "optimizer.mu=0.01")),
+                ("scaffold", ("client=scaffold",)),
+                ("feddyn", ("client=feddyn", "client.alpha=0.01")),
+                ("moon", ("client=moon", "client.mu=1.0")),
+                ("fedsoftmax", ("aggregator=fedsoftmax",)),
+            )
+        ),
+        report_by=("client", "aggregator", "optimizer", "schedule.local_steps"),
+        paired="client=sgd",  # each program against FedAvg (same aggregator, solver, steps and seed)
+    ),
 }
 TINY = ("schedule.rounds=2", "schedule.stop_at_accuracy=null")
 

@@ -19,8 +19,10 @@ def git_commit() -> str:
         return "unknown"
 
 
-FEATURE_GROUPS = ("method", "personalization", "privacy", "compression", "attack", "sampler", "heterogeneity", "engine")
-QUIET_CHOICES = ("none", "uniform", "sync")  # the defaults: nothing to say
+FEATURE_GROUPS = (
+    "method", "client", "personalization", "privacy", "compression", "attack", "sampler", "heterogeneity", "engine",
+)  # fmt: skip
+QUIET_CHOICES = ("none", "uniform", "sync", "sgd")  # the defaults: nothing to say
 
 
 def run_name(choices: dict, overrides, seed: int) -> str:

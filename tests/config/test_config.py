@@ -248,7 +248,7 @@ HYDRA_ERRORS = [
     ),
     (
         ["bogus/x=y"],
-        "bogus/x='y' is invalid: allowed is a config group: aggregator, attack, compression, dataset, defence, device, "
+        "bogus/x='y' is invalid: allowed is a config group: aggregator, attack, client, compression, dataset, defence, device, "
         "engine, experiment, heterogeneity, method, model, optimizer, partition, personalization, pipeline, privacy, sampler, schedule, "
         "server, sweep (or hydra/<group>)",
     ),

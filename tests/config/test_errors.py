@@ -16,6 +16,8 @@ BAD = [
     (["dataset.client_val_fraction=0.1"], "dataset.client_val_fraction"),  # without a client test split
     (["dataset.client_test_fraction=0.2", "dataset.client_val_fraction=1"], "dataset.client_val_fraction"),
     (["personalization=fedper"], "dataset.client_test_fraction"),  # a personal model nobody judges
+    (["client=feddyn", "client.alpha=0"], "client.alpha"),
+    (["client=moon", "client.tau=0"], "client.tau"),
     (
         ["personalization=fedper", "dataset.client_test_fraction=0.2", "personalization.personal=[head*]"],
         "personalization.personal",

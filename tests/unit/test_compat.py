@@ -19,6 +19,7 @@ from fedrun.partitions import Population
 from fedrun.parts import ClientState
 from fedrun.pipeline import Clip, Pipeline, Stage
 from fedrun.privacy import Privacy
+from fedrun.programs import FedDyn, LocalSGD, Moon, Scaffold
 from fedrun.rounds import Schedule
 from fedrun.sampling import Importance, PowerOfChoice, Uniform
 
@@ -173,6 +174,27 @@ CASES = [
         "held-out accuracy is un-noised client data: stopping on it would release it)",
     ),
     (
+        lambda: {"engine": asynchronous(), "client": Scaffold()},
+        "client='scaffold' is invalid: allowed is sgd with engine=async (a program's per-client state and server half "
+        "are the synchronous round's so far)",
+    ),
+    (
+        lambda: {"client_state": Keeping(), "client": FedDyn()},
+        "client='feddyn' is invalid: allowed is sgd with personalization=keeping (a personal method trains its "
+        "clients its own way: FedRep's phases, Ditto's and APFL's personal models)",
+    ),
+    (
+        lambda: {"aggregator": MVR(), "client": Moon()},
+        "client='moon' is invalid: allowed is sgd with aggregator=mvr (its second update per client, from the "
+        "previous model, would run the program twice)",
+    ),
+    (
+        lambda: {"privacy": central(), "client": Scaffold()},
+        "client='scaffold' is invalid: allowed is sgd, feddyn or moon with privacy=central (SCAFFOLD's clients "
+        "upload their control variates beside their update, unclipped and un-noised: the accounted epsilon would "
+        "not cover them)",
+    ),
+    (
         lambda: {"schedule": Schedule(stop_at_accuracy=0.9, stop_on="client"), "dataset": Dataset()},
         "schedule.stop_on='client' is invalid: allowed is test while dataset.client_test_fraction is 0 "
         "(client_accuracy needs each client's held-out samples)",
@@ -220,6 +242,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "dataset": Dataset(client_test_fraction=0.2),
             "client_state": Keeping(),  # a personal part runs on the synchronous engine
             "attack": SignFlip(fraction=0.1),  # so does an attack, private or not
+            "client": LocalSGD(),
         },
         lambda: {
             "privacy": Privacy(),
@@ -233,6 +256,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "dataset": Dataset(client_test_fraction=0.2),
             "client_state": ClientState(),  # the default keeps nothing
             "attack": Attack(),  # attack=none
+            "client": LocalSGD(),
         },
     ],
     ids=["sync-private", "async"],
