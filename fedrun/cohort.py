@@ -7,7 +7,7 @@ Nothing here trains or aggregates, so aggregators import this module, not the cl
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,30 +15,12 @@ import torch
 
 @dataclass(frozen=True)
 class LocalWork:
-    """How much a client trains in one round: ``local_epochs`` passes, or exactly ``local_steps`` mini-batches.
-
-    A personalisation method (``fedrun.personal``) may also say what is trained and towards what: ``freeze``
-    names parameters that stay as they started (FedRep's phases), and ``prox`` > 0 adds (prox / 2) ||w - anchor||^2
-    to the local loss (Ditto's personal objective, whose anchor is the round's global model, not the start).
-    ``mix`` (APFL's alpha) trains a personal model ``personal`` beside the client's copy of the global one, on the
-    same mini-batches, through their mixture alpha v + (1 - alpha) w; ``mix_lr`` > 0 also learns alpha
-    (``fedrun.clients.apfl_step``).
-    """
+    """How much a client trains in one round: ``local_epochs`` passes, or exactly ``local_steps`` mini-batches, in
+    mini-batches of ``batch_size``. What it trains and towards what is its program's (``fedrun.programs``)."""
 
     batch_size: int
     local_epochs: int = 1
     local_steps: int | None = None
-    freeze: tuple[str, ...] = ()
-    prox: float = 0.0
-    anchor: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    mix: float | None = None
-    mix_lr: float = 0.0
-    personal: torch.Tensor | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def plain(self) -> bool:
-        """Whether every parameter trains on the plain local loss (what every backend's fast path assumes)."""
-        return not self.freeze and not self.prox and self.mix is None
 
 
 @dataclass
@@ -71,18 +53,14 @@ class CohortUpdate:
         local_losses: Each client's running training loss over its last local epoch.
         steps: Local mini-batch steps each client took.
         coefficient_norms: FedNova's ||a_i||_1 of each client's solver and steps.
-        personal_deltas: With ``LocalWork.mix`` (APFL): v_i' - v_i, each client's personal-model update; else None.
-        mixes: With ``LocalWork.mix``: each client's alpha after its local work; else None.
         kept: With a client program that keeps a state (``fedrun.programs``): each client's state after its local
-            work, one row per client; else None.
+            work, one row per client (as wide as its own state); else None.
     """
 
     deltas: torch.Tensor
     local_losses: ClientLosses
     steps: np.ndarray
     coefficient_norms: np.ndarray
-    personal_deltas: torch.Tensor | None = None
-    mixes: np.ndarray | None = None
     kept: torch.Tensor | None = None
 
     @staticmethod
@@ -90,18 +68,11 @@ class CohortUpdate:
         """The cohort's update from each client's ``fedrun.programs.Finished`` record, in cohort order."""
         if not done:
             return CohortUpdate.concat([], params)
-        mixing = any(f.personal_delta is not None for f in done)
         return CohortUpdate(
             deltas=torch.stack([f.delta for f in done]),
             local_losses=ClientLosses(np.array([f.loss_mean for f in done]), np.array([f.loss_authors for f in done])),
             steps=np.array([f.steps for f in done], dtype=int),
             coefficient_norms=np.array([f.norm for f in done], dtype=float),
-            personal_deltas=torch.stack(
-                [f.delta.new_zeros(f.delta.shape) if f.personal_delta is None else f.personal_delta for f in done]
-            )
-            if mixing
-            else None,
-            mixes=np.array([f.mix for f in done], dtype=float) if mixing else None,
             kept=torch.stack([f.kept for f in done]) if done[0].kept is not None else None,
         )
 
@@ -119,8 +90,6 @@ class CohortUpdate:
             local_losses=ClientLosses.concat([p.local_losses for p in parts]),
             steps=np.concatenate([p.steps for p in parts]),
             coefficient_norms=np.concatenate([p.coefficient_norms for p in parts]),
-            personal_deltas=None if parts[0].personal_deltas is None else torch.cat([p.personal_deltas for p in parts]),
-            mixes=None if parts[0].mixes is None else np.concatenate([p.mixes for p in parts]),
             kept=None if parts[0].kept is None else torch.cat([p.kept for p in parts]),
         )
 

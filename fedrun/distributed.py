@@ -147,27 +147,28 @@ class DistributedTrainer(Trainer):
                 stream,
                 None if program is None else program.rows(lo, hi),
             )
-            sent["deltas"], sent["personal"], sent["kept"] = update.deltas, update.personal_deltas, update.kept
+            sent["deltas"], sent["kept"] = update.deltas, update.kept
             for name, value in sent.items():  # checked here, where an error reaches every rank (not in all_gather)
-                if value is not None and (value.shape != (hi - lo, d) or value.dtype != global_params.dtype):
+                width = d if name == "deltas" or program is None or program.owns is None else program.owns.shape[-1]
+                if value is not None and (value.shape != (hi - lo, width) or value.dtype != global_params.dtype):
                     raise RuntimeError(
                         f"the inner backend's {name} are {tuple(value.shape)} {value.dtype}, not "
-                        f"{(hi - lo, d)} {global_params.dtype}"
+                        f"{(hi - lo, width)} {global_params.dtype}"
                     )
-            update.deltas, update.personal_deltas = None, update.personal_deltas is not None
-            update.kept = update.kept is not None
+            update.deltas, update.kept = None, update.kept is not None
             return update
 
         pieces = self._gathered(mine, lo < hi)
         rows = [end - start for start, end in blocks]
-        personal, keeps = any(piece.personal_deltas for piece in pieces), any(piece.kept for piece in pieces)
         deltas = self._stacked(sent.get("deltas"), rows, global_params)
-        personal_deltas = self._stacked(sent.get("personal"), rows, global_params) if personal else None
-        kept = self._stacked(sent.get("kept"), rows, global_params) if keeps else None  # a state as wide as the model
+        kept = None
+        if any(piece.kept for piece in pieces):  # a program's states, as wide as its own states (or the model)
+            like = global_params if program is None or program.owns is None else program.owns
+            kept = self._stacked(sent.get("kept"), rows, like)
         for piece in pieces:
-            piece.deltas, piece.personal_deltas, piece.kept = deltas[:0], None, None
+            piece.deltas, piece.kept = deltas[:0], None
         update = CohortUpdate.concat(pieces, global_params)
-        update.deltas, update.personal_deltas, update.kept = deltas, personal_deltas, kept
+        update.deltas, update.kept = deltas, kept
         return update
 
     def _stacked(self, mine: torch.Tensor | None, rows: list[int], like: torch.Tensor) -> torch.Tensor:

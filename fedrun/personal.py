@@ -32,6 +32,7 @@ import torch
 from fedrun.cohort import CohortUpdate
 from fedrun.errors import ConfigError, check
 from fedrun.parts import ClientState
+from fedrun.programs import Frozen, Mixed, Program, Pulled
 from fedrun.state import Context
 from fedrun.store import PersonalStore
 
@@ -230,10 +231,10 @@ class FedRep(Partial):
         head, body = tuple(self.names), tuple(n for n in names if n not in self.names)
         first = None
         if self.head_epochs:
-            head_works = [replace(w, local_epochs=self.head_epochs, local_steps=None, freeze=body) for w in works]
-            first = trainer(starts, data, cohort, lr, head_works, seed, t, "head")
+            head_works = [replace(w, local_epochs=self.head_epochs, local_steps=None) for w in works]
+            first = trainer(starts, data, cohort, lr, head_works, seed, t, "head", program=Program(Frozen(body)))
             starts = (starts if starts.dim() == 2 else starts.unsqueeze(0)) + first.deltas
-        second = trainer(starts, data, cohort, lr, [replace(w, freeze=head) for w in works], seed, t)
+        second = trainer(starts, data, cohort, lr, works, seed, t, program=Program(Frozen(head)))
         if first is None:
             return second
         second.deltas += first.deltas  # from the round's start: the head's update, then the body's
@@ -273,9 +274,11 @@ class Ditto(Personalization):
         if len(cohort):
             w = starts if starts.dim() == 1 else starts[0]  # every client starts the global objective from w^t
             epochs = {} if self.personal_epochs is None else {"local_epochs": self.personal_epochs, "local_steps": None}
-            pulled = [replace(job, prox=self.lam, anchor=w, **epochs) for job in works]
+            jobs = [replace(job, **epochs) for job in works]
             own = self._own(cohort, w)
-            personal = trainer(own, data, cohort, lr, pulled, seed, t, "personal")
+            personal = trainer(
+                own, data, cohort, lr, jobs, seed, t, "personal", program=Program(Pulled(self.lam), None, w)
+            )
             for row, client in enumerate(cohort):
                 self.store.put(int(client), (own[row] + personal.deltas[row]).cpu())
         return trained
@@ -288,7 +291,7 @@ class APFL(Personalization):
     """APFL (Deng et al. 2020, "Adaptive Personalized Federated Learning", arXiv:2003.13461, Algorithm 1): each
     selected client trains its copy of the global model w as the run's solver says and, on the same mini-batches,
     its own model v through the mixture v_bar = alpha v + (1 - alpha) w, learning alpha too when ``alpha_lr`` > 0
-    (``fedrun.clients.apfl_step``); w's update goes to the aggregator. A client is served v_bar = alpha_i v_i +
+    (``fedrun.programs.Mixed``, ``fedrun.clients.apfl_step``); w's update goes to the aggregator. A client is served v_bar = alpha_i v_i +
     (1 - alpha_i) w with w the current global model, v_i^0 = w^0 and alpha_i^0 = ``alpha``.
 
     Args:
@@ -310,25 +313,26 @@ class APFL(Personalization):
         )
         self.alpha, self.alpha_lr = float(alpha), alpha_lr
 
-    def _own(self, clients, params: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-        """Each client's v_i (w^0 until it trains) and alpha_i (stored as one row: v_i, then alpha_i)."""
+    def _rows(self, clients, params: torch.Tensor) -> torch.Tensor:
+        """Each client's row (v_i, alpha_i): w^0 and ``alpha`` until it trains."""
         initial = torch.cat([self.context.initial.to(params), params.new_tensor([self.alpha])])
-        rows = torch.stack([_or(self.store.get(int(c)), initial).to(params) for c in clients])
+        return torch.stack([_or(self.store.get(int(c)), initial).to(params) for c in clients])
+
+    def _own(self, clients, params: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        """Each client's v_i (w^0 until it trains) and alpha_i."""
+        rows = self._rows(clients, params)
         return rows[:, :-1], rows[:, -1].double().cpu().numpy()
 
     def train(self, trainer, starts, data, cohort, lr, works, seed, t) -> CohortUpdate:
         if not len(cohort):
             return trainer(starts, data, cohort, lr, works, seed, t)
         w = starts if starts.dim() == 1 else starts[0]
-        own, alphas = self._own(cohort, w)
         step = lr if self.alpha_lr is None else self.alpha_lr
-        jobs = [replace(job, mix=float(a), mix_lr=float(step), personal=v) for job, a, v in zip(works, alphas, own)]
-        trained = trainer(starts, data, cohort, lr, jobs, seed, t)
-        if trained.personal_deltas is None:  # a backend of one's own that does not know LocalWork.mix
+        trained = trainer(starts, data, cohort, lr, works, seed, t, program=Program(Mixed(step), self._rows(cohort, w)))
+        if trained.kept is None:  # a backend of one's own that does not run client programs
             raise ConfigError("device.backend", type(trainer).__name__, "a backend that trains APFL's personal model")
         for row, client in enumerate(cohort):
-            v = own[row] + trained.personal_deltas[row]
-            self.store.put(int(client), torch.cat([v, v.new_tensor([trained.mixes[row]])]).cpu())
+            self.store.put(int(client), trained.kept[row].cpu())  # (v_i, alpha_i)
         return trained
 
     def models(self, params: torch.Tensor, clients: np.ndarray, fit) -> torch.Tensor:

@@ -83,7 +83,7 @@ class Local:
     pull: tuple | None
     losses: list
     sizes: list
-    personal: tuple | None = None  # APFL: (v0, v, alpha)
+    personal: tuple | None = None  # APFL's (v0, v, alpha): a model trained beside
 
 
 @dataclass
@@ -96,8 +96,6 @@ class Finished:
     norm: float
     loss_mean: float
     loss_authors: float
-    personal_delta: torch.Tensor | None = None
-    mix: float = math.nan
 
 
 class LocalSGD:
@@ -135,45 +133,47 @@ class LocalSGD:
     # -------------------------------------------------------------------------------------------- the client's side
 
     def start(self, client: Client, start: torch.Tensor, own: torch.Tensor | None, shared) -> Local:
-        job, model = client.job, client.model
+        model = client.model
         own, shared = (None if t is None else t.to(start) for t in (own, shared))
         load_flat(model, start)
+        frozen = self.frozen()
         for name, parameter in model.named_parameters():  # FedRep's phases: the frozen part keeps its start
-            parameter.requires_grad_(name not in job.freeze)
+            parameter.requires_grad_(name not in frozen)
         # fresh state: clients keep no solver across rounds (a frozen parameter is no solver's: it gets no step)
         optimizer = client.make_optimizer([p for p in model.parameters() if p.requires_grad], lr=client.lr)
-        pull = (job.prox, _anchors(model, job.anchor.to(start))) if job.prox else None
+        pull = self.pull(model, shared)
         if hasattr(optimizer, "start_round"):  # solvers whose step follows the round (STORM's eta_t)
             optimizer.start_round(client.round, _loss_closure(model, optimizer, client.x, client.y, client.index, pull))
         generator = torch_generator(client.seed, client.stream, client.round, client.id)
-        local = Local(client, start, own, shared, optimizer, generator, plain_sgd_step(optimizer), pull, [], [])
-        if job.mix is not None:
-            v0 = job.personal.to(start)
-            local.personal = (v0, v0, float(job.mix))
-        return local
+        return Local(client, start, own, shared, optimizer, generator, plain_sgd_step(optimizer), pull, [], [])
+
+    def frozen(self) -> tuple[str, ...]:
+        """Names of the parameters that keep their start (no solver steps them); default: none."""
+        return ()
+
+    def pull(self, model: nn.Module, shared: torch.Tensor | None) -> tuple | None:
+        """(lambda, anchor per parameter): (lambda / 2) ||w - anchor||^2 added to each mini-batch's loss, or None."""
+        return None
+
+    def before(self, local: Local, chosen: torch.Tensor) -> None:
+        """What the client computes on the mini-batch ``chosen`` before its model steps (APFL's personal step)."""
 
     def step(self, local: Local, batch: torch.Tensor) -> Local:
         client = local.client
         chosen = client.index[batch.to(client.x.device)]
-        if local.personal is not None:  # from the step's (w, v, alpha), before w moves: the same mini-batch
-            v0, v, alpha = local.personal
-            v, alpha = apfl_step(
-                client.model, flat_parameters(client.model), v, alpha, client.x[chosen], client.y[chosen],
-                client.lr, client.job.mix_lr,
-            )  # fmt: skip
-            local.personal = (v0, v, alpha)
+        self.before(local, chosen)
         closure = self.closure(local, chosen)
         local.losses.append((local.plain(closure) if local.plain else local.optimizer.step(closure)).detach())
         local.sizes.append(len(batch))
         return local
 
     def closure(self, local: Local, chosen: torch.Tensor):
-        """The solver's closure for the mini-batch ``chosen``: the loss (and ``objective``'s term) with fresh
-        gradients, ``corrected``; it returns the data term, which is what the client reports."""
+        """The solver's closure for the mini-batch ``chosen``: the loss (with ``pull``'s and ``objective``'s terms)
+        with fresh gradients, ``corrected``; it returns the data term, which is what the client reports."""
         client = local.client
-        if self.plain:
-            return _loss_closure(client.model, local.optimizer, client.x, client.y, chosen, local.pull)
         data = _loss_closure(client.model, local.optimizer, client.x, client.y, chosen, local.pull)
+        if type(self).objective is LocalSGD.objective and type(self).corrected is LocalSGD.corrected:
+            return data
 
         def closure():
             extra = self.objective(local, chosen)
@@ -209,14 +209,10 @@ class LocalSGD:
             epoch_losses = torch.stack(local.losses[-last:]).double().cpu().numpy()
             mean = float(np.average(epoch_losses, weights=local.sizes[-last:]))
             authors = float(epoch_losses.sum() / len(client.index))
-        finished = Finished(
+        return Finished(
             delta, self.kept(local, delta, steps), steps, solver_coefficient_norm(local.optimizer, steps, client.lr),
             mean, authors,
         )  # fmt: skip
-        if local.personal is not None:
-            v0, v, alpha = local.personal
-            finished.personal_delta, finished.mix = v - v0, alpha
-        return finished
 
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor | None:
         """The state the client keeps after this round (None: it keeps nothing)."""
@@ -253,6 +249,12 @@ class LocalSGD:
             return client_state.train(trainer, starts, data, cohort, lr, works, seed, t)
         owns = self.owns(cohort, starts)
         trained = trainer(starts, data, cohort, lr, works, seed, t, program=Program(self, owns, self.shared()))
+        check(
+            trained.kept is not None or not len(cohort),
+            "device.backend",
+            type(trainer).__name__,
+            "a backend that runs client programs (passes program= to fedrun.programs.train_cohort)",
+        )
         if len(cohort):
             self.server_keep(cohort, owns, trained.kept)
             for row, client in enumerate(cohort):
@@ -296,6 +298,61 @@ class Program:
 
 
 PLAIN = Program(LocalSGD())
+
+
+class Frozen(LocalSGD):
+    """Local SGD with the parameters ``names`` kept at their start (FedRep's phases: the head with the body frozen,
+    then the body with the new head frozen)."""
+
+    def __init__(self, names: tuple[str, ...] = ()):
+        super().__init__()
+        self.names = tuple(names)
+
+    def frozen(self) -> tuple[str, ...]:
+        return self.names
+
+
+class Pulled(LocalSGD):
+    """Local SGD on F_k(v) + (lam / 2) ||v - anchor||^2, the anchor being the call's broadcast (``shared``): Ditto's
+    personal objective (the anchor is the round's global model w^t). The loss a client reports is F_k alone."""
+
+    def __init__(self, lam: float = 0.0):
+        super().__init__()
+        self.lam = float(lam)
+
+    def pull(self, model: nn.Module, shared: torch.Tensor | None) -> tuple | None:
+        return (self.lam, _anchors(model, shared)) if self.lam else None
+
+
+class Mixed(LocalSGD):
+    """Local SGD of w beside APFL's personal model v and mixing weight alpha (``fedrun.clients.apfl_step``), on the
+    same mini-batches: each step moves (v, alpha) from the step's (w, v, alpha), then w. A client's own state is the
+    row (v, alpha) and it keeps (v', alpha'), v' written as v + (v' - v) like every model update here.
+
+    Args:
+        alpha_lr: Step size of alpha's gradient step (0: alpha stays fixed).
+    """
+
+    def __init__(self, alpha_lr: float = 0.0):
+        super().__init__()
+        self.alpha_lr = float(alpha_lr)
+
+    def start(self, client, start, own, shared) -> Local:
+        local = super().start(client, start, own, shared)
+        v0 = local.own[:-1]
+        local.personal = (v0, v0, float(local.own[-1]))
+        return local
+
+    def before(self, local: Local, chosen: torch.Tensor) -> None:  # from the step's (w, v, alpha), before w moves
+        client, (v0, v, alpha) = local.client, local.personal
+        w = flat_parameters(client.model)
+        v, alpha = apfl_step(client.model, w, v, alpha, client.x[chosen], client.y[chosen], client.lr, self.alpha_lr)
+        local.personal = (v0, v, alpha)
+
+    def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
+        v0, v, alpha = local.personal
+        moved = v0 + (v - v0)
+        return torch.cat([moved, moved.new_tensor([alpha])])
 
 
 class Scaffold(LocalSGD):

@@ -141,8 +141,8 @@ class VmapTrainer(Trainer):
         self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
     ) -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
-        if not all(job.plain for job in works) or (program is not None and not program.program.plain):
-            # a personal phase (frozen layers, Ditto's pull) or a client program other than plain SGD: the loop's
+        if program is not None and not program.program.plain:
+            # a client program other than plain SGD (SCAFFOLD, a personal phase: frozen layers, Ditto's pull): the loop's
             return train_cohort(
                 self.model, global_params, self.x, self.y, parts, client_ids, self.make_optimizer, lr, works, seed,
                 round_, stream, program,

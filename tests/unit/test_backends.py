@@ -148,22 +148,20 @@ def test_worker_processes_equal_the_loop_in_float64():
 
 def test_worker_processes_train_apfls_personal_models_and_alphas_as_the_loop_does():
     from fedrun.backends import Device
-    from fedrun.clients import LocalWork
+    from fedrun.programs import Mixed, Program
 
     torch.manual_seed(1)
     personal = [flat_parameters(CNN((3, 8, 8), 4).double()) for _ in range(3)]
-    works = [LocalWork(4, local_epochs=2, mix=a, mix_lr=0.05, personal=v) for a, v in zip((0.2, 0.5, 0.9), personal)]
+    rows = torch.stack([torch.cat([v, v.new_tensor([a])]) for a, v in zip((0.2, 0.5, 0.9), personal)])
+    program = Program(Mixed(alpha_lr=0.05), rows)
     make = functools.partial(torch.optim.SGD, lr=0.05)
-    loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64, work_override=works)
-    forked = cohort_update(
-        Device("cpu", "contiguous", "processes", workers=2), make, torch.float64, work_override=works
-    )
-    vmapped = cohort_update(Device("cpu", "contiguous", "vmap"), make, torch.float64, work_override=works)
-    for other in (forked, vmapped):  # vmap hands a mixing cohort to the loop
+    loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64, program=program)
+    forked = cohort_update(Device("cpu", "contiguous", "processes", workers=2), make, torch.float64, program=program)
+    vmapped = cohort_update(Device("cpu", "contiguous", "vmap"), make, torch.float64, program=program)
+    for other in (forked, vmapped):  # vmap hands the program to the loop
         torch.testing.assert_close(other.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(other.personal_deltas, loop.personal_deltas, rtol=1e-10, atol=1e-12)
-        np.testing.assert_allclose(other.mixes, loop.mixes, rtol=1e-10)
-    assert loop.personal_deltas.abs().sum() > 0 and not np.allclose(loop.mixes, [0.2, 0.5, 0.9])
+        torch.testing.assert_close(other.kept, loop.kept, rtol=1e-10, atol=1e-12)  # each client's (v_i, alpha_i)
+    assert (loop.kept[:, :-1] - rows[:, :-1]).abs().sum() > 0 and not np.allclose(loop.kept[:, -1], [0.2, 0.5, 0.9])
 
 
 def test_workers_started_by_forkserver_equal_the_loop_in_float64():
