@@ -162,6 +162,32 @@ def rank_process(parent: int, rank: int) -> int:
 
 
 @pytest.mark.slow
+def test_a_client_program_of_the_tests_own_gives_the_same_metrics_on_every_backend(tmp_path):
+    # tests/e2e/scripts/noisy_program.py: a program with per-client state, found by --config-dir and PYTHONPATH
+    # like a user's own; loop, worker processes, vmap (which hands it to the loop) and two ranks, bit for bit.
+    scripts = Path(__file__).parent / "scripts"
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(scripts)}
+    args = ["client=noisy", "schedule.rounds=3", "schedule.clients_per_round=0.5"]
+    runs = {}
+    for name, ranks, backend in (
+        ("loop", None, ["device.backend=loop"]),
+        ("processes", None, ["device.backend=processes", "device.workers=2"]),
+        ("vmap", None, ["device.backend=vmap"]),
+        ("ranks", 2, []),
+    ):
+        cmd = command(tmp_path / name, *args, *backend, ranks=ranks)
+        at = next(i for i, word in enumerate(cmd) if word.startswith("device."))  # options before the overrides
+        cmd[at:at] = ["--config-dir", str(scripts / "conf")]
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = metrics(tmp_path / name)
+    for name in ("processes", "vmap", "ranks"):
+        pd.testing.assert_frame_equal(runs[name], runs["loop"], check_exact=True, obj=name)
+    plain = fedrun(tmp_path, tmp_path / "plain", "device.backend=loop", "schedule.clients_per_round=0.5")
+    assert plain.returncode == 0 and not metrics(tmp_path / "plain")["test_loss"].equals(runs["loop"]["test_loss"])
+
+
+@pytest.mark.slow
 def test_a_lost_rank_ends_the_run_killed_and_it_resumes_on_one_rank_and_on_three_with_the_same_numbers(tmp_path):
     args = ["schedule.rounds=20", "checkpoint.every=1", "aggregator=fedsoftmax"]
     whole, out = tmp_path / "whole", tmp_path / "ranks"
