@@ -44,12 +44,13 @@ same object):
 import copy
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from statistics import NormalDist
 
 import numpy as np
 import torch
 
-from fedrun.cohort import ClientLosses, RoundView
+from fedrun.cohort import ClientLosses, ClientReport, RoundView, Told
 from fedrun.errors import check
 from fedrun.pipeline import number
 from fedrun.seeding import numpy_rng, torch_generator
@@ -172,6 +173,17 @@ class Attack(Stateful):
     def sizes(self, cohort: np.ndarray, sizes: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """The sample counts n_k each cohort client reports: ``sizes`` itself here."""
         return sizes
+
+    def report(
+        self, round_: int, cohort: np.ndarray, honest: ClientReport, mask: np.ndarray, drawn: ClientLosses | None = None
+    ) -> ClientReport:
+        """What the cohort tells the server, from what it computed (``honest``): the losses and sample counts as
+        ``losses`` and ``sizes`` say (the losses told from the honest ones when the aggregator reads them). A cohort
+        that reported its losses to be drawn (Power-of-Choice's candidates, ``drawn``) reported them once: the
+        aggregator weighs those, not a second report. Without an attack the reported values are the honest ones."""
+        told = drawn if drawn is not None else Told(lambda losses: self.losses(round_, cohort, losses, mask))
+        local = self.losses(round_, cohort, honest.local_losses, mask)
+        return replace(honest, losses=told, local_losses=local, sizes=self.sizes(cohort, honest.sizes, mask))
 
     def against(self, aggregator, stages=None) -> None:
         """The run's aggregator (and pipeline, as ByzFL's pre-aggregators) that an adaptive attack searches against.

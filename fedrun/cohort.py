@@ -101,6 +101,36 @@ class Lazy:
         self.compute = compute
 
 
+class Told:
+    """A reported signal that is a function of the honest one, ``tell(honest value)``: the view reads the honest value
+    through its own signal (computed, cached and timed once, ``true_<name>``) and tells it on first read."""
+
+    def __init__(self, tell: Callable[[object], object]):
+        self.tell = tell
+
+
+@dataclass
+class ClientReport:
+    """What a cohort's clients tell the server about their round, one entry per client. A round has two: the honest
+    one (what they computed: the record the round's own measurements read, ``train_loss``) and the reported one
+    (what they say: an attack's clients may lie, ``fedrun.attacks.Attack.report``), which the aggregator reads.
+
+    Attributes:
+        sizes: Each client's sample count n_k.
+        losses: F_i(w_t) under the round's global model: a ``ClientLosses``, a ``Lazy`` (a pass over their data,
+            made when first read) or, in a reported record, a ``Told`` of the honest losses.
+        local_losses: Each client's running training loss over its last local epoch.
+        steps: Local steps each client took.
+        coefficient_norms: FedNova's ||a_i||_1 of each client's local solver.
+    """
+
+    sizes: np.ndarray
+    losses: object = None
+    local_losses: ClientLosses | None = None
+    steps: np.ndarray | None = None
+    coefficient_norms: np.ndarray | None = None
+
+
 class RoundView:
     """What the server can know about one round's cohort. Every signal is computed on first read and cached,
     so a signal no aggregator reads costs nothing; adding one is one entry where the engine builds the view.
@@ -161,6 +191,25 @@ class RoundView:
         )
         self.wall_s: dict[str, float] = {}  # seconds each lazy signal took, once read
         self._measure, self._per_client = measure, {}
+
+    @classmethod
+    def of(cls, clients: np.ndarray, honest: ClientReport, reported: ClientReport, **others) -> "RoundView":
+        """The view of a round whose clients computed ``honest`` and told ``reported``: the aggregator reads the
+        reported signals (``losses``, ``local_losses``, ``sizes``, ...), the round's measurements the honest ones
+        (``true_losses``, ``true_sizes``); a ``Told`` reported signal is told from the honest one when read."""
+        view = cls(
+            clients,
+            reported.sizes,
+            local_losses=reported.local_losses,
+            steps=reported.steps,
+            coefficient_norms=reported.coefficient_norms,
+            true_losses=honest.losses,
+            **others,
+        )
+        told = reported.losses
+        view._signals["losses"] = Lazy(lambda: told.tell(view.true_losses)) if isinstance(told, Told) else told
+        view.true_sizes = honest.sizes
+        return view
 
     def __getattr__(self, name: str):
         signals = self.__dict__.get("_signals", {})

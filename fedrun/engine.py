@@ -24,7 +24,7 @@ from fedrun.clients import (
     judged_accuracy,
     pooled_judging,
 )
-from fedrun.cohort import ClientLosses, Lazy, LocalWork, RoundView
+from fedrun.cohort import ClientLosses, ClientReport, Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError
 from fedrun.models import batch_norm_names, batch_norms, flat_parameters
@@ -112,7 +112,7 @@ def run(
     fstar = FStarEstimate(trainer, initial, clients, optimizer, schedule.batch_size, seed)
     fstar.cache = loop.fstar  # one dict: the checkpoint's loop holds the estimates
     bits = Bits.of(parts.stages, initial, parts.client_state, parts.client)
-    root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set and its local work
+    tensors.root = None if data.root is None else (data.root, schedule.work)  # FLTrust's root set, its local work
     judge = Judge(model, parts.client_state, trainer, tensors, clients, client_tests, client_vals, schedule, seed)
     bar = progress(first, schedule.rounds, "rounds", "round")
     measure = partial(tensors.measure, per_sample=trainer.per_sample)  # the trainer's ranks may share it
@@ -132,8 +132,7 @@ def run(
             with timer("train_wall_s"):
                 trained = parts.train(trainer, starts, trained_on, cohort, lr, works, seed, t)
             parts.client_state.keep(cohort, starts, trained.deltas)
-            view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes, root)
-            view = reported(view, parts.attack, lying, probe, selection)  # what the attackers report
+            view = round_view(trainer, loop, selection, trained, trained_on, works, lr, t, fstar, tensors, sizes, probe)
             with timer("pipeline_wall_s"):  # the attackers replace what they send, then every update takes the stages
                 sent = parts.attack.updates(t, cohort, parts.client_state.upload(trained.deltas), lying, view)
                 sent, stage_diagnostics = parts.stages(sent, cohort, t)
@@ -181,6 +180,7 @@ class Tensors:
     y_val: torch.Tensor | None
     held_out: tuple  # what client_tests index: (x, y)
     calibration: tuple | None = None  # a batch-norm model's statistics on the server: every client's training inputs
+    root: tuple | None = None  # the server's root set (FLTrust) and the local work it trains with
 
     @classmethod
     def on(cls, device: Device, model: nn.Module, data: FederatedData, clients=None) -> "Tensors":
@@ -234,25 +234,26 @@ def who_trains(parts: Parts, selection, t: int, sizes, schedule: Schedule, seed:
     return selection.keep(np.array([work is not None for work in plan], dtype=bool)), works, selected
 
 
-def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fstar, tensors, sizes, root) -> RoundView:
-    """What the aggregator may read this round, as the clients would honestly report it; the lazy signals cost
-    nothing unless read. ``root``: the server's root set and the work it trains with, or None."""
+def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fstar, tensors, sizes, probe) -> RoundView:
+    """What the aggregator may read this round: what the clients computed (the honest report) and what they tell
+    the server (the reported one, ``Attack.report``: the attackers' lies), and the round's lazy signals, which cost
+    nothing unless read. ``probe``: the round's ``Probe`` (its attack, and the losses it measured)."""
     cohort, w, previous, seed, batch_size = selection.cohort, loop.params, loop.previous, fstar.seed, fstar.batch_size
-    server = np.array([len(sizes)])  # the server trains on its root set under a key no client has
-    return RoundView(
+    server, root = np.array([len(sizes)]), tensors.root  # the server trains on its root set under a key no client has
+    # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t (what
+    # Power-of-Choice already measured to choose the cohort is not measured again).
+    measured = probe.measured(cohort) if len(cohort) else None
+    losses = measured if measured is not None else Lazy(lambda: trainer.losses(w, data, batch_size))
+    honest = ClientReport(sizes[cohort], losses, trained.local_losses, trained.steps, trained.coefficient_norms)
+    return RoundView.of(
         cohort,
-        sizes[cohort],
+        honest,
+        probe.told(cohort, honest, selection.losses),
         round=t,
         accuracy=loop.latest_accuracy,
         accuracy_source=tensors.accuracy_source,
         fstar=fstar,
-        local_losses=trained.local_losses,
-        steps=trained.steps,
-        coefficient_norms=trained.coefficient_norms,
         sampled_weights=selection.weights,  # importance sampling's unbiased weights (FedAvg takes them)
-        # F_i(w_t), what the loss-weighted aggregators weigh by: a pass over the cohort's data at w_t (what
-        # Power-of-Choice already measured to choose the cohort is not measured again).
-        losses=Lazy(lambda: trainer.losses(w, data, batch_size)),
         # From the previous global model on the same mini-batches (same round and client keys); MVR.
         measure=lambda signal: trainer.per_client(signal, w, data),
         previous_deltas=Lazy(
@@ -267,7 +268,8 @@ def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fsta
 
 class Probe:
     """Power-of-Choice's question to its candidates, ``probe(ids)``: their losses at the round's model, as they
-    report them (an attacker may lie, ``Attack.losses``); the honest values are kept for the round's own record."""
+    report them (an attacker may lie, ``Attack.losses``); the honest values are kept for the round's own record.
+    ``told`` gives the cohort's reported record of its round (the round's attack and its liars)."""
 
     def __init__(self, trainer, params, clients, batch_size, attack, round_):
         self.trainer, self.params, self.clients, self.batch_size = trainer, params, clients, batch_size
@@ -285,24 +287,10 @@ class Probe:
         values = np.array([self.honest[int(c)] for c in cohort], dtype=np.float64).reshape(len(cohort), 2)
         return ClientLosses(values[:, 0], values[:, 1])
 
-
-def reported(view: RoundView, attack, lying: np.ndarray, probe: Probe, selection) -> RoundView:
-    """``view`` with what the attackers report in place of the truth: the signals ``losses`` and ``local_losses``
-    and the ``sizes`` the aggregator weighs by. The honest values stay in ``true_losses`` and ``true_sizes`` (the
-    round's train_loss is measured, not reported). Without an attack the reported values are the honest ones. A
-    cohort that reported its losses to be drawn (Power-of-Choice, ``selection.losses``) reported them once: the
-    aggregator weighs those, not a second report."""
-    cohort, t, signals = view.clients, view.round, view._signals
-    measured = probe.measured(cohort) if len(cohort) else None
-    signals["true_losses"] = measured if measured is not None else signals["losses"]
-    signals["losses"] = (
-        selection.losses
-        if selection.losses is not None
-        else Lazy(lambda: attack.losses(t, cohort, view.true_losses, lying))
-    )
-    signals["local_losses"] = attack.losses(t, cohort, signals["local_losses"], lying)
-    view.true_sizes, view.sizes = view.sizes, attack.sizes(cohort, view.sizes, lying)
-    return view
+    def told(self, cohort: np.ndarray, honest: ClientReport, drawn: ClientLosses | None) -> ClientReport:
+        """What the cohort tells the server of its round (``Attack.report``; ``drawn``: the losses it reported to be
+        drawn, Power-of-Choice's)."""
+        return self.attack.report(self.round, cohort, honest, self.attack.malicious(self.round, cohort), drawn)
 
 
 def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule) -> dict:
