@@ -185,7 +185,9 @@ class AsyncEngine:
         label_sets = {} if isinstance(clients, LazyClients) else self._label_sets(data, clients, group_of)
         sizes = client_sizes(clients)
         weighting = getattr(parts.aggregator, "weighting", "samples")
-        parts.bind(Context(schedule, sizes, seed, weighting, asynchronous=True, layout=layout(model)), engine=self)
+        workdir = checkpoint.path.parent if checkpoint is not None else None  # where a client program's states spill
+        shape = dict(layout=layout(model), initial=flat_parameters(model), workdir=workdir)
+        parts.bind(Context(schedule, sizes, seed, weighting, asynchronous=True, **shape), engine=self)
         # The clients that arrive at one instant train together (each from the model it pulled), on the device's
         # backend. Drawn speeds make them arrive one at a time, so ``auto`` keeps the loop; with equal speeds a
         # whole wave arrives together, and ``device.backend=processes`` (CPU) or ``vmap`` (GPU) trains it at once.
@@ -308,7 +310,10 @@ class AsyncEngine:
                 for c, t in zip(ids, rounds)
             ]
             starts = torch.stack([pulled[int(c)][1] for c in ids])
-            update = trainer(starts, data, ids, lr, schedule.work, seed, jobs[ids] + 1)
+            call = parts.client.call(ids, starts)  # the client program (MOON), each client's own state with it
+            run = {} if call is None else {"program": call}  # a backend of one's own written for plain SGD: as before
+            update = trainer(starts, data, ids, lr, schedule.work, seed, jobs[ids] + 1, **run)
+            parts.client.keep(ids, None if call is None else call.owns, update.kept)
             trained.update(zip(ids.tolist(), update.deltas))
         return trained
 

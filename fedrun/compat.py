@@ -26,7 +26,8 @@ Capabilities, by part:
 - ``client_state.keeps``: it holds something per client between rounds (``fedrun.parts.ClientState``: a
   personal head, a personal model), which only the synchronous engine hands back; ``client_state.personal``: each
   client is served and judged by a model of its own (``fedrun.personal``: fine-tuning keeps nothing but is one).
-- ``client.plain``: the client program is plain local SGD (``fedrun.programs.LocalSGD``); ``client.name``: its option
+- ``client.plain``: the client program is plain local SGD (``fedrun.programs.LocalSGD``); ``client.serves``: it has
+  a server half updated from each round's cohort (SCAFFOLD, FedDyn); ``client.name``: its option
   name (in messages only); ``client.exchanged()``: the models a client downloads and updates it uploads a round
   (SCAFFOLD's variates make it (2, 2)).
 - ``attack``: true when some clients are malicious (``fedrun.attacks.Attack``).
@@ -358,10 +359,11 @@ RULES = [
     # round's, a personal method trains its own way, MVR's second training would run the program twice.
     Rule(
         ("engine", "client"),
-        lambda p: p.engine.asynchronous and not p.client.plain,
+        lambda p: p.engine.asynchronous and p.client.serves,
         "client",
         lambda p: p.client.name,
-        "sgd with engine=async (a program's per-client state and server half are the synchronous round's so far)",
+        "sgd or moon with engine=async (its server half updates from each synchronous round's cohort, SCAFFOLD's c and "
+        "FedDyn's h; their papers define no buffered version)",
     ),
     Rule(
         ("client_state", "client"),

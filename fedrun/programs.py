@@ -111,6 +111,7 @@ class LocalSGD:
     """
 
     keeps = False  # capability: it keeps a state per client between rounds
+    serves = False  # capability: it has a server half (a state the server updates from each round's cohort)
     name = "sgd"
 
     def __init__(self, memory_mb: float = 1024.0):
@@ -247,19 +248,30 @@ class LocalSGD:
         FedRep's phases, Ditto's personal model); any other program through the trainer, its states kept."""
         if self.plain:
             return client_state.train(trainer, starts, data, cohort, lr, works, seed, t)
-        owns = self.owns(cohort, starts)
-        trained = trainer(starts, data, cohort, lr, works, seed, t, program=Program(self, owns, self.shared()))
+        call = self.call(cohort, starts)
+        trained = trainer(starts, data, cohort, lr, works, seed, t, program=call)
         check(
             trained.kept is not None or not len(cohort),
             "device.backend",
             type(trainer).__name__,
             "a backend that runs client programs (passes program= to fedrun.programs.train_cohort)",
         )
-        if len(cohort):
-            self.server_keep(cohort, owns, trained.kept)
-            for row, client in enumerate(cohort):
-                self.store.put(int(client), trained.kept[row].cpu())
+        self.keep(cohort, call.owns, trained.kept)
         return trained
+
+    def call(self, cohort: np.ndarray, like: torch.Tensor) -> "Program | None":
+        """What a trainer call carries for ``cohort``: the program, their own states and the broadcast (None for
+        plain local SGD: the trainers' own default)."""
+        return None if self.plain else Program(self, self.owns(cohort, like), self.shared())
+
+    def keep(self, cohort: np.ndarray, owns: torch.Tensor | None, kept: torch.Tensor | None) -> None:
+        """After the cohort's clients ran: the server's state from their states before (``owns``) and after
+        (``kept``), and each client's new state in the store."""
+        if not self.keeps or not len(cohort):
+            return
+        self.server_keep(cohort, owns, kept)
+        for row, client in enumerate(cohort):
+            self.store.put(int(client), kept[row].cpu())
 
     def server_keep(self, cohort: np.ndarray, before: torch.Tensor, after: torch.Tensor) -> None:
         """The server's state after the cohort's clients changed theirs from ``before`` to ``after``."""
@@ -369,7 +381,7 @@ class Scaffold(LocalSGD):
     its update (``exchanged``).
     """
 
-    keeps, name = True, "scaffold"
+    keeps, serves, name = True, True, "scaffold"
 
     def initial(self, d: int) -> torch.Tensor:
         return torch.zeros(d)
@@ -416,7 +428,7 @@ class FedDyn(LocalSGD):
         alpha: alpha > 0 (the paper's 0.01-0.1; FL-bench 0.01, PFLlib 0.01).
     """
 
-    keeps, name = True, "feddyn"
+    keeps, serves, name = True, True, "feddyn"
 
     def __init__(self, alpha: float = 0.01, memory_mb: float = 1024.0):
         super().__init__(memory_mb)

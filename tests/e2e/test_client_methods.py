@@ -47,6 +47,7 @@ CASES = {  # every method that changes what a client computes, sends or reports
     "scaffold": ["client=scaffold", "client.memory_mb=0.001", "schedule.clients_per_round=0.5"],
     "feddyn": ["client=feddyn", "client.alpha=0.1", "schedule.clients_per_round=0.5"],
     "moon": ["client=moon", "model=mlp", "schedule.clients_per_round=0.5"],
+    "moon_async": ["client=moon", "model=mlp", "aggregator=fedbuff", "engine.concurrency=3"],  # on each arrival
 }
 BACKENDS = ("loop", "processes")
 

@@ -175,8 +175,8 @@ CASES = [
     ),
     (
         lambda: {"engine": asynchronous(), "client": Scaffold()},
-        "client='scaffold' is invalid: allowed is sgd with engine=async (a program's per-client state and server half "
-        "are the synchronous round's so far)",
+        "client='scaffold' is invalid: allowed is sgd or moon with engine=async (its server half updates from each "
+        "synchronous round's cohort, SCAFFOLD's c and FedDyn's h; their papers define no buffered version)",
     ),
     (
         lambda: {"client_state": Keeping(), "client": FedDyn()},
