@@ -254,6 +254,7 @@ def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fsta
         accuracy_source=tensors.accuracy_source,
         fstar=fstar,
         sampled_weights=selection.weights,  # importance sampling's unbiased weights (FedAvg takes them)
+        lr=lr,  # the round's local learning rate (q-FedAvg's Lipschitz estimate is its inverse)
         # From the previous global model on the same mini-batches (same round and client keys); MVR.
         measure=lambda signal: trainer.per_client(signal, w, data),
         previous_deltas=Lazy(

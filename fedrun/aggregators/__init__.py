@@ -9,6 +9,7 @@ from fedrun.aggregators.buffered import (
     FedBuff,
     FedStaleWeight,
 )
+from fedrun.aggregators.fair import QFFL
 from fedrun.aggregators.loss_weighted import (
     FedAvg,
     FedBetter,
@@ -37,6 +38,7 @@ from fedrun.aggregators.robust import (
 from fedrun.cohort import RoundView
 
 __all__ = [
+    "QFFL",
     "Aggregation",
     "Aggregator",
     "AsyncAggregator",

@@ -1,0 +1,70 @@
+"""Fair aggregation: the objectives that weigh clients by their loss to even out their accuracies, beside the
+loss-weighted family of papers 000 and 001.
+
+- ``QFFL``: q-FedAvg (Li, Sanjabi, Beirami and Smith 2020, "Fair Resource Allocation in Federated Learning", ICLR,
+  Algorithm 2), which minimises sum_k p_k F_k^(q+1) / (q + 1).
+"""
+
+import numpy as np
+import torch
+
+from fedrun.aggregators.base import Aggregation, Aggregator
+from fedrun.cohort import RoundView
+from fedrun.errors import check
+
+EPSILON = 1e-10  # added to every loss before its power, as the authors' code (fair_flearn, qffedavg.py) does
+
+
+class QFFL(Aggregator):
+    """q-FedAvg (Li et al. 2020, Algorithm 2). Each selected client k reports F_k(w^t), its loss at the round's model
+    before training (``report.losses``: what clients report, so a loss lie applies, as to FedSoftMax), and its local
+    solution w_bar_k; with Delta w_k = L (w^t - w_bar_k) (line 7),
+
+        Delta_k = F_k^q Delta w_k,   h_k = q F_k^(q-1) ||Delta w_k||^2 + L F_k^q   (lines 8-9),
+        w^(t+1) = w^t - sum_k Delta_k / sum_k h_k                                      (line 11).
+
+    In fedrun's convention (Delta_i = w_bar_i - w^t, the server steps w + Delta) that is the update sum_k alpha_k
+    Delta_k with alpha_k = F_k^q / sum_j (q F_j^(q-1) L ||Delta_j||^2 + F_j^q): alpha does not sum to 1 (it is a
+    step size as much as a weighting; ``attack/weight_share`` is NaN), and the server's SGD at lr 1 takes the
+    paper's step. L, the Lipschitz estimate, is 1/lr of the round's local learning rate, as the paper sets it (its
+    Section 4.2 and the authors' code); ``lipschitz`` fixes it instead. The losses get 1e-10 before their power, as
+    in the authors' code (a zero loss with q < 1 would divide by zero). With q = 0, alpha_k = 1/|S_t|: FedAvg with
+    uniform weights, exactly (a test); the paper's p_k are the sampling's (it samples clients by p_k and averages
+    uniformly).
+
+    Args:
+        q: q >= 0, the fairness parameter (0: FedAvg; the paper tunes q in {0.001, ..., 15} per dataset).
+        lipschitz: L > 0, or null: 1 / the round's local learning rate.
+    """
+
+    weights_follow_clients = True  # alpha follows the clients' losses (privacy refuses it)
+    alpha_informative = True
+    alpha_is_share = False
+
+    def __init__(self, q: float = 1.0, lipschitz: float | None = None):
+        super().__init__("uniform")
+        check(isinstance(q, (int, float)) and not isinstance(q, bool) and q >= 0, "q", q, "a number >= 0")
+        check(
+            lipschitz is None or (isinstance(lipschitz, (int, float)) and lipschitz > 0),
+            "lipschitz",
+            lipschitz,
+            "null (1 / the local learning rate) or a number > 0",
+        )
+        self.q, self.lipschitz = float(q), lipschitz
+
+    def aggregate(self, global_params: torch.Tensor, deltas: torch.Tensor, report: RoundView) -> Aggregation:
+        if not len(deltas):
+            return self.empty(global_params)
+        return self.combine(self.alpha(deltas, report), deltas, report)
+
+    def alpha(self, deltas: torch.Tensor, report: RoundView) -> np.ndarray:
+        """alpha_k = F_k^q / sum_j (q F_j^(q-1) L ||Delta_j||^2 + F_j^q) over the cohort."""
+        losses = np.asarray(report.losses.mean, dtype=np.float64) + EPSILON
+        lipschitz = self.lipschitz if self.lipschitz is not None else 1.0 / report.lr
+        squared = (deltas.double() ** 2).sum(1).cpu().numpy()
+        powered = np.float_power(losses, self.q)
+        h = self.q * np.float_power(losses, self.q - 1) * lipschitz * squared + powered  # h_k / L
+        return powered / h.sum()
+
+    def diagnose(self, report: RoundView, alpha: np.ndarray) -> dict[str, float]:
+        return {"step_sum": float(alpha.sum())}  # sum_k alpha_k: 1 at q = 0, below it as q or the updates grow

@@ -1,0 +1,46 @@
+"""q-FedAvg (fedrun/aggregators/fair.py) by hand on 3 clients, and at q = 0 FedAvg with uniform weights exactly."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedrun.aggregators import QFFL, FedAvg, RoundView
+from fedrun.cohort import ClientLosses
+from fedrun.errors import ConfigError
+
+DELTAS = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-1.0, -1.0]], dtype=torch.float64)
+LOSSES = np.array([0.5, 1.0, 2.0])
+
+
+def view(lr: float = 0.1) -> RoundView:
+    return RoundView(np.arange(3), np.array([10, 20, 30]), losses=ClientLosses(LOSSES, LOSSES), lr=lr)
+
+
+def test_q_fedavg_by_hand_on_three_clients():
+    # q = 2, L = 1/lr = 10. In the paper's terms Delta w_k = L (w - w_bar_k) = -10 Delta_k, so ||Delta w_k||^2 =
+    # 100 * (1, 4, 2); h_k = 2 F_k ||Delta w_k||^2 + 10 F_k^2 = (100 + 2.5, 800 + 10, 800 + 40) = (102.5, 810, 840);
+    # the step -sum F_k^2 Delta w_k / sum h_k = 10 * (0.25 * D1 + 1 * D2 + 4 * D3) / 1752.5.
+    update, alpha, diagnostics = QFFL(q=2.0).aggregate(torch.zeros(2), DELTAS, view())
+    expected = 10 * (0.25 * DELTAS[0] + 1.0 * DELTAS[1] + 4.0 * DELTAS[2]) / 1752.5
+    np.testing.assert_allclose(update.numpy(), expected.numpy(), rtol=1e-8)  # the losses' 1e-10 guard moves it < 1e-9
+    np.testing.assert_allclose(alpha, np.array([0.25, 1.0, 4.0]) * 10 / 1752.5, rtol=1e-8)
+    assert diagnostics["step_sum"] == pytest.approx(52.5 / 1752.5, rel=1e-8)
+    fixed = QFFL(q=2.0, lipschitz=10.0).aggregate(torch.zeros(2), DELTAS, view(lr=0.5))[0]
+    assert torch.equal(fixed, update)  # lipschitz fixes L whatever the learning rate
+
+
+def test_q_fedavg_at_q_zero_is_fedavg_with_uniform_weights_bit_for_bit():
+    update, alpha, _ = QFFL(q=0.0).aggregate(torch.zeros(2), DELTAS, view())
+    fedavg, fedavg_alpha, _ = FedAvg(weighting="uniform").aggregate(torch.zeros(2), DELTAS, view())
+    assert torch.equal(update, fedavg) and np.array_equal(alpha, fedavg_alpha)
+
+
+def test_a_larger_q_weighs_the_worse_clients_more():
+    shares = [(a := QFFL(q=q).alpha(DELTAS, view())) / a.sum() for q in (0.0, 1.0, 3.0)]
+    assert shares[0][2] < shares[1][2] < shares[2][2]  # the client of loss 2.0 gets more of the weight
+
+
+@pytest.mark.parametrize("kwargs", [{"q": -1.0}, {"q": True}, {"lipschitz": 0.0}])
+def test_bad_settings_are_refused_in_one_line(kwargs):
+    with pytest.raises(ConfigError):
+        QFFL(**kwargs)
