@@ -3,6 +3,7 @@ loss-weighted family of papers 000 and 001.
 
 - ``QFFL``: q-FedAvg (Li, Sanjabi, Beirami and Smith 2020, "Fair Resource Allocation in Federated Learning", ICLR,
   Algorithm 2), which minimises sum_k p_k F_k^(q+1) / (q + 1).
+- ``AFL``: agnostic FL (Mohri, Sivek and Suresh 2019), the worst mixture of the clients' losses.
 """
 
 import numpy as np
@@ -68,3 +69,60 @@ class QFFL(Aggregator):
 
     def diagnose(self, report: RoundView, alpha: np.ndarray) -> dict[str, float]:
         return {"step_sum": float(alpha.sum())}  # sum_k alpha_k: 1 at q = 0, below it as q or the updates grow
+
+
+def project_simplex(v: np.ndarray) -> np.ndarray:
+    """The Euclidean projection of ``v`` onto the probability simplex (Duchi, Shalev-Shwartz, Singer and Chandra
+    2008, "Efficient Projections onto the l1-Ball", Figure 1): sort, find the largest rho with
+    u_rho - (sum_{j<=rho} u_j - 1) / rho > 0, subtract theta = (sum_{j<=rho} u_j - 1) / rho and clip at 0."""
+    u = np.sort(v)[::-1]
+    cumulative = np.cumsum(u) - 1.0
+    rho = np.nonzero(u - cumulative / np.arange(1, len(u) + 1) > 0)[0][-1]
+    return np.maximum(v - cumulative[rho] / (rho + 1), 0.0)
+
+
+class AFL(Aggregator):
+    """Agnostic FL (Mohri, Sivek and Suresh 2019, "Agnostic Federated Learning", ICML; Stochastic-AFL, Algorithm 1):
+    min over w, max over lambda in the simplex of sum_k lambda_k F_k(w), one client a domain. Each round the model
+    steps along the cohort's updates weighted by lambda^t renormalised over the cohort (a convex combination; the
+    unbiased (N/m) lambda_k form differs by a server step size), and lambda takes a projected ascent step on the
+    cohort's reported losses, the unbiased estimate of its gradient under uniform sampling of m of the N clients:
+    lambda <- Proj(lambda + lambda_lr (N/m) F_k 1[k in S]) (the projection onto the simplex of Duchi et al. 2008).
+    lambda starts uniform; a loss lie moves it (the losses are what clients report). lambda is the run's state (N
+    numbers, 8 MB for a million clients), checkpointed exactly.
+
+    Args:
+        lambda_lr: gamma_lambda >= 0, the ascent step (0: lambda stays uniform, FedAvg with uniform weights).
+    """
+
+    STATE = ("lam",)
+    weights_follow_clients = True
+    alpha_informative = True
+
+    def __init__(self, lambda_lr: float = 0.01):
+        super().__init__("uniform")
+        check(
+            isinstance(lambda_lr, (int, float)) and not isinstance(lambda_lr, bool) and lambda_lr >= 0,
+            "lambda_lr",
+            lambda_lr,
+            "a number >= 0",
+        )
+        self.lambda_lr, self.lam, self.clients = float(lambda_lr), None, 0
+
+    def bind(self, context) -> None:
+        self.clients = len(context.sizes)
+        if self.lam is None:
+            self.lam = np.full(self.clients, 1.0 / self.clients)
+
+    def weights(self, report: RoundView) -> np.ndarray:
+        lam = self.lam[report.clients]
+        scaled = lam / lam.max() if lam.max() > 0 else np.ones(len(lam))  # equal lambdas give 1/m exactly
+        alpha = scaled / scaled.sum()
+        if self.lambda_lr:  # (a zero step leaves lambda on the simplex, where the projection is the identity)
+            gradient = np.zeros(self.clients)
+            np.add.at(gradient, report.clients, np.asarray(report.losses.mean, dtype=np.float64))
+            self.lam = project_simplex(self.lam + self.lambda_lr * self.clients / len(report.clients) * gradient)
+        return alpha
+
+    def diagnose(self, report: RoundView, alpha: np.ndarray) -> dict[str, float]:
+        return {"lambda_max": float(self.lam.max())}  # 1/N while uniform; towards 1 as one client dominates

@@ -128,9 +128,12 @@ CASES = {
         "schedule.rounds=8",
         "partition.num_clients=6",
     ],
-    # Power-of-Choice's candidate draws and loss probes, and QSGD's quantisation stream
+    # Power-of-Choice's candidate draws and loss probes, QSGD's quantisation stream, and AFL's lambda (ascending on
+    # the losses the candidates reported)
     "power_of_choice": [
         "sampler=power_of_choice",
+        "aggregator=afl",
+        "aggregator.lambda_lr=0.05",
         "sampler.candidates=5",
         "compression=qsgd",
         "schedule.clients_per_round=0.5",

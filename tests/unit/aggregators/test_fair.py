@@ -44,3 +44,45 @@ def test_a_larger_q_weighs_the_worse_clients_more():
 def test_bad_settings_are_refused_in_one_line(kwargs):
     with pytest.raises(ConfigError):
         QFFL(**kwargs)
+
+
+def test_the_projection_onto_the_simplex_by_hand_and_at_a_vertex():
+    from fedrun.aggregators.fair import project_simplex
+
+    # (0.5, 0.2, 0.6): theta = (0.6 + 0.5 + 0.2 - 1) / 3 = 0.1, all above it: (0.4, 0.1, 0.5).
+    np.testing.assert_allclose(project_simplex(np.array([0.5, 0.2, 0.6])), [0.4, 0.1, 0.5], atol=1e-15)
+    # (2, 0, 0.5): rho = 1 (0.5 - (2.5 - 1)/2 < 0), theta = 1: the vertex (1, 0, 0).
+    np.testing.assert_array_equal(project_simplex(np.array([2.0, 0.0, 0.5])), [1.0, 0.0, 0.0])
+    # (0.8, 0.6, -1): theta = 0.2: (0.6, 0.4, 0).
+    np.testing.assert_allclose(project_simplex(np.array([0.8, 0.6, -1.0])), [0.6, 0.4, 0.0], atol=1e-15)
+
+
+def afl(lambda_lr: float, clients: int = 4):
+    from types import SimpleNamespace
+
+    from fedrun.aggregators import AFL
+
+    rule = AFL(lambda_lr=lambda_lr)
+    rule.bind(SimpleNamespace(sizes=np.ones(clients)))
+    return rule
+
+
+def test_afl_by_hand_on_three_of_four_clients():
+    rule = afl(lambda_lr=0.1)
+    update, alpha, _ = rule.aggregate(torch.zeros(2), DELTAS, view())
+    np.testing.assert_array_equal(alpha, np.full(3, 1 / 3))  # lambda^1 uniform: its step weighs the cohort equally
+    # lambda + 0.1 * (4/3) * (0.5, 1, 2, 0) = (0.25 + 0.0667, 0.25 + 0.1333, 0.25 + 0.2667, 0.25): theta = 0.1167,
+    # so lambda^2 = (0.2, 0.2667, 0.4, 0.1333).
+    np.testing.assert_allclose(rule.lam, [0.2, 0.8 / 3, 0.4, 0.4 / 3], atol=1e-12)
+    _, alpha, diagnostics = rule.aggregate(torch.zeros(2), DELTAS, view())
+    np.testing.assert_allclose(alpha, np.array([0.2, 0.8 / 3, 0.4]) / (0.6 + 0.8 / 3), rtol=1e-12)
+    assert diagnostics["lambda_max"] == pytest.approx(rule.lam.max())
+
+
+def test_afl_with_lambda_lr_zero_is_fedavg_with_uniform_weights_bit_for_bit():
+    rule = afl(lambda_lr=0.0, clients=7)
+    fedavg, fedavg_alpha, _ = FedAvg(weighting="uniform").aggregate(torch.zeros(2), DELTAS, view())
+    for _ in range(3):
+        update, alpha, _ = rule.aggregate(torch.zeros(2), DELTAS, view())
+        assert torch.equal(update, fedavg) and np.array_equal(alpha, fedavg_alpha)
+    assert np.array_equal(rule.state_dict()["lam"], np.full(7, 1 / 7))
