@@ -251,7 +251,7 @@ class LocalSGD:
         call = self.call(cohort, starts)
         trained = trainer(starts, data, cohort, lr, works, seed, t, program=call)
         check(
-            trained.kept is not None or not len(cohort),
+            trained.kept is not None or not len(cohort) or not self.keeps,
             "device.backend",
             type(trainer).__name__,
             "a backend that runs client programs (passes program= to fedrun.programs.train_cohort)",
@@ -524,6 +524,43 @@ class Moon(LocalSGD):
 
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
         return local.start + delta  # the client's local model: next round's z_prev
+
+
+class Tilted(LocalSGD):
+    """Sample-level tilted ERM inside the client (Li, Beirami, Sanjabi and Smith 2021, "Tilted Empirical Risk
+    Minimization", ICLR, eq. 2): each mini-batch's loss is (1/tau) log mean_j exp(tau l_j) over its samples'
+    losses l_j, whose gradient weighs sample j by softmax(tau l)_j (tau > 0: the hardest samples more; tau < 0:
+    outliers less; tau = 0: the mean, plain local SGD exactly). The loss a client reports is the plain mean (what
+    every other program reports). With ``aggregator=term`` across clients, hierarchical TERM.
+
+    Args:
+        tau: The sample-level tilt, any real number.
+    """
+
+    name = "tilted"
+
+    def __init__(self, tau: float = 1.0, memory_mb: float = 1024.0):
+        super().__init__(memory_mb)
+        check(
+            isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau),
+            "tau",
+            tau,
+            "a finite number",
+        )
+        self.tau = float(tau)
+
+    def closure(self, local: Local, chosen: torch.Tensor):
+        if self.tau == 0:
+            return super().closure(local, chosen)
+        client = local.client
+
+        def closure():
+            local.optimizer.zero_grad(set_to_none=True)
+            losses = cross_entropy(client.model(client.x[chosen]), client.y[chosen], reduction="none")
+            ((torch.logsumexp(self.tau * losses, 0) - math.log(len(losses))) / self.tau).backward()
+            return losses.mean().detach()
+
+        return closure
 
 
 def last_layer(model: nn.Module) -> nn.Module:

@@ -9,7 +9,7 @@ from fedrun.aggregators.buffered import (
     FedBuff,
     FedStaleWeight,
 )
-from fedrun.aggregators.fair import AFL, QFFL
+from fedrun.aggregators.fair import AFL, QFFL, TERM
 from fedrun.aggregators.loss_weighted import (
     FedAvg,
     FedBetter,
@@ -38,6 +38,7 @@ from fedrun.aggregators.robust import (
 from fedrun.cohort import RoundView
 
 __all__ = [
+    "TERM",
     "AFL",
     "QFFL",
     "Aggregation",

@@ -4,12 +4,14 @@ loss-weighted family of papers 000 and 001.
 - ``QFFL``: q-FedAvg (Li, Sanjabi, Beirami and Smith 2020, "Fair Resource Allocation in Federated Learning", ICLR,
   Algorithm 2), which minimises sum_k p_k F_k^(q+1) / (q + 1).
 - ``AFL``: agnostic FL (Mohri, Sivek and Suresh 2019), the worst mixture of the clients' losses.
+- ``TERM``: tilted ERM across clients (Li, Beirami, Sanjabi and Smith 2021), FedSoftMax's form at T = 1/t.
 """
 
 import numpy as np
 import torch
 
 from fedrun.aggregators.base import Aggregation, Aggregator
+from fedrun.aggregators.loss_weighted import LossWeighted
 from fedrun.cohort import RoundView
 from fedrun.errors import check
 
@@ -126,3 +128,35 @@ class AFL(Aggregator):
 
     def diagnose(self, report: RoundView, alpha: np.ndarray) -> dict[str, float]:
         return {"lambda_max": float(self.lam.max())}  # 1/N while uniform; towards 1 as one client dominates
+
+
+class TERM(LossWeighted):
+    """Tilted ERM across clients (Li, Beirami, Sanjabi and Smith 2021, "Tilted Empirical Risk Minimization", ICLR;
+    hierarchical TERM's objective across groups, one client a group): (1/t) log sum_k p_k exp(t F_k(w)), whose
+    gradient weighs client k by alpha_k = p_k exp(t F_k) / sum_j p_j exp(t F_j), F_k its reported loss at the
+    round's model. t > 0 leans towards the worst clients (t -> infinity: FedMax), t < 0 away from them (robustness
+    to outlying clients), t = 0 is FedAvg exactly. This is FedSoftMax's form with T = 1/t (FedSoftBetter's with
+    T = -1/t for t < 0) when FedSoftMax measures what TERM does: ``fstar=zero``, ``loss_on=global`` and
+    ``loss_scale=mean`` (the defaults here); paper 000's rule may subtract an F_i* estimate, read the last local
+    epoch's loss or the authors' loss scale, where the two part. The sample-level tilt inside a client's objective
+    is the client program ``client=tilted`` (``fedrun.programs.Tilted``); both together are hierarchical TERM.
+
+    Args:
+        t: The tilt, any real number.
+        fstar, fstar_epochs, loss_on, loss_scale, weighting, trim, max_weight: See ``LossWeighted``.
+    """
+
+    def __init__(self, t: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        check(isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t), "t", t, "a finite number")
+        self.t = float(t)
+
+    def weigh(self, score, p, round_):
+        if self.t == 0:  # exp(0) = 1: p itself (computed through the logits it would differ in the last bits)
+            return p
+        logits = np.log(p) + self.t * score  # log-sum-exp form, as FedSoftMax
+        w = np.exp(logits - logits.max())
+        return w / w.sum()
+
+    def diagnose(self, report, alpha):
+        return {**super().diagnose(report, alpha), "tilt": self.t}

@@ -183,3 +183,22 @@ def test_a_program_of_the_tests_own_runs_the_same_on_the_loop_and_in_worker_proc
     assert torch.equal(loop.deltas, processes.deltas) and torch.equal(loop.kept, processes.kept)
     assert not torch.equal(loop.deltas, run(None).deltas)  # the noise changed the updates
     assert torch.equal(loop.kept, torch.full((2, 2), float(STEPS), dtype=torch.float64))
+
+
+def test_the_sample_tilted_program_by_hand_and_at_tau_zero_plain_sgd():
+    from fedrun.programs import Tilted
+
+    tau = 1.5
+    out = run(Program(Tilted(tau=tau)))
+    for k, part in enumerate(PARTS):
+        w = W0.numpy().copy()
+        for _ in range(STEPS):  # the gradient of (1/tau) log mean exp(tau l_j): sum_j softmax(tau l)_j grad l_j
+            losses = []
+            for i in part:
+                x, y = float(X[i, 0]), int(Y[i])
+                p = np.exp(w * x) / np.exp(w * x).sum()
+                losses.append(-np.log(p[y]))
+            weights = np.exp(tau * np.array(losses)) / np.exp(tau * np.array(losses)).sum()
+            w = w - LR * sum(weights[j] * gradient(w, np.array([i])) for j, i in enumerate(part))
+        np.testing.assert_allclose(out.deltas[k].numpy(), w - W0.numpy(), rtol=1e-12)
+    assert torch.equal(run(Program(Tilted(tau=0.0))).deltas, run(None).deltas)

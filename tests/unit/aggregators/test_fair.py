@@ -86,3 +86,33 @@ def test_afl_with_lambda_lr_zero_is_fedavg_with_uniform_weights_bit_for_bit():
         update, alpha, _ = rule.aggregate(torch.zeros(2), DELTAS, view())
         assert torch.equal(update, fedavg) and np.array_equal(alpha, fedavg_alpha)
     assert np.array_equal(rule.state_dict()["lam"], np.full(7, 1 / 7))
+
+
+def test_term_by_hand_and_at_t_zero_fedavg_bit_for_bit():
+    from fedrun.aggregators import TERM
+
+    # p = (10, 20, 30) / 60, F = (0.5, 1, 2), t = 2: alpha proportional to p_k exp(2 F_k) = (e, 2 e^2, 3 e^4) / 6.
+    _, alpha, diagnostics = TERM(t=2.0).aggregate(torch.zeros(2), DELTAS, view())
+    expected = np.array([np.e, 2 * np.e**2, 3 * np.e**4])
+    np.testing.assert_allclose(alpha, expected / expected.sum(), rtol=1e-14)
+    assert diagnostics["tilt"] == 2.0
+    _, negative, _ = TERM(t=-2.0).aggregate(torch.zeros(2), DELTAS, view())
+    assert negative[0] > negative[1] > negative[2]  # t < 0: away from the worst clients
+    for weighting in ("samples", "uniform"):
+        term = TERM(t=0.0, weighting=weighting).aggregate(torch.zeros(2), DELTAS, view())
+        fedavg = FedAvg(weighting=weighting).aggregate(torch.zeros(2), DELTAS, view())
+        assert torch.equal(term[0], fedavg[0]) and np.array_equal(term[1], fedavg[1])
+
+
+def test_term_across_clients_is_fedsoftmax_at_one_over_t_where_their_definitions_meet():
+    # Equal to floating point, not bit for bit: FedSoftMax divides the loss by T = 1/t, TERM multiplies it by t.
+    # They meet with fstar=zero, loss_on=global, loss_scale=mean (paper 000's rule may subtract F_i*, read the last
+    # local epoch's loss or the authors' scale) and both weigh by p_k.
+    from fedrun.aggregators import TERM, FedSoftBetter, FedSoftMax
+
+    for t in (0.3, 1.0, 4.0):
+        term = TERM(t=t).aggregate(torch.zeros(2), DELTAS, view())[1]
+        softmax = FedSoftMax(temperature=1 / t).aggregate(torch.zeros(2), DELTAS, view())[1]
+        np.testing.assert_allclose(term, softmax, rtol=1e-14)
+        mirror = FedSoftBetter(temperature=1 / t).aggregate(torch.zeros(2), DELTAS, view())[1]
+        np.testing.assert_allclose(TERM(t=-t).aggregate(torch.zeros(2), DELTAS, view())[1], mirror, rtol=1e-14)
