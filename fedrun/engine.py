@@ -31,7 +31,7 @@ from fedrun.models import batch_norm_names, batch_norms, flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
-from fedrun.personal import STATISTICS, columns, statistics
+from fedrun.personal import STATISTICS, columns, fairness, statistics
 from fedrun.rounds import (
     AttackEffect,
     Bits,
@@ -367,8 +367,9 @@ class Judge:
             accuracy = np.concatenate(judged[name])
             counts = np.array([len(split) for split in splits])
             row.update({f"personal/{name}_{s}": v for s, v in statistics(accuracy, counts).items()})
-            if name == "accuracy":
+            if name == "accuracy":  # how evenly the model each client is served does across the clients
                 per_client["personal_accuracy"] = accuracy
+                row.update({f"fairness/{s}": v for s, v in fairness(accuracy, counts).items()})
         return row | {"personal_eval_wall_s": time.perf_counter() - started}
 
     def _judged(self, models, x, y, split_sets, own) -> list[np.ndarray]:

@@ -84,6 +84,13 @@ TAILED = (
 )
 
 
+# The fairness measures judged on their tail too (summary ``tail_fairness_<s>``), but never tagged unstable: a swing
+# of a variance or of Jain's index is no accuracy's.
+FAIR_TAILED = tuple(
+    (f"fairness/{s}", f"fairness_{s}") for s in ("mean", "min", "max", "p10", "p90", "variance", "jain", "left_behind")
+)
+
+
 def tail(rounds: Sequence[int], values: Sequence[float], window: int) -> tuple[float, float, int]:
     """A curve judged on its tail: the mean and the swing (max - min) of its evaluated values (NaN: not evaluated,
     skipped) over the final ``window`` rounds, those after ``last round - window``, and how many values that is.
@@ -103,14 +110,14 @@ def tail_summary(metrics: pd.DataFrame, window: int, threshold: float) -> tuple[
     tag ``unstable`` naming those whose swing exceeds ``threshold`` (absent when none does). Returns (metrics, tags)."""
     values, unstable = {}, []
     groups = [(c, c) for c in metrics.columns if str(c).startswith("accuracy/")]  # the async engine's speed groups
-    for column, name in (*TAILED, *groups):
+    for column, name in (*TAILED, *FAIR_TAILED, *groups):
         if column not in metrics:
             continue
         mean, swing, count = tail(metrics["round"], metrics[column], window)
         if not count:
             continue
         values[f"tail_{name}"], values[f"tail_{name}_swing"] = mean, swing
-        if swing > threshold:
+        if swing > threshold and (column, name) not in FAIR_TAILED:
             unstable.append(column)
     return values, ({"unstable": ",".join(unstable)} if unstable else {})
 

@@ -293,6 +293,7 @@ FEATURE_PREFIXES = {  # a feature's metrics, by their own prefix
     "robust/": "2_robust/",
     "clip/": "2_clipping/",
     "personal/": "2_personal/",
+    "fairness/": "2_fairness/",
 }
 COMPRESSION = re.compile(r"^[a-z_]+/(bits_per_coordinate|relative_error)$")  # topk/bits_per_coordinate
 TIMING_SECTION, SUMMARY_SECTION = "4_timing/", "5_summary/"

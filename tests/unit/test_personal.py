@@ -372,3 +372,21 @@ def test_each_personal_method_runs_with_every_synchronous_aggregator_or_is_refus
     runs_with_every_synchronous_aggregator(
         compose_config, lambda aggregator: train(instantiate(state), rounds=2, lr=0.1, aggregator=aggregator)
     )
+
+
+def test_the_fairness_measures_by_hand():
+    from fedrun.personal import fairness
+
+    equal = fairness(np.full(4, 0.7), np.ones(4))
+    assert equal["jain"] == pytest.approx(1.0) and equal["variance"] == 0.0 and equal["left_behind"] == 0.0
+    one = fairness(np.array([0.0, 0.0, 0.9, 0.0]), np.ones(4))
+    assert one["jain"] == pytest.approx(0.25) and one["left_behind"] == 0.75  # 1/n; three below 0.8 * 0.225
+    # (0.2, 0.6, 0.8, 1.0) and a client with no held-out sample (left out): mean 0.65, population variance
+    # (0.2025 + 0.0025 + 0.0225 + 0.1225) / 4 = 0.0875, Jain 2.6^2 / (4 * 2.04) = 0.828431..., 10th percentile
+    # 0.2 + 0.3 * 0.4 = 0.32, 90th 0.8 + 0.7 * 0.2 = 0.94, left behind: 0.2 < 0.52 only.
+    got = fairness(np.array([0.2, 0.6, 0.8, 1.0, 0.0]), np.array([5, 5, 5, 5, 0]))
+    expected = dict(
+        mean=0.65, min=0.2, max=1.0, p10=0.32, p90=0.94, variance=0.0875, jain=6.76 / 8.16, left_behind=0.25
+    )
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert all(np.isnan(v) for v in fairness(np.array([0.5]), np.array([0])).values())
