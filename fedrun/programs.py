@@ -390,13 +390,9 @@ class Scaffold(LocalSGD):
         return torch.zeros(self.context.layout[-1][2]) if self.server is None else self.server
 
     def corrected(self, local: Local) -> None:
-        offset = 0
         with torch.no_grad():
-            for p in local.client.model.parameters():
-                n = p.numel()
-                if p.grad is not None:
-                    p.grad.add_((local.shared[offset : offset + n] - local.own[offset : offset + n]).view_as(p))
-                offset += n
+            for p, c, c_i in with_gradients(local.client.model, local.shared, local.own):
+                p.grad.add_(c - c_i)
 
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
         if not steps:
@@ -439,14 +435,9 @@ class FedDyn(LocalSGD):
         return torch.zeros(d)
 
     def corrected(self, local: Local) -> None:
-        offset = 0
         with torch.no_grad():
-            for p in local.client.model.parameters():
-                n = p.numel()
-                if p.grad is not None:
-                    anchor = local.start[offset : offset + n].view_as(p)
-                    p.grad.add_(p - anchor, alpha=self.alpha).sub_(local.own[offset : offset + n].view_as(p))
-                offset += n
+            for p, anchor, g in with_gradients(local.client.model, local.start, local.own):
+                p.grad.add_(p - anchor, alpha=self.alpha).sub_(g)
 
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
         return local.own - self.alpha * delta
@@ -561,6 +552,17 @@ class Tilted(LocalSGD):
             return losses.mean().detach()
 
         return closure
+
+
+def with_gradients(model: nn.Module, *flats: torch.Tensor):
+    """Each parameter of ``model`` that has a gradient, with its slice of each flat vector (in ``flat_parameters``'
+    order) viewed in its shape."""
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        if p.grad is not None:
+            yield (p, *(flat[offset : offset + n].view_as(p) for flat in flats))
+        offset += n
 
 
 def last_layer(model: nn.Module) -> nn.Module:
