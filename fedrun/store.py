@@ -3,10 +3,13 @@ method (``fedrun.personal``) and a client program (``fedrun.programs``) keep per
 """
 
 import os
+import re
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
+
+from fedrun.errors import ConfigError
 
 
 class PersonalStore:
@@ -99,6 +102,15 @@ class PersonalStore:
         self.memory = OrderedDict((int(c), v) for c, v in state.get("memory", {}).items())
         self.bytes = sum(_nbytes(v) for v in self.memory.values())
         self.disk = {int(c): str(n) for c, n in state.get("disk", {}).items()}
+        for client, name in self.disk.items():  # a checkpoint from elsewhere names files: only this store's own
+            if not re.fullmatch(rf"{client}\.\d+\.pt", name):
+                raise ConfigError(
+                    "checkpoint",
+                    name,
+                    f"a spilled state's file name as fedrun writes it ({client}.<version>.pt, inside the run dir's "
+                    f"{self.directory.name if self.directory is not None else 'store'}/): a crafted checkpoint may not "
+                    "name a file elsewhere",
+                )
         self.written = int(state.get("written", 0))
         self._files = self._saved = set(self.disk.values())
         self._swept = True  # below

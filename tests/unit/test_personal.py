@@ -390,3 +390,20 @@ def test_the_fairness_measures_by_hand():
     )
     assert got == pytest.approx(expected, abs=1e-12)
     assert all(np.isnan(v) for v in fairness(np.array([0.5]), np.array([0])).values())
+
+
+@pytest.mark.parametrize(
+    "name", ["../../victim/important_0.pt", "/etc/hostname", "3.0.pt/../../x.pt", "4.0.pt", "3.x.pt"]
+)
+def test_a_checkpoint_naming_a_spill_file_outside_the_store_is_refused_and_deletes_nothing(tmp_path, name):
+    from fedrun.errors import ConfigError
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "important_0.pt").write_bytes(b"keep me")
+    store = PersonalStore(1.0, tmp_path / "run" / "personal")
+    (tmp_path / "run" / "personal").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="^checkpoint="):
+        store.load_state_dict({"memory": {}, "disk": {3: name}, "written": 1})
+    assert (victim / "important_0.pt").read_bytes() == b"keep me"
+    store.load_state_dict({"memory": {}, "disk": {3: "3.0.pt"}, "written": 1})  # fedrun's own name is taken
