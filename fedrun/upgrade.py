@@ -80,6 +80,7 @@ ADDED_GROUPS = {
     "compression": {},  # before compression: dense updates
     "attack": {"_target_": "fedrun.attacks.Attack"},  # before attacks: every client honest
     "personalization": {"_target_": "fedrun.parts.ClientState"},  # before personalisation: the global model for all
+    "client": {"_target_": "fedrun.programs.LocalSGD", "memory_mb": 1024},  # before client programs: local SGD
 }
 
 
