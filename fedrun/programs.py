@@ -557,12 +557,9 @@ class Tilted(LocalSGD):
 def with_gradients(model: nn.Module, *flats: torch.Tensor):
     """Each parameter of ``model`` that has a gradient, with its slice of each flat vector (in ``flat_parameters``'
     order) viewed in its shape."""
-    offset = 0
-    for p in model.parameters():
-        n = p.numel()
+    for p, *views in zip(model.parameters(), *(_anchors(model, flat) for flat in flats)):
         if p.grad is not None:
-            yield (p, *(flat[offset : offset + n].view_as(p) for flat in flats))
-        offset += n
+            yield (p, *views)
 
 
 def last_layer(model: nn.Module) -> nn.Module:
@@ -574,10 +571,7 @@ def last_layer(model: nn.Module) -> nn.Module:
 def representation(model: nn.Module, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The input of ``model``'s last layer for ``x`` under the flat parameters ``flat`` (flattened per sample), by a
     functional call: the workspace's own parameters are untouched."""
-    views, start = {}, 0
-    for name, p in model.named_parameters():
-        views[name] = flat[start : start + p.numel()].view_as(p)
-        start += p.numel()
+    views = {name: view for (name, _), view in zip(model.named_parameters(), _anchors(model, flat))}
     seen = {}
     handle = last_layer(model).register_forward_pre_hook(lambda module, inputs: seen.__setitem__("z", inputs[0]))
     try:
