@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fedrun.aggregators.base import Aggregation, Aggregator
-from fedrun.aggregators.loss_weighted import LossWeighted
+from fedrun.aggregators.loss_weighted import LossWeighted, exponential_weights
 from fedrun.cohort import RoundView
 from fedrun.errors import check
 
@@ -154,9 +154,7 @@ class TERM(LossWeighted):
     def weigh(self, score, p, round_):
         if self.t == 0:  # exp(0) = 1: p itself (computed through the logits it would differ in the last bits)
             return p
-        logits = np.log(p) + self.t * score  # log-sum-exp form, as FedSoftMax
-        w = np.exp(logits - logits.max())
-        return w / w.sum()
+        return exponential_weights(p, self.t * score)
 
     def diagnose(self, report, alpha):
         return {**super().diagnose(report, alpha), "tilt": self.t}

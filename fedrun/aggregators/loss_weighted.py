@@ -251,17 +251,21 @@ class FedSoftMax(LossWeighted):
     def weigh(self, score, p, round_):
         # alpha_t^i = p_i exp(T^-1 (F_i(w_t) - F_i*)) re-normalised: paper 000 (000_e8a407b177dd9e6a.txt) line 269,
         # paper 001 (001_bd9b3d8952910fb9.txt) line 239.
-        temperature = self.temperature_at(round_)
-        # log-sum-exp form: subtracting the max keeps exp() finite for any loss and temperature.
-        logits = np.log(p) + score / temperature
-        w = np.exp(logits - logits.max())
-        return w / w.sum()
+        return exponential_weights(p, score / self.temperature_at(round_))
 
 
 class FedSoftBetter(FedSoftMax):
     """FedSoftBetter: alpha_i proportional to p_i * exp(-L_i / T)."""
 
     sign = -1.0
+
+
+def exponential_weights(p: np.ndarray, exponents: np.ndarray) -> np.ndarray:
+    """p_i exp(x_i) renormalised (FedSoftMax's T^-1 L_i, TERM's t F_i), in log-sum-exp form: subtracting the largest
+    logit keeps exp() finite for any loss and scale."""
+    logits = np.log(p) + exponents
+    w = np.exp(logits - logits.max())
+    return w / w.sum()
 
 
 def cap(alpha: np.ndarray, p: np.ndarray, max_weight: float, kept: np.ndarray | None = None) -> np.ndarray:
