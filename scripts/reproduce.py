@@ -390,6 +390,25 @@ PAPERS = {
         report_by=("client", "aggregator", "optimizer", "schedule.local_steps"),
         paired="client=sgd",  # each program against FedAvg (same aggregator, solver, steps and seed)
     ),
+    # Not a seed paper: FedSoftMax among its kin (docs/results/fairness.md), the fair-FL objectives that weigh clients by
+    # their loss, on q-FFL's synthetic setting and on 2-label shards of Fashion-MNIST. One axis of tilts: FedAvg
+    # (t = 0), TERM t = 0.1, FedSoftMax T = 1 and 0.1 (TERM's t = 1 and 10: the same rule, tests/unit/test_fair.py),
+    # TERM t = 100, FedMax (t -> infinity); beside it q-FFL (q = 0 is uniform FedAvg, q-FFL's own baseline) and AFL.
+    "fairness": Paper(
+        "Fairness: FedAvg, q-FFL, AFL, TERM, FedSoftMax and FedMax on q-FFL's synthetic setting and Fashion-MNIST shards",
+        tuple(
+            Part(name, ("experiment=qffl_synthetic,fairness_fmnist", *args, "seed={seeds}"))
+            for name, args in (
+                ("fedavg", ("aggregator=fedavg",)),
+                ("qffl", ("aggregator=qffl", "aggregator.q=0,1,5")),
+                ("afl", ("aggregator=afl",)),
+                ("term", ("aggregator=term", "aggregator.t=0.1,100")),
+                ("fedsoftmax", ("aggregator=fedsoftmax", "aggregator.temperature=1,0.1")),
+                ("fedmax", ("aggregator=fedmax",)),
+            )
+        ),
+        report_by=("dataset", "aggregator", "aggregator.q", "aggregator.t", "aggregator.temperature"),
+    ),
 }
 TINY = ("schedule.rounds=2", "schedule.stop_at_accuracy=null")
 
