@@ -27,11 +27,12 @@ from fedrun.clients import (
 from fedrun.cohort import ClientLosses, ClientReport, Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError
+from fedrun.metrics import fairness
 from fedrun.models import batch_norm_names, batch_norms, flat_parameters
 from fedrun.optimizers import base_lr
 from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
-from fedrun.personal import STATISTICS, columns, fairness, statistics
+from fedrun.personal import STATISTICS, columns, statistics
 from fedrun.rounds import (
     AttackEffect,
     Bits,

@@ -84,11 +84,43 @@ TAILED = (
 )
 
 
+FAIRNESS = ("mean", "min", "max", "worst10", "best10", "p10", "p90", "variance", "jain", "left_behind")
+LEFT_BEHIND = 0.8  # a client is left behind below this fraction of the clients' mean accuracy
+DECILE = 0.1  # worst10 and best10: the mean over this share of the clients (rounded up, at least one)
+
+
+def fairness(accuracy: np.ndarray, counts: np.ndarray) -> dict:
+    """How evenly per-client test accuracies (clients without a held-out sample left out) are spread, the measures of
+    the fair-FL papers: their mean, worst and best; ``worst10`` and ``best10``, the mean accuracy of the worst and
+    the best tenth of the clients (q-FFL's Table 1 columns "Worst 10%" and "Best 10%", the average over the worst
+    and best 10% of devices; a tenth of n rounded up, so that 5 clients still have a worst client); the 10th and 90th
+    percentiles (those tenths' boundaries); the variance (q-FFL's, the population variance); Jain's index
+    (sum a)^2 / (n sum a^2) (1 when every client is equal, 1/n when one client holds all of it; Li et al. 2020 use
+    it too) and ``left_behind``, the share of clients below ``LEFT_BEHIND`` (80%) of the mean accuracy: a count of
+    the clients the federation leaves behind that, like Jain's index, does not depend on the task's scale of
+    accuracy (a fixed threshold would say nothing of a 10-class and a 62-class task alike)."""
+    accuracy = np.asarray(accuracy)[np.asarray(counts) > 0]
+    if not len(accuracy):
+        return dict.fromkeys(FAIRNESS, math.nan)
+    mean, squares = float(accuracy.mean()), float((accuracy**2).sum())
+    ordered, tenth = np.sort(accuracy), math.ceil(DECILE * len(accuracy))  # the sums above in the clients' order
+    return {
+        "mean": mean,
+        "min": float(ordered[0]),
+        "max": float(ordered[-1]),
+        "worst10": float(ordered[:tenth].mean()),
+        "best10": float(ordered[-tenth:].mean()),
+        "p10": float(np.percentile(accuracy, 10)),
+        "p90": float(np.percentile(accuracy, 90)),
+        "variance": float(accuracy.var()),
+        "jain": float(accuracy.sum() ** 2 / (len(accuracy) * squares)) if squares > 0 else math.nan,
+        "left_behind": float((accuracy < LEFT_BEHIND * mean).mean()),
+    }
+
+
 # The fairness measures judged on their tail too (summary ``tail_fairness_<s>``), but never tagged unstable: a swing
 # of a variance or of Jain's index is no accuracy's.
-FAIR_TAILED = tuple(
-    (f"fairness/{s}", f"fairness_{s}") for s in ("mean", "min", "max", "p10", "p90", "variance", "jain", "left_behind")
-)
+FAIR_TAILED = tuple((f"fairness/{s}", f"fairness_{s}") for s in FAIRNESS)
 
 
 def tail(rounds: Sequence[int], values: Sequence[float], window: int) -> tuple[float, float, int]:
@@ -142,11 +174,14 @@ def unstable_line(values: dict, tags: dict, window: int) -> str | None:
 
 def bounds(name: str) -> tuple[float, float] | None:
     """The range a metric's values lie in, by its name: [0, 1] for an accuracy, a share or a fraction (and an
-    accuracy's tail swing), [-1, 1] for a lag-one autocorrelation, [0, 2] for the L1 distance between two weight
-    vectors; None for an unbounded one (an R-index, megabytes, seconds, a deviation)."""
+    accuracy's tail swing) and for the fairness measures of the clients' accuracies but their variance, [0, 1/4],
+    [-1, 1] for a lag-one autocorrelation, [0, 2] for the L1 distance between two weight vectors; None for an
+    unbounded one (an R-index, megabytes, seconds, a deviation)."""
     plain = name.removeprefix("metrics.")
     if "accuracy" in plain or "share" in plain or plain.endswith("_fraction"):
         return (0.0, 1.0)
+    if plain.startswith(("fairness/", "tail_fairness_")):  # accuracies' statistics; a variance of [0, 1] values
+        return (0.0, 0.25) if "variance" in plain else (0.0, 1.0)  # is at most 1/4 (half at 0, half at 1)
     if plain == "lag1_autocorr":
         return (-1.0, 1.0)
     if plain.startswith("alpha_distance"):

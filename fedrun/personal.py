@@ -31,6 +31,7 @@ import torch
 
 from fedrun.cohort import CohortUpdate
 from fedrun.errors import ConfigError, check
+from fedrun.metrics import FAIRNESS
 from fedrun.parts import ClientState
 from fedrun.programs import Frozen, Mixed, Program, Pulled
 from fedrun.state import Context
@@ -384,34 +385,6 @@ def statistics(accuracy: np.ndarray, counts: np.ndarray) -> dict:
         "weighted": float(np.average(accuracy, weights=counts)),
         "p10": float(np.percentile(accuracy, 10)),
         "min": float(accuracy.min()),
-    }
-
-
-FAIRNESS = ("mean", "min", "max", "p10", "p90", "variance", "jain", "left_behind")
-LEFT_BEHIND = 0.8  # a client is left behind below this fraction of the clients' mean accuracy
-
-
-def fairness(accuracy: np.ndarray, counts: np.ndarray) -> dict:
-    """How evenly per-client test accuracies (clients without a held-out sample left out) are spread, the measures of
-    the fair-FL papers: their mean, worst, best, 10th and 90th percentiles (q-FFL's Table 1 reports the worst and
-    best 10%: these are their boundaries), variance (q-FFL's, the population variance), Jain's index
-    (sum a)^2 / (n sum a^2) (1 when every client is equal, 1/n when one client holds all of it; Li et al. 2020 use
-    it too) and ``left_behind``, the share of clients below ``LEFT_BEHIND`` (80%) of the mean accuracy: a count of
-    the clients the federation leaves behind that, like Jain's index, does not depend on the task's scale of
-    accuracy (a fixed threshold would say nothing of a 10-class and a 62-class task alike)."""
-    accuracy = accuracy[counts > 0]
-    if not len(accuracy):
-        return dict.fromkeys(FAIRNESS, math.nan)
-    mean, squares = float(accuracy.mean()), float((accuracy**2).sum())
-    return {
-        "mean": mean,
-        "min": float(accuracy.min()),
-        "max": float(accuracy.max()),
-        "p10": float(np.percentile(accuracy, 10)),
-        "p90": float(np.percentile(accuracy, 90)),
-        "variance": float(accuracy.var()),
-        "jain": float(accuracy.sum() ** 2 / (len(accuracy) * squares)) if squares > 0 else math.nan,
-        "left_behind": float((accuracy < LEFT_BEHIND * mean).mean()),
     }
 
 

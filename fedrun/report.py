@@ -19,7 +19,19 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedrun.metrics import TAIL, Interval, bounded_ci, bounds, by_seed, markdown_table, mean_ci, natural, tail
+from fedrun.metrics import (
+    FAIRNESS,
+    TAIL,
+    Interval,
+    bounded_ci,
+    bounds,
+    by_seed,
+    fairness,
+    markdown_table,
+    mean_ci,
+    natural,
+    tail,
+)
 from fedrun.tracking import (
     CONFIG_GROUPS,
     DEFAULT_URI,
@@ -343,27 +355,80 @@ def curves(client, runs: pd.DataFrame, keys: list[str], metric: str = "test_accu
     return out
 
 
-def personal_accuracies(client, runs: pd.DataFrame, keys: list[str]) -> dict[str, np.ndarray]:
-    """Per group, every client's accuracy on its own test split at each run's selected round (on validation; the
-    last judged round without one), pooled over the group's runs: from the runs' ``personal_accuracy.csv``."""
+def client_tables(client, runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Each run's ``personal_accuracy.csv`` (a row per judged round, a column per client: its accuracy on its own
+    test split under the model it is served), by run id; a run without client test splits logs none."""
+    import os
     import tempfile
 
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per run's small file says nothing
+    tables = {}
+    for run_id in runs["run_id"]:
+        with tempfile.TemporaryDirectory() as scratch:
+            try:
+                path = client.download_artifacts(run_id, "personal_accuracy.csv", scratch)
+            except Exception:
+                continue
+            tables[run_id] = per_client_table(Path(path))
+    return tables
+
+
+def run_window(run: pd.Series) -> int:
+    """The run's ``schedule.tail`` (``fedrun.metrics.TAIL`` for a run logged without one)."""
+    window = pd.to_numeric(pd.Series([run.get("params.schedule.tail")]), errors="coerce")[0]
+    return TAIL if pd.isna(window) else int(window)
+
+
+def last_round(table: pd.DataFrame, run: pd.Series) -> int:
+    """The run's last round (``rounds_run``), judged or not, or the table's last where the run logged none."""
+    ran = pd.to_numeric(pd.Series([run.get("metrics.rounds_run")]), errors="coerce")[0]
+    return max(int(table.index.max()), 0 if pd.isna(ran) else int(ran))
+
+
+def tail_rows(table: pd.DataFrame, run: pd.Series) -> pd.DataFrame:
+    """The rows of a per-client table in the run's tail, the rounds after its last round minus ``schedule.tail`` (the
+    window ``fedrun.metrics.tail`` judges a curve on)."""
+    return table[table.index > last_round(table, run) - run_window(run)]
+
+
+def personal_accuracies(
+    runs: pd.DataFrame, keys: list[str], tables: dict[str, pd.DataFrame], over: str = "selected"
+) -> dict[str, np.ndarray]:
+    """Per group, every client's accuracy on its own test split, pooled over the group's runs: at each run's round
+    selected on validation (the last judged round without one), or with ``over="tail"`` its mean over the run's
+    tail (what ``--fairness`` judges)."""
     out = {}
     for values, group in groups(runs, keys):
         pooled = []
         for _, run in group.iterrows():
-            with tempfile.TemporaryDirectory() as scratch:
-                try:
-                    path = client.download_artifacts(run["run_id"], "personal_accuracy.csv", scratch)
-                except Exception:  # a run without client test splits logs none
-                    continue
-                table = per_client_table(Path(path))
+            if (table := tables.get(run["run_id"])) is None:
+                continue
+            if over == "tail":
+                pooled.append(tail_rows(table, run).mean(axis=0).to_numpy(dtype=float))
+                continue
             chosen = run.get("metrics.personal/selected_round")
             row = table.loc[int(chosen)] if pd.notna(chosen) and int(chosen) in table.index else table.iloc[-1]
             pooled.append(row.to_numpy(dtype=float))
         if pooled:
             out[legend_name(keys, values)] = np.concatenate(pooled)
     return out
+
+
+def with_fairness_tails(runs: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Runs without a ``tail_fairness_<s>`` (logged before that measure existed, e.g. ``worst10``) get it from their
+    ``personal_accuracy.csv``: ``fedrun.metrics.fairness`` of each judged round (a client without a held-out sample,
+    NaN there, left out), judged on the run's tail by ``fedrun.metrics.tail``, as the run itself judges it."""
+    runs = runs.copy()
+    for index, run in runs.iterrows():
+        wanted = [s for s in FAIRNESS if pd.isna(run.get(f"metrics.tail_fairness_{s}"))]
+        if not wanted or (table := tables.get(run["run_id"])) is None:
+            continue
+        rounds = [*table.index, last_round(table, run)]  # the tail ends at the run's last round, judged or not
+        rows = [fairness(row, ~np.isnan(row)) for row in table.to_numpy(dtype=float)]
+        for s in wanted:
+            mean, swing, _ = tail(rounds, [r[s] for r in rows] + [math.nan], run_window(run))
+            runs.loc[index, [f"metrics.tail_fairness_{s}", f"metrics.tail_fairness_{s}_swing"]] = mean, swing
+    return runs
 
 
 def plot_distribution(accuracies: dict[str, np.ndarray], path: Path, title: str) -> Path:
@@ -380,6 +445,51 @@ def plot_distribution(accuracies: dict[str, np.ndarray], path: Path, title: str)
     ax.set_xticks(range(1, len(names) + 1), [f"{n}\n(n={len(d)})" for n, d in zip(names, data)], fontsize="small")
     ax.set(ylabel="client's accuracy on its own test split", title=title)
     ax.grid(alpha=0.3, axis="y")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+MARKERS = "osD^v<>P*X"  # a group's marker by its tenth (its colour repeats every 10 groups)
+
+
+def plot_frontier(
+    table: pd.DataFrame,
+    keys: list[str],
+    path: Path,
+    title: str,
+    x: str = "tail_fairness_mean",
+    y: str = "tail_fairness_worst10",
+) -> Path:
+    """Each group's clients' mean accuracy against their worst tenth's (``summarise``'s means, with their intervals
+    within range both ways): the fair-FL trade-off, up is fairer, right is better on average; one panel per dataset
+    when the table has several (their scales differ)."""
+    from fedrun.plots import plt
+
+    panel = next((k for k in keys if label(k) == "dataset" and table[label(k)].nunique() > 1), None)
+    others = [k for k in keys if k != panel]
+    panels = list(table.groupby(label(panel), sort=False)) if panel else [("", table)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), layout="constrained", squeeze=False)
+    for ax, (name, part) in zip(axes[0], panels):
+        for j, (_, row) in enumerate(part.iterrows()):
+            mx, my = row[f"{x}_mean"], row[f"{y}_mean"]
+            xerr = [[np.nan_to_num(mx - row[f"{x}_lo"])], [np.nan_to_num(row[f"{x}_hi"] - mx)]]
+            yerr = [[np.nan_to_num(my - row[f"{y}_lo"])], [np.nan_to_num(row[f"{y}_hi"] - my)]]
+            values = tuple(row[label(k)] for k in others)
+            ax.errorbar(
+                mx,
+                my,
+                xerr=xerr,
+                yerr=yerr,
+                fmt=MARKERS[j // 10 % len(MARKERS)],
+                color=f"C{j % 10}",
+                capsize=3,
+                label=f"{legend_name(others, values)} (n={int(row['runs'])})",
+            )
+        ax.set(xlabel=x.replace("_", " "), ylabel=y.replace("_", " "), title=str(name))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    fig.suptitle(title)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -587,10 +697,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(mean, weighted, p10, worst client over each run's last schedule.tail rounds), at the round selected on validation (mean, weighted, p10, worst client, the round), PFLlib's best round on test "
         "(weighted, labelled best_on_test), and a band plot of the clients' mean accuracy per round",
     )
+    parser.add_argument(
+        "--fairness",
+        action="store_true",
+        help="add how evenly the clients fare under the model each is served (fairness/ measures: "
+        "dataset.client_test_fraction > 0): the tail means of the clients' mean accuracy, worst and best tenth, 10th "
+        "percentile, variance, Jain's index and share left behind, with intervals within their ranges; every "
+        "client's tail accuracy per group (fairness_distribution.png) and the mean against the worst tenth "
+        "(fairness_frontier.png)",
+    )
     parser.add_argument("--out", type=Path, help="output folder (default: outputs/report/<experiment>/)")
     return parser
 
 
+# What ``--fairness`` adds (q-FFL's Table 1 columns first: average, worst 10%, best 10%, variance).
+FAIRNESS_METRICS = tuple(
+    f"tail_fairness_{s}" for s in ("mean", "worst10", "best10", "variance", "p10", "jain", "left_behind")
+)
 # What ``--personal`` adds: the honest reading first (selected on validation), then PFLlib's rule beside it.
 PERSONAL_METRICS = (
     *(f"personal/selected_accuracy_{s}" for s in ("mean", "weighted", "p10", "min")),
@@ -631,6 +754,15 @@ def main(argv: list[str] | None = None) -> None:
             + (f" matching {args.filter!r}" if args.filter else "")
         )
     finished = with_tails(client, finished)
+    tables = client_tables(client, finished) if args.fairness or args.personal else {}
+    if args.fairness:
+        if not tables:
+            raise SystemExit(
+                f"fedrun-report: error: --fairness: no run of {args.experiment!r} judged its clients on their own "
+                "test splits (dataset.client_test_fraction > 0)"
+            )
+        finished = with_fairness_tails(finished, tables)
+        args.metrics += [m for m in FAIRNESS_METRICS if m not in args.metrics]
     out = args.out or Path("outputs") / "report" / args.experiment
     if args.robustness:
         from fedrun import robustness
@@ -706,12 +838,28 @@ def main(argv: list[str] | None = None) -> None:
                 step,
             )
         )
-    if args.personal and (accuracies := personal_accuracies(client, finished, keys)):
+    if args.personal and (accuracies := personal_accuracies(finished, keys, tables)):
         plots.append(
             plot_distribution(
                 accuracies,
                 out / "personal_accuracy_distribution.png",
                 f"{args.experiment}: each client's accuracy at the round selected on validation",
+            )
+        )
+    if args.fairness:
+        plots.append(
+            plot_distribution(
+                personal_accuracies(finished, keys, tables, over="tail"),
+                out / "fairness_distribution.png",
+                f"{args.experiment}: each client's accuracy over its run's tail, under the model it is served",
+            )
+        )
+        plots.append(
+            plot_frontier(
+                table,
+                keys,
+                out / "fairness_frontier.png",
+                f"{args.experiment}: the clients' mean accuracy against their worst tenth's (tail means, 95% intervals)",
             )
         )
     if args.per_mb:

@@ -211,3 +211,60 @@ def test_report_csv_escapes_cells_a_spreadsheet_would_run_and_keeps_numbers_numb
         ("plain", "1"),
     }
     assert {row["final_test_accuracy_mean"] for row in rows} == {"-0.25"}  # a number column is written as it was
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_fairness_report_on_real_runs_judges_every_client_on_its_tail(fedrun, store, tmp_path):
+    from fedrun import report as fedrun_report
+    from fedrun.tracking import open_client
+
+    fedrun(
+        "-m",
+        "aggregator=fedavg,qffl",
+        "seed=0,1",
+        "schedule.rounds=4",
+        "schedule.tail=2",
+        "partition.num_clients=6",
+        "dataset.client_test_fraction=0.3",
+        experiment="fair",
+    )
+    out = tmp_path / "fair"
+    report = str(Path(sys.executable).parent / "fedrun-report")
+    uri = f"sqlite:///{store}"
+    done = subprocess.run(
+        [report, "--experiment", "fair", "--tracking-uri", uri, "--out", str(out), "--fairness"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    table = pd.read_csv(out / "report.csv").set_index("aggregator")
+    _, runs = mlflow_runs(store, "fair")
+    for aggregator in ("fedavg", "qffl"):
+        logged = [
+            r.data.metrics["5_summary/tail_fairness_worst10"] for r in runs if r.data.tags["aggregator"] == aggregator
+        ]
+        assert table.loc[aggregator, "tail_fairness_worst10_mean"] == pytest.approx(np.mean(logged))
+    for column in [c for c in table.columns if c.startswith("tail_fairness_") and c.endswith(("_lo", "_hi"))]:
+        top = 0.25 if "variance" in column else 1.0
+        assert table[column].between(0.0, top).all(), column  # every interval within the measure's range
+    assert (out / "fairness_distribution.png").stat().st_size > 10_000
+    assert (out / "fairness_frontier.png").stat().st_size > 10_000
+    # The path for runs logged before a measure existed (from personal_accuracy.csv) gives the runs' own numbers.
+    client = open_client(uri)
+    frame = fedrun_report.with_plain_names(
+        fedrun_report.search_runs(uri, fedrun_report.find_experiment(client, "fair"))
+    )
+    frame = frame[(frame["status"] == "FINISHED") & frame[fedrun_report.SWEEP_TAG].isna()]  # the jobs, not the sweep
+    wiped = frame.assign(**{f"metrics.tail_fairness_{s}": np.nan for s in ("worst10", "jain", "variance")})
+    filled = fedrun_report.with_fairness_tails(wiped, fedrun_report.client_tables(client, frame))
+    for s in ("worst10", "jain", "variance"):
+        np.testing.assert_allclose(
+            filled[f"metrics.tail_fairness_{s}"], frame[f"metrics.tail_fairness_{s}"], rtol=1e-12
+        )
+    # Runs without client test splits: one line.
+    fedrun("aggregator=fedavg", "schedule.rounds=2", "partition.num_clients=4", experiment="unfair")
+    bad = subprocess.run(
+        [report, "--experiment", "unfair", "--tracking-uri", uri, "--fairness"], capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "--fairness: no run of 'unfair' judged its clients" in bad.stderr

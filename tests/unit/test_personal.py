@@ -375,7 +375,7 @@ def test_each_personal_method_runs_with_every_synchronous_aggregator_or_is_refus
 
 
 def test_the_fairness_measures_by_hand():
-    from fedrun.personal import fairness
+    from fedrun.metrics import fairness
 
     equal = fairness(np.full(4, 0.7), np.ones(4))
     assert equal["jain"] == pytest.approx(1.0) and equal["variance"] == 0.0 and equal["left_behind"] == 0.0
@@ -385,10 +385,27 @@ def test_the_fairness_measures_by_hand():
     # (0.2025 + 0.0025 + 0.0225 + 0.1225) / 4 = 0.0875, Jain 2.6^2 / (4 * 2.04) = 0.828431..., 10th percentile
     # 0.2 + 0.3 * 0.4 = 0.32, 90th 0.8 + 0.7 * 0.2 = 0.94, left behind: 0.2 < 0.52 only.
     got = fairness(np.array([0.2, 0.6, 0.8, 1.0, 0.0]), np.array([5, 5, 5, 5, 0]))
+    # worst10 and best10: a tenth of 4 clients rounded up is one client, the worst and the best.
     expected = dict(
-        mean=0.65, min=0.2, max=1.0, p10=0.32, p90=0.94, variance=0.0875, jain=6.76 / 8.16, left_behind=0.25
+        mean=0.65,
+        min=0.2,
+        max=1.0,
+        worst10=0.2,
+        best10=1.0,
+        p10=0.32,
+        p90=0.94,
+        variance=0.0875,
+        jain=6.76 / 8.16,
+        left_behind=0.25,
     )
     assert got == pytest.approx(expected, abs=1e-12)
+    # 20 clients at 0, 0.05, ..., 0.95 (given shuffled): the worst two average 0.025, the best two 0.925; 11 clients
+    # make a tenth of 1.1, two clients.
+    twenty = np.random.default_rng(0).permutation(np.arange(20) * 0.05)
+    got = fairness(twenty, np.ones(20))
+    assert (got["worst10"], got["best10"]) == pytest.approx((0.025, 0.925), abs=1e-12)
+    got = fairness(np.array([0.9] * 9 + [0.1, 0.3]), np.ones(11))
+    assert (got["worst10"], got["best10"]) == pytest.approx((0.2, 0.9), abs=1e-12)
     assert all(np.isnan(v) for v in fairness(np.array([0.5]), np.array([0])).values())
 
 

@@ -307,3 +307,42 @@ def test_a_run_logged_before_the_tail_summary_gets_it_from_its_history(monkeypat
     assert filled.loc["old", "metrics.tail_test_accuracy_swing"] == pytest.approx(0.8)
     assert filled.loc["short", "metrics.tail_test_accuracy"] == pytest.approx(0.7)  # its own tail of 1
     assert filled.loc["new", "metrics.tail_test_accuracy"] == 0.42  # logged: kept
+
+
+def test_fairness_tails_missing_from_a_run_come_from_its_per_client_table_as_the_run_judges_them():
+    from fedrun.metrics import fairness
+    from fedrun.report import personal_accuracies, with_fairness_tails
+
+    # Rounds 2, 4, 6 judged, the run ran 7 rounds with a tail of 4: rounds 4-7, so rounds 4 and 6. Client 2 holds no
+    # test sample (NaN): left out. worst10 of two clients is the worse one: round 4 0.2, round 6 0.4.
+    table = pd.DataFrame(
+        {"client_0": [0.1, 0.2, 0.8], "client_1": [0.3, 0.6, 0.4], "client_2": [np.nan] * 3}, index=[2, 4, 6]
+    )
+    runs = pd.DataFrame(
+        {
+            "run_id": ["old", "new"],
+            "tags.aggregator": ["qffl", "qffl"],
+            "params.seed": ["0", "1"],
+            "params.schedule.tail": ["4", "4"],
+            "metrics.rounds_run": [7.0, 7.0],
+            "metrics.tail_fairness_worst10": [np.nan, 0.123],
+        }
+    )
+    filled = with_fairness_tails(runs, {"old": table, "new": table}).set_index("run_id")
+    assert filled.loc["old", "metrics.tail_fairness_worst10"] == pytest.approx(0.3)  # (0.2 + 0.4) / 2
+    assert filled.loc["old", "metrics.tail_fairness_worst10_swing"] == pytest.approx(0.2)
+    assert filled.loc["old", "metrics.tail_fairness_best10"] == pytest.approx(0.7)  # (0.6 + 0.8) / 2
+    jain = [fairness(np.array(r), np.ones(2))["jain"] for r in ([0.2, 0.6], [0.8, 0.4])]
+    assert filled.loc["old", "metrics.tail_fairness_jain"] == pytest.approx(np.mean(jain))
+    assert filled.loc["new", "metrics.tail_fairness_worst10"] == 0.123  # logged: kept
+    # Each client's mean over its run's tail, pooled over the group's runs (NaN: no test sample).
+    pooled = personal_accuracies(runs, ["tags.aggregator"], {"old": table, "new": table}, over="tail")
+    assert list(pooled) == ["aggregator=qffl"]
+    np.testing.assert_allclose(pooled["aggregator=qffl"], [0.5, 0.5, np.nan, 0.5, 0.5, np.nan])
+
+
+def test_fairness_measures_have_their_ranges():
+    from fedrun.metrics import bounds
+
+    assert bounds("tail_fairness_worst10") == (0, 1) and bounds("tail_fairness_jain") == (0, 1)
+    assert bounds("tail_fairness_variance") == (0, 0.25) and bounds("fairness/left_behind") == (0, 1)
