@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from fedrun.errors import ConfigError, check
+from fedrun.runfiles import replaced
 from fedrun.state import decode, encode
 
 FILE = "checkpoint.pt"
@@ -82,9 +83,9 @@ def lock(directory: Path, key: str, value) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise ConfigError(key, str(value), f"a run dir whose {LOCK_FILE} fedrun can open ({exc.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_nlink > 1:  # a hard link: its content is elsewhere
         os.close(fd)
-        raise ConfigError(key, str(value), f"a run dir whose {LOCK_FILE} is a plain file")
+        raise ConfigError(key, str(value), f"a run dir whose {LOCK_FILE} is a plain file with no other name")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -195,12 +196,8 @@ class Checkpoint:
     def save(self, state: dict) -> None:
         """Write ``state`` (with its ``round``) atomically."""
         plain = encode({**state, "extra": self.extra})  # before any file is opened: an object in it leaves nothing
-        temporary = self.path.with_name(f".{FILE}.{os.getpid()}.tmp")
-        with open(temporary, "wb") as handle:
+        with replaced(self.path, "wb") as handle:  # a new file of its own name, renamed over: never through a link
             torch.save(plain, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, self.path)
         directory = os.open(self.path.parent, os.O_RDONLY)
         try:
             os.fsync(directory)

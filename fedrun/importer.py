@@ -12,8 +12,8 @@ reached its last round (its checkpoint says so, or its rows reach ``schedule.rou
 A run dir is data from wherever it came from (a shared filesystem): everything in it is checked before the MLflow
 run is created, so a bad file is one line and no half-imported run (``checked``): the rounds are integers that fit
 MLflow's steps, the values numbers, the metric, param and tag names ones MLflow accepts. A failure after the run is
-created (the store, the artifact copy) marks it FAILED. Symbolic links are neither read nor copied (one line says
-which were left out). The run goes to ``--uri``, else to the user's store (``fedrun.tracking.DEFAULT_URI``, as fedrun
+created (the store, the artifact copy) marks it FAILED. Links, symbolic or hard (a file with another name: its
+content is a file elsewhere), are neither read nor copied (one line says which were left out). The run goes to ``--uri``, else to the user's store (``fedrun.tracking.DEFAULT_URI``, as fedrun
 itself), never to the ``tracking.uri`` the dir's config names.
 
 Usage:
@@ -100,11 +100,13 @@ def step(cell: str, where: str) -> int:
 
 
 def regular(path: Path) -> bool:
-    """A file that is neither a symbolic link nor a device or pipe."""
+    """A file that is neither a link, symbolic or hard (its content is a file elsewhere too), nor a device or
+    pipe."""
     try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
+        info = os.lstat(path)
     except OSError:
         return False
+    return stat.S_ISREG(info.st_mode) and info.st_nlink == 1
 
 
 def table(path: Path) -> tuple[list[str], list[list[str]]]:
@@ -223,7 +225,7 @@ def checked(directory: Path, experiment: str | None) -> Checked:
         for entry in sorted(folders + names_):
             path = Path(root, entry)
             relative = path.relative_to(directory)
-            if path.is_symlink():
+            if path.is_symlink() or (path.is_file() and not regular(path)):  # a hard link too
                 result.links.append(str(relative))
             elif entry in names_ and regular(path) and relative != Path(LOCK_FILE):
                 result.artifacts.append((path, None if relative.parent == Path(".") else relative.parent.as_posix()))
@@ -236,8 +238,8 @@ def import_run(directory: Path, uri: str, experiment: str | None) -> str:
     found = checked(directory, experiment)
     if found.links:
         print(
-            f"fedrun-import: {directory}: left out {len(found.links)} symbolic link(s), neither read nor copied: "
-            + ", ".join(found.links[:10]),
+            f"fedrun-import: {directory}: left out {len(found.links)} link(s), symbolic or hard, neither read nor "
+            "copied: " + ", ".join(found.links[:10]),
             file=sys.stderr,
         )
     uri = resolve_uri(uri, Path.cwd())

@@ -11,6 +11,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator  # noqa: E402
 
+from fedrun.runfiles import replaced  # noqa: E402
+
 
 def plot_curves(metrics: pd.DataFrame, path: Path, title: str = "") -> Path:
     """Accuracy and loss per round, evaluated rounds only."""
@@ -40,8 +42,7 @@ def plot_curves(metrics: pd.DataFrame, path: Path, title: str = "") -> Path:
             ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return path
 
 
@@ -80,9 +81,16 @@ def plot_alpha_heatmap(alpha: pd.DataFrame, path: Path, title: str = "", top: in
     )
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
     return path
+
+
+def save(fig, path: Path) -> None:
+    """Write the figure to ``path`` (its format by the suffix) as a new file renamed over it (``fedrun.runfiles``:
+    never through a link in a run dir), and close it."""
+    with replaced(path, "wb") as handle:
+        fig.savefig(handle, dpi=110, format=Path(path).suffix.lstrip(".") or "png")
+    plt.close(fig)
 
 
 def _top_mask(values: np.ndarray, top: int) -> np.ndarray:

@@ -2,7 +2,6 @@
 method (``fedrun.personal``) and a client program (``fedrun.programs``) keep per client between rounds.
 """
 
-import os
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 
 from fedrun.errors import ConfigError
+from fedrun.runfiles import replaced
 
 
 class PersonalStore:
@@ -75,9 +75,8 @@ class PersonalStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"{client}.{self.written}.pt"
         self.written += 1
-        temporary = self.directory / f".{name}.tmp"
-        torch.save({"value": value.cpu()}, temporary)
-        os.replace(temporary, self.directory / name)
+        with replaced(self.directory / name, "wb") as handle:
+            torch.save({"value": value.cpu()}, handle)
         self.bytes -= _nbytes(value)
         self.disk[client] = name
         self._files.add(name)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from fedrun import runfiles
 from fedrun.errors import ConfigError, check
 from fedrun.metrics import bounds, mean_ci, r_name, within
 from fedrun.sweepdir import job_dirs, write_parent
@@ -591,8 +592,8 @@ class TrialRecord:
             }
             # the "best" keys kept for users of hydra-optuna-sweeper's file
             out["best_params"], out["best_value"] = dict(best.params), best.value
-        (self.sweep_dir / RESULTS_FILE).write_text(
-            yaml.safe_dump(json.loads(json.dumps(out, default=float)), sort_keys=False)
+        runfiles.write_text(
+            self.sweep_dir / RESULTS_FILE, yaml.safe_dump(json.loads(json.dumps(out, default=float)), sort_keys=False)
         )
         if self.client is not None and self.parent:
             metrics = [(f"trials_{k}", float(v), 0) for k, v in counts.items()]

@@ -5,6 +5,8 @@ CLI and the sweeper, so that none of them imports another for it."""
 import re
 from pathlib import Path
 
+from fedrun import runfiles
+
 PARENT_FILE = "mlflow_parent_run.txt"  # in a sweep's (or a trial's job) dir: the MLflow run its jobs are children of
 
 
@@ -20,7 +22,7 @@ def write_parent(directory: Path, run_id: str) -> None:
     """Point the jobs under ``directory`` at the MLflow run ``run_id`` (``sweep_parent`` reads it)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / PARENT_FILE).write_text(run_id)
+    runfiles.write_text(directory / PARENT_FILE, run_id)
 
 
 def first_job(trial: int, seeds: int) -> int:

@@ -26,6 +26,7 @@ import torch
 
 from fedrun.errors import ConfigError
 from fedrun.plots import plot_alpha_heatmap, plot_curves
+from fedrun.runfiles import appended, replaced
 
 # MLflow 3 opens an experiment without this tag as a GenAI one (traces, token usage); fedrun's are model training.
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
@@ -461,7 +462,7 @@ class Tracker:
                 rows = [row for row in reader if header and float(row[header.index("round")]) <= round_]
             if header is None:
                 continue
-            with path.open("w", newline="") as handle:
+            with replaced(path, newline="") as handle:
                 writer = csv.writer(handle)
                 writer.writerow(header)
                 writer.writerows(rows)
@@ -488,7 +489,8 @@ class Tracker:
         if held_out is not None:
             table.insert(1, "held_out", [len(part) for part in held_out])
         table.insert(0, "client", range(len(clients)))
-        table.to_csv(self.dir / "partition.csv", index=False)
+        with replaced(self.dir / "partition.csv", newline="") as handle:
+            table.to_csv(handle, index=False)
 
     def log_round(self, row: dict, per_client: dict[str, np.ndarray]) -> None:
         """Append the round to the CSV files (``metrics.csv``, ``<name>.csv`` per per-client series) and send
@@ -523,7 +525,7 @@ class Tracker:
             known = set(columns)
             new = [key for key in row if key not in known]
         if not new:
-            with path.open("a", newline="") as handle:
+            with appended(path, newline="") as handle:
                 csv.DictWriter(handle, fieldnames=columns).writerow(row)
             return
         # The first row, or a column that appeared mid-run (a hybrid's next phase): rewrite the file with the
@@ -533,7 +535,7 @@ class Tracker:
             with path.open(newline="") as handle:
                 rows = list(csv.DictReader(handle))
         columns.extend(new)
-        with path.open("w", newline="") as handle:
+        with replaced(path, newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=columns)
             writer.writeheader()
             writer.writerows(rows + [row])
@@ -541,17 +543,22 @@ class Tracker:
     def _append_long(self, path: Path, name: str, round_: int, values: np.ndarray) -> None:
         """One (round, client, value) row per client with a non-zero value (every client for a ``DENSE`` series)."""
         clients = np.arange(len(values)) if name in DENSE else np.flatnonzero(values)
-        with path.open("a" if path in self._columns else "w", newline="") as handle:  # a new file, or a rerun's
+        rows = zip([round_] * len(clients), clients.tolist(), values[clients].tolist())
+        if path in self._columns:
+            with appended(path, newline="") as handle:
+                csv.writer(handle).writerows(rows)
+            return
+        self._columns[path] = ["round", "client", name]
+        with replaced(path, newline="") as handle:  # a new file, or a rerun's
             writer = csv.writer(handle)
-            if path not in self._columns:
-                self._columns[path] = ["round", "client", name]
-                writer.writerow(self._columns[path])
-            writer.writerows(zip([round_] * len(clients), clients.tolist(), values[clients].tolist()))
+            writer.writerow(self._columns[path])
+            writer.writerows(rows)
 
     def log_tables(self, tables: dict) -> None:
         """Write the engine's named tables as CSV files (logged as artifacts at the end)."""
         for name, table in tables.items():
-            table.to_csv(self.dir / name, index=False)
+            with replaced(self.dir / name, newline="") as handle:
+                table.to_csv(handle, index=False)
 
     def finish(
         self,
@@ -579,7 +586,8 @@ class Tracker:
         if reason:
             tags["failure_reason"] = reason[:5000]
         if model is not None:
-            torch.save(model.state_dict(), self.dir / "model.pt")
+            with replaced(self.dir / "model.pt", "wb") as handle:
+                torch.save(model.state_dict(), handle)
         if metrics is not None:
             plot_curves(metrics, self.dir / "curves.png", title)
             alpha = pd.read_csv(self.alpha_path)
@@ -589,7 +597,8 @@ class Tracker:
                 title,
                 top=10,
             )
-        pd.Series({**values, **tags}, dtype=object).to_csv(self.dir / "summary.csv", header=["value"])
+        with replaced(self.dir / "summary.csv", newline="") as handle:
+            pd.Series({**values, **tags}, dtype=object).to_csv(handle, header=["value"])
         if not self.enabled or self.run_id is None:
             return
         import mlflow

@@ -22,7 +22,6 @@ today's format is left alone.
 """
 
 import argparse
-import os
 import pickle
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedrun.checkpoint import FILE, VERSION, Checkpoint, lock, read, unlock
 from fedrun.errors import ConfigError
+from fedrun.runfiles import replaced
 
 # The loop variables of each engine's checkpoints before VERSION 2, old key -> new key (the rest were parts).
 SYNC_LOOP = {"params": "params", "previous": "previous", "latest_accuracy": "latest_accuracy", "sampler": "rng"}
@@ -127,9 +127,8 @@ def upgrade_config(directory: Path) -> bool:
         config.schedule._target_ = "fedrun.rounds.Schedule"
         changed = True
     if changed:
-        temporary = path.with_name(f".{path.name}.tmp")
-        OmegaConf.save(config, temporary)
-        os.replace(temporary, path)
+        with replaced(path) as handle:  # never through a link at the config's name
+            OmegaConf.save(config, handle)
     return changed
 
 

@@ -21,7 +21,7 @@ from hydra.core.plugins import Plugins
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from fedrun import distributed
+from fedrun import distributed, runfiles
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals, held, unlock
 from fedrun.cli.build import build, check_run_keys, parts_of, setup
@@ -182,9 +182,7 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
         tracker.start(params, tags, name, run_id=reopened.get("mlflow_run_id"))
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
     # What a restart before the first checkpoint reopens; written atomically (a kill mid-write leaves the old file).
-    temporary = output_dir / f".{RUN_FILE}.{os.getpid()}.tmp"
-    temporary.write_text(json.dumps(checkpoint.extra) + "\n")
-    os.replace(temporary, output_dir / RUN_FILE)
+    runfiles.write_text(output_dir / RUN_FILE, json.dumps(checkpoint.extra) + "\n")
     return tracker, title
 
 
@@ -221,6 +219,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
     study's pruner: after a checkpoint, returning None, the sweep goes on)."""
     output_dir, checkpoint, model = job.output_dir, job.checkpoint, parts["model"]
     status, reason, final, stopped, divergence, measured = "FAILED", None, None, None, None, {}
+    refused = None  # a file of the run dir that became a link while it trained (``fedrun.runfiles``)
     on_submitit = os.environ.get("SUBMITIT_EXECUTOR") and hasattr(signal, "SIGUSR2")
     submitit_handler = signal.getsignal(signal.SIGUSR2) if on_submitit else None
     pruned = None
@@ -262,6 +261,8 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
         status, reason, stopped = "KILLED", pruned or str(exc), exc
     except DivergenceError as exc:
         reason, divergence = f"DivergenceError: {exc}", exc
+    except runfiles.LinkedFile as exc:
+        reason, refused = f"LinkedFile: {exc}", exc
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise
@@ -288,7 +289,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
     asked = checkpoint.stop_requested if checkpoint.stop_requested != PRUNED else None
     stop_sweep = asked and status != "KILLED" and hydra_cfg.mode == RunMode.MULTIRUN and not on_submitit
     if divergence is not None:
-        (output_dir / DIVERGED).write_text(f"{divergence}\n")
+        runfiles.write_text(output_dir / DIVERGED, f"{divergence}\n")
     if stop_sweep:
         what = (
             "in this job's last round: the job finished"
@@ -310,11 +311,11 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
             file=sys.stderr,
         )
         return None
-    if divergence is not None:
+    if divergence is not None or refused is not None:
+        what = f"training diverged: {divergence}" if refused is None else str(refused)
         fail(
             hydra_cfg,
-            f"fedrun: error: training diverged: {divergence}; the run is marked FAILED and keeps the metrics of "
-            f"the rounds before ({output_dir})",
+            f"fedrun: error: {what}; the run is marked FAILED and keeps the metrics of the rounds before ({output_dir})",
             1,
         )
     if not job.follower:  # rank 0 says it (a follower's dir is not the run's)

@@ -30,6 +30,7 @@ from fedrun import distributed
 from fedrun.backends import BACKENDS
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, FollowerCheckpoint, diverged, lock
 from fedrun.errors import ConfigError
+from fedrun.runfiles import linked
 from fedrun.study import STUDY_FILE
 from fedrun.tracking import flatten
 from fedrun.upgrade import migrate_config
@@ -205,15 +206,16 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
 
 
 def linked_files(directory: Path, depth: int = 3) -> list[Path]:
-    """The symbolic links in ``directory`` and its folders down to ``depth`` (never followed): a run dir's
-    ``.hydra/``, a sweep dir's job dirs and theirs."""
+    """The links in ``directory`` and its folders down to ``depth`` (never followed), symbolic or hard
+    (``fedrun.runfiles.linked``: a file with another name): a run dir's ``.hydra/``, a sweep dir's job dirs and
+    theirs."""
     found, folders = [], [(Path(directory), 0)]
     while folders:
         folder, level = folders.pop()
         for entry in os.scandir(folder):
             if level == 0 and entry.name.startswith(STUDY_FILE + ".lock"):
                 continue  # Optuna's journal lock is a link to the journal (stale after a kill; Optuna breaks it)
-            if entry.is_symlink():
+            if linked(entry):
                 found.append(Path(entry.path))
             elif entry.is_dir(follow_symlinks=False) and level < depth:
                 folders.append((Path(entry.path), level + 1))
@@ -221,10 +223,10 @@ def linked_files(directory: Path, depth: int = 3) -> list[Path]:
 
 
 def refuse_linked_resume(overrides: list[str], cwd: str) -> None:
-    """Before Hydra starts: ``resume=<dir>`` of a dir that holds symbolic links is a ConfigError. Hydra writes
-    ``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml`` and the job's log into the dir it runs in (a resumed
-    run's or sweep's own) before any of fedrun's code runs, and it follows links: a crafted dir would have it
-    overwrite a file elsewhere."""
+    """Before Hydra starts: ``resume=<dir>`` of a dir that holds links, symbolic or hard, is a ConfigError. Hydra
+    writes ``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml`` and the job's log into the dir it runs in (a
+    resumed run's or sweep's own) before any of fedrun's code runs, and it writes through links: a crafted dir (or
+    one copied with ``cp -al``) would have it overwrite a file elsewhere."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
@@ -242,8 +244,8 @@ def refuse_linked_resume(overrides: list[str], cwd: str) -> None:
         raise ConfigError(
             "resume",
             given,
-            f"a dir without symbolic links ({directory} has {shown}{', ...' if len(links) > 3 else ''}; Hydra "
-            "writes .hydra/ and the job's log into it before fedrun starts)",
+            f"a dir without links, symbolic or hard ({directory} has {shown}{', ...' if len(links) > 3 else ''}; "
+            "Hydra writes .hydra/ and the job's log into it before fedrun starts: copy the dir with cp -a, not -al)",
         )
 
 
@@ -256,7 +258,7 @@ def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) ->
     if links := linked_files(directory, depth=0):
         # fedrun rewrites its files in the dir (metrics.csv on a resume): never through a link to a file elsewhere
         names = ", ".join(link.name for link in links)
-        raise ConfigError("resume", given, f"a run dir without symbolic links ({directory} has {names})")
+        raise ConfigError("resume", given, f"a run dir without links, symbolic or hard ({directory} has {names})")
     try:
         saved = OmegaConf.load(directory / "config.yaml")
         plain = OmegaConf.to_container(saved)

@@ -88,7 +88,7 @@ def test_a_saved_config_with_interpolations_or_a_dir_with_symbolic_links_is_refu
         resume.saved_config(run, str(run))
     OmegaConf.save(compose_config(), run / "config.yaml", resolve=True)
     (run / "metrics.csv").symlink_to(tmp_path / "yours.txt")  # a resume rewrites metrics.csv
-    with pytest.raises(ConfigError, match="a run dir without symbolic links"):
+    with pytest.raises(ConfigError, match="a run dir without links, symbolic or hard"):
         resume.saved_config(run, str(run))
 
 

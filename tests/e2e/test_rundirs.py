@@ -49,10 +49,10 @@ def test_a_resume_of_a_dir_with_a_link_in_hydra_s_files_is_refused_before_hydra_
     assert yours.read_text() == "keep me\n"
     assert done.returncode == 2, done.stderr[-3000:]
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith("fedrun: error: resume='run' is invalid: allowed is a dir without symbolic links (")
+    assert line.startswith("fedrun: error: resume='run' is invalid: allowed is a dir without links, symbolic or hard (")
     assert ".hydra/overrides.yaml" in line
     for spelt in ("++resume=run", "+resume=run", "resume='run'"):  # Hydra reads each as resume=run
-        with pytest.raises(ConfigError, match="a dir without symbolic links"):
+        with pytest.raises(ConfigError, match="a dir without links, symbolic or hard"):
             resume.refuse_linked_resume([spelt], str(tmp_path))
 
 
@@ -147,6 +147,50 @@ def test_a_resume_while_the_run_is_running_is_refused_with_its_pid_and_accepted_
         resumed.wait()
 
 
+@pytest.mark.slow
+def test_links_made_while_a_run_trains_are_replaced_or_refused_never_written_through(tmp_path, store):
+    """A check of the dir's links when a resume starts cannot see a link made while the run trains: fedrun's writes
+    replace a whole file by renaming a new one over its name, and refuse to append to a link (fedrun.runfiles)."""
+    from e2e.test_reliability import kill_after, start
+
+    victims = {name: tmp_path / "elsewhere" / f"{name}.txt" for name in ("summary", "metrics")}
+    victims["summary"].parent.mkdir()
+    for victim in victims.values():
+        victim.write_text("keep me\n")
+    out = tmp_path / "run"
+    running = start(tmp_path, out, store, "schedule.rounds=40", "partition.num_clients=5")
+    kill_after(running, out, 1, sig=0)  # signal 0: nothing is sent, the run is under way
+    (out / "summary.csv").symlink_to(victims["summary"])  # the summary is written at the end
+    _, err = running.communicate(timeout=600)
+    assert running.returncode == 0, err[-3000:]
+    assert victims["summary"].read_text() == "keep me\n"
+    assert not (out / "summary.csv").is_symlink() and "final_test_accuracy" in (out / "summary.csv").read_text()
+
+    # A copy made with cp -al shares every file with the run it copies: resuming it is refused before Hydra writes.
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-al", str(out), str(copy)], check=True)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.is_symlink()}
+    refused = subprocess.run([FEDRUN, f"resume={copy}"], cwd=tmp_path, capture_output=True, text=True)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    [line] = refused.stderr.strip().splitlines()
+    assert line.startswith(
+        f"fedrun: error: resume='{copy}' is invalid: allowed is a dir without links, symbolic or hard"
+    )
+    assert {p: p.read_bytes() for p in before} == before
+
+    # metrics.csv swapped for a hard link to a file elsewhere while the run trains: one line, the run FAILED.
+    out = tmp_path / "run2"
+    running = start(tmp_path, out, store, "schedule.rounds=300", "partition.num_clients=5")
+    kill_after(running, out, 1, sig=0)
+    (out / "metrics.csv").unlink()
+    (out / "metrics.csv").hardlink_to(victims["metrics"])
+    _, err = running.communicate(timeout=600)
+    assert running.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("fedrun: error: ") and "metrics.csv is a hard link: fedrun does not write through it" in last
+    assert "Traceback" not in err and victims["metrics"].read_text() == "keep me\n"
+
+
 # fedrun-import: each crafted dir is refused in one line before the store is touched (the database is not even
 # created), so no half-imported run is left RUNNING.
 CONFIG = "schedule: {rounds: 2}\ntracking: {experiment: imported}\n"
@@ -186,7 +230,7 @@ def test_fedrun_import_goes_to_the_user_s_store_not_the_one_the_dir_names(tmp_pa
     assert calls == [users, "http://mine:5000"]
 
 
-def test_fedrun_import_copies_no_symbolic_link_and_marks_a_failed_import_failed(tmp_path, store, monkeypatch, capsys):
+def test_fedrun_import_copies_no_link_and_marks_a_failed_import_failed(tmp_path, store, monkeypatch, capsys):
     import mlflow
 
     import fedrun.importer as importer
@@ -200,11 +244,15 @@ def test_fedrun_import_copies_no_symbolic_link_and_marks_a_failed_import_failed(
     (run / "plots" / "a.txt").write_text("a plot\n")
     (run / "stolen.txt").symlink_to(secret)
     (run / "linked").symlink_to(tmp_path)
+    (run / "plots" / "hard.txt").hardlink_to(secret)  # a hard link: another name of the secret
     (run / LOCK_FILE).write_text("123\n")
     uri = f"sqlite:///{store}"
     run_id = importer.import_run(run, uri, "import_links")
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedrun-import")]
-    assert said == [f"fedrun-import: {run}: left out 2 symbolic link(s), neither read nor copied: linked, stolen.txt"]
+    assert said == [
+        f"fedrun-import: {run}: left out 3 link(s), symbolic or hard, neither read nor copied: linked, stolen.txt, "
+        "plots/hard.txt"
+    ]
     client = mlflow.MlflowClient(tracking_uri=uri)
     assert {a.path for a in client.list_artifacts(run_id)} == {"config.yaml", "metrics.csv", "plots"}
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "0_main/test_loss")] == [(2, -0.5)]
