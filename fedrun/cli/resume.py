@@ -151,8 +151,9 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
     killed before its first checkpoint has none: it starts again from round 1 (``checkpoint.resume`` is False), in
     the same dir and MLflow run, as a sweep's resume restarts such a job.
 
-    Any other override is refused: the run continues exactly as it started (its results must equal an
-    uninterrupted run's)."""
+    Any other override but ``tracking.uri=`` is refused: the run continues exactly as it started (its results must
+    equal an uninterrupted run's). Its MLflow store is the one it was created in, or the one ``tracking.uri=``
+    names, and it must exist and hold the run (``resumed_store``)."""
     directory = Path(hydra_cfg.runtime.cwd, cfg.resume).resolve()
     if (reason := diverged(directory)) is not None:
         raise ConfigError("resume", cfg.resume, f"a run that did not diverge (this one did, and would again: {reason})")
@@ -160,12 +161,13 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
         raise ConfigError(
             "resume", cfg.resume, f"the output dir of a fedrun run ({directory / 'config.yaml'} not found)"
         )
-    others = [o for o in hydra_cfg.overrides.task if not o.startswith("resume=")]
+    others = [o for o in hydra_cfg.overrides.task if not o.startswith(("resume=", "tracking.uri="))]
     if others:
         raise ConfigError(
             "resume",
             cfg.resume,
-            f"no other overrides (the run continues with {directory / 'config.yaml'}); got {' '.join(others)}",
+            f"no other overrides but tracking.uri= (the run continues with {directory / 'config.yaml'}); got "
+            f"{' '.join(others)}",
         )
     lock(directory, "resume", cfg.resume)  # before its checkpoint is read: a second resume, or the run itself, holds it
     saved = spread_run(saved_config(directory, cfg.resume), cfg.resume)
@@ -175,7 +177,48 @@ def resumed_config(cfg: DictConfig, hydra_cfg) -> tuple[DictConfig, Checkpoint]:
         raise ConfigError(
             "resume", cfg.resume, f"a run that did not finish (this one finished at round {checkpoint.saved_round})"
         )
+    if any(o.startswith("tracking.uri=") for o in hydra_cfg.overrides.task):  # the store moved: where it is now
+        saved.tracking.uri = cfg.tracking.uri
+    resumed_store(saved, directory, Path(hydra_cfg.runtime.cwd))
     return saved, checkpoint
+
+
+def resumed_store(saved: DictConfig, directory: Path, cwd: Path) -> None:
+    """A resumed run logs to the MLflow store it was created in (its saved ``tracking.uri``, or the one the resume's
+    ``tracking.uri=`` names) only if that store exists and holds its run (``run.json``'s id): a config from a dir
+    made elsewhere cannot have fedrun create a store (a database, its folder) where it says, and a store that moved
+    is named rather than replaced by a new, empty one. A ConfigError otherwise, before anything is created."""
+    if not saved.tracking.enabled:
+        return
+    uri, run_id = str(saved.tracking.uri), (opened_run(directory) or {}).get("mlflow_run_id")
+    named = "; name it with tracking.uri=<its URI>, the one override a resume takes"
+    store = existing_store(uri, cwd)
+    if store is None:
+        raise ConfigError("tracking.uri", uri, f"the store the run in {directory} was logged to, which exists{named}")
+    if not isinstance(run_id, str) or not run_id.isalnum():  # it never opened an MLflow run: it opens one there
+        return
+    from fedrun.tracking import open_client, preflight
+
+    preflight(store)
+    try:
+        open_client(store).get_run(run_id)
+    except Exception:  # MLflow's RESOURCE_DOES_NOT_EXIST, or a store of another kind
+        raise ConfigError(
+            "tracking.uri", uri, f"a store that holds the run of {directory} (MLflow run {run_id}){named}"
+        ) from None
+
+
+def existing_store(uri: str, cwd: Path) -> str | None:
+    """``uri`` with a relative SQLite path made absolute against ``cwd``, when the store is there: the database file
+    of an ``sqlite:///`` URI, the folder of a file store (a path or ``file:``); a server's URI as it is (it is
+    asked, not created). None when the file or folder is missing. Nothing is created, unlike ``resolve_uri``."""
+    if uri.startswith("sqlite:///"):
+        path = Path(cwd, uri.removeprefix("sqlite:///"))
+        return "sqlite:///" + str(path.resolve()) if path.is_file() else None
+    if "://" not in uri or uri.startswith("file:"):
+        path = Path(cwd, uri.removeprefix("file://").removeprefix("file:"))
+        return uri if path.is_dir() else None
+    return uri
 
 
 def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:

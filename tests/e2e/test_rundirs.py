@@ -191,6 +191,57 @@ def test_links_made_while_a_run_trains_are_replaced_or_refused_never_written_thr
     assert "Traceback" not in err and victims["metrics"].read_text() == "keep me\n"
 
 
+@pytest.mark.slow
+def test_a_resume_logs_only_to_an_existing_store_that_holds_its_run_and_takes_tracking_uri_when_it_moved(tmp_path):
+    """A crafted tracking.uri in a run dir's config created a database where it said; a store that moved was
+    replaced by a new, empty one."""
+    from e2e.test_reliability import kill_after, rows_written, start
+
+    store, out = tmp_path / "runs.db", tmp_path / "run"
+    running = start(tmp_path, out, store, "schedule.rounds=6", "partition.num_clients=5", "checkpoint.every=1")
+    kill_after(running, out, 2)
+    running.wait()
+    config = (out / "config.yaml").read_text()
+
+    def resume(*args):
+        done = subprocess.run([FEDRUN, f"resume={out}", *args], cwd=tmp_path, capture_output=True, text=True)
+        lines = done.stderr.strip().splitlines()
+        return done.returncode, (lines[-1] if lines else "")
+
+    crafted = tmp_path / "elsewhere" / "new.db"
+    (out / "config.yaml").write_text(config.replace(f"sqlite:///{store}", f"sqlite:///{crafted}"))
+    code, line = resume()
+    assert code == 2 and line.startswith(f"fedrun: error: tracking.uri='sqlite:///{crafted}' is invalid: allowed is ")
+    assert not crafted.parent.exists()  # neither the database nor its folder
+    (out / "config.yaml").write_text(config)
+    moved = tmp_path / "moved.db"
+    store.rename(moved)
+    code, line = resume()
+    assert code == 2 and "name it with tracking.uri=<its URI>, the one override a resume takes" in line
+    assert not store.exists()
+    empty = tmp_path / "empty.db"
+    subprocess.run(
+        [sys.executable, "-c", f"import mlflow; mlflow.MlflowClient('sqlite:///{empty}').search_experiments()"],
+        check=True,
+    )
+    code, line = resume(f"tracking.uri=sqlite:///{empty}")
+    assert code == 2 and "a store that holds the run of" in line
+    code, line = resume(f"tracking.uri=sqlite:///{moved}", "seed=3")
+    assert code == 2 and "no other overrides but tracking.uri=" in line
+    code, _ = resume(f"tracking.uri=sqlite:///{moved}")
+    assert code == 0 and rows_written(out) == 6
+    import mlflow
+
+    [run] = mlflow.MlflowClient(f"sqlite:///{moved}").search_runs(
+        [mlflow.MlflowClient(f"sqlite:///{moved}").get_experiment_by_name("resume").experiment_id]
+    )
+    assert run.info.status == "FINISHED"
+    assert [
+        m.step
+        for m in mlflow.MlflowClient(f"sqlite:///{moved}").get_metric_history(run.info.run_id, "0_main/test_accuracy")
+    ] == list(range(1, 7))
+
+
 # fedrun-import: each crafted dir is refused in one line before the store is touched (the database is not even
 # created), so no half-imported run is left RUNNING.
 CONFIG = "schedule: {rounds: 2}\ntracking: {experiment: imported}\n"
