@@ -21,6 +21,11 @@ class ConfigError(ValueError):
         return ConfigError(f"{group}.{self.key}", self.value, self.allowed)
 
 
+class JobFailed(Exception):
+    """A sweep job that failed (its one-line reason already printed): the sweep's other jobs still run, and the
+    sweep ends with exit status 1 and one line, not Hydra's traceback of the first failure."""
+
+
 class DivergenceError(RuntimeError):
     """Training produced a non-finite loss or model."""
 

@@ -31,7 +31,7 @@ from fedrun.cli.runinfo import description, git_commit, run_name
 from fedrun.cli.sweeps import SweepRun, job_cores, seed_report
 from fedrun.clients import calibrate
 from fedrun.engine import server_calibration
-from fedrun.errors import ConfigError, DivergenceError
+from fedrun.errors import ConfigError, DivergenceError, JobFailed
 from fedrun.metrics import UNSTABLE_SWING, run_summary, unstable_line
 from fedrun.models import load_flat
 from fedrun.study import PRUNED
@@ -101,10 +101,6 @@ def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
     finally:
         if job.follower:  # a rank > 0 of a distributed run: its temporary dir held nothing rank 0 lacks
             shutil.rmtree(job.output_dir, ignore_errors=True)
-
-
-class JobFailed(Exception):
-    """A sweep job that failed (its one-line reason already printed): the sweep's other jobs still run."""
 
 
 def fail(hydra_cfg, line: str, code: int) -> typing.NoReturn:

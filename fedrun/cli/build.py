@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun import compat
-from fedrun.cli.entry import check_resolves
+from fedrun.cli.entry import check_finite, check_resolves
 from fedrun.errors import ConfigError
 from fedrun.metrics import UNSTABLE_SWING
 from fedrun.models import batch_norm_names, batch_norms, flat_parameters
@@ -164,6 +164,11 @@ def setup(cfg: DictConfig) -> dict:
     )
     torch.manual_seed(torch_seed(seed, "init"))  # the initial model depends on the seed only
     model = build("model", cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    if objects["device"].backend == "vmap":  # what the trainer would refuse in round 1, refused before tracking
+        from fedrun.vmap import vmap_supported
+
+        if (why := vmap_supported(optimizer, model)) is not None:
+            raise ConfigError("device.backend", "vmap", why)
     if batch_norms(model) and objects["engine"].asynchronous:
         raise ConfigError(
             "model.norm", "batch", "none with engine=async (its evaluations are not calibrated for batch norm yet)"
@@ -223,6 +228,7 @@ def parts_of(built: dict) -> Parts:
 def check_run_keys(cfg: DictConfig) -> None:
     """The root-level keys that no constructor checks."""
     check_resolves(cfg)  # an interpolation to nothing or a ??? left unset, named now rather than mid-run
+    check_finite(cfg)  # inf and nan, in every group
     targets = cfg.metrics.r_targets
     if not OmegaConf.is_list(targets) or not all(isinstance(t, (int, float)) and 0 < t <= 1 for t in targets):
         raise ConfigError(

@@ -12,6 +12,7 @@ as before (``--help``, ``--cfg``, sweeps, and a genuine bug inside a job keep Hy
 """
 
 import functools
+import math
 import os
 import re
 import sys
@@ -25,7 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
 from fedrun.cli.resume import refuse_linked_resume
-from fedrun.errors import ConfigError
+from fedrun.errors import ConfigError, JobFailed
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
@@ -59,6 +60,11 @@ def _one_line(func):
             raise
         print(f"fedrun: error: {explain(exc, _command_line_overrides())}", file=sys.stderr)
         sys.exit(2)
+    except JobFailed:  # each failed job printed its line as it failed; Hydra re-raises the first at the end
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print("fedrun: some jobs of this sweep failed (each said why above); the others ran", file=sys.stderr)
+        sys.exit(1)
 
 
 def _inside_a_job(exc: BaseException) -> bool:
@@ -213,6 +219,31 @@ def check_resolves(cfg) -> None:
     except InterpolationResolutionError as exc:
         key, reason = exc.full_key or "config", str(exc).splitlines()[0]
         raise ConfigError(key, _raw(cfg, key), f"an interpolation to a key the config has ({reason})") from None
+
+
+# Keys whose doc says they take inf or nan (none today): every other number in a config is finite.
+NON_FINITE_KEYS: frozenset[str] = frozenset()
+
+
+def check_finite(cfg) -> None:
+    """Refuse, before any work, an ``inf`` or ``nan`` anywhere in the config (Hydra reads both as floats): no group's
+    number means anything at either (a scale, a noise, a temperature, a step), and one left to its constructor trains
+    a non-finite model or is accepted. One pass over every key, so a group added later is covered without a check
+    of its own; ``NON_FINITE_KEYS`` lists the exceptions, each documented where its key is."""
+
+    def walk(node, key: str):
+        if isinstance(node, dict):
+            for name, value in node.items():
+                yield from walk(value, f"{key}.{name}" if key else str(name))
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                yield from walk(value, f"{key}.{i}")
+        else:
+            yield key, node
+
+    for key, value in walk(OmegaConf.to_container(cfg, resolve=True), ""):
+        if isinstance(value, float) and not math.isfinite(value) and key not in NON_FINITE_KEYS:
+            raise ConfigError(key, value, "a finite number (inf and nan are refused for every key)")
 
 
 def _raw(cfg, key: str):

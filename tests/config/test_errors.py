@@ -93,6 +93,18 @@ BAD = [
     (["+loss_signal.extra=${bogus}"], "loss_signal.extra"),
     (["seed=???"], "seed"),  # a missing value
     (["optimizer.lr=???"], "optimizer.lr"),
+    # inf and nan, refused for every key before any constructor sees them (each of these trained or was accepted)
+    (["attack=scale", "attack.scale=inf"], "attack.scale"),
+    (["attack=sign_flip", "attack.scale=inf"], "attack.scale"),
+    (["attack=gaussian", "attack.sigma=inf"], "attack.sigma"),
+    (["attack=loss_lie", "attack.offset=nan"], "attack.offset"),
+    (["attack=alie", "attack.z=nan"], "attack.z"),
+    (["privacy=central", "privacy.noise_multiplier=inf"], "privacy.noise_multiplier"),
+    (["privacy=central", "privacy.clip_norm=inf"], "privacy.clip_norm"),
+    (["personalization=ditto", "personalization.lam=inf"], "personalization.lam"),
+    (["aggregator=centered_clip", "aggregator.tau=inf"], "aggregator.tau"),
+    (["metrics.r_targets=[0.5,nan]"], "metrics.r_targets.1"),
+    (["model.norm=batch", "device.backend=vmap"], "device.backend"),  # the trainer refused it in round 1
 ]
 
 

@@ -149,6 +149,23 @@ def test_the_distributed_backend_outside_torchrun_is_refused_in_one_line(tmp_pat
     )
 
 
+def test_a_sweep_of_the_distributed_backend_is_refused_job_by_job_and_ends_in_one_line_without_a_traceback(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    done = subprocess.run(
+        [FEDRUN, "-m", "device.backend=distributed", "seed=0,1", "schedule.rounds=1", "tracking.enabled=false"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**env, "HYDRA_FULL_ERROR": "0"},
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    refused = [line for line in done.stderr.splitlines() if line.startswith("fedrun: error: job ")]
+    assert len(refused) == 2 and all("allowed is a single run (without -m" in line for line in refused)
+    assert done.stderr.strip().splitlines()[-1] == (
+        "fedrun: some jobs of this sweep failed (each said why above); the others ran"
+    )
+
+
 def rank_process(parent: int, rank: int) -> int:
     """The pid of the worker of torchrun ``parent`` that runs rank ``rank``."""
     for entry in Path("/proc").iterdir():
