@@ -22,12 +22,33 @@ from pathlib import Path
 MODE = 0o644  # what a file fedrun writes may be read by: mkstemp's own 0o600 would hide a run from a colleague
 
 
-class LinkedFile(RuntimeError):
+class RunFileError(RuntimeError):
+    """A file of a run dir fedrun will not use, found while the run trains: the run stops in one line, FAILED."""
+
+
+class LinkedFile(RunFileError):
     """A file fedrun appends to in a run dir became a link (or something other than a regular file)."""
 
     def __init__(self, path: Path, what: str):
         self.path = path
         super().__init__(f"{path} is {what}: fedrun does not write through it (a link made in the run dir)")
+
+
+class BadFile(RunFileError):
+    """A file fedrun wrote in a run dir and reads back holds something else (a crafted or damaged file)."""
+
+    def __init__(self, path: Path, what: str):
+        self.path = path
+        super().__init__(f"{path} is not {what}")
+
+
+def own_file(path: Path) -> bool:
+    """Whether ``path`` may be a file fedrun wrote: a regular file, not a link of either kind (``lstat``)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_nlink == 1
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 method (``fedrun.personal``) and a client program (``fedrun.programs``) keep per client between rounds.
 """
 
+import os
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 
 from fedrun.errors import ConfigError
-from fedrun.runfiles import replaced
+from fedrun.runfiles import BadFile, own_file, replaced
 
 
 class PersonalStore:
@@ -52,9 +53,15 @@ class PersonalStore:
             return self.memory[client]
         if client not in self.disk:
             return None
-        value = torch.load(self.directory / self.disk.pop(client), weights_only=True)["value"]
-        self._hold(client, value)
-        return value
+        path = self.directory / self.disk.pop(client)
+        try:  # weights_only: a crafted pickle runs nothing; anything but fedrun's own record is one line
+            value = torch.load(path, weights_only=True) if own_file(path) else None
+        except Exception as error:
+            raise BadFile(path, f"a client state fedrun spilled ({type(error).__name__})") from None
+        if not isinstance(value, dict) or not isinstance(value.get("value"), torch.Tensor):
+            raise BadFile(path, "a client state fedrun spilled (a regular file holding {'value': tensor})")
+        self._hold(client, value["value"])
+        return value["value"]
 
     def put(self, client: int, value: torch.Tensor) -> None:
         client = int(client)
@@ -87,10 +94,8 @@ class PersonalStore:
         yet); at the first, so are the files of an attempt that ended before any checkpoint (no checkpoint names
         them and this store never wrote them)."""
         named = set(self.disk.values())
-        if not self._swept and self.directory is not None and self.directory.is_dir():
-            for path in self.directory.glob("*.pt"):
-                if path.name not in self._files:
-                    path.unlink()
+        if not self._swept:
+            self._sweep(self._files)
         self._swept = True
         for name in self._files - named - self._saved:
             (self.directory / name).unlink(missing_ok=True)
@@ -110,13 +115,27 @@ class PersonalStore:
                     f"{self.directory.name if self.directory is not None else 'store'}/): a crafted checkpoint may not "
                     "name a file elsewhere",
                 )
+            if self.directory is not None and not own_file(self.directory / name):
+                raise ConfigError(
+                    "checkpoint",
+                    name,
+                    f"a spilled state's file in {self.directory} (missing, or a link of either kind)",
+                )
         self.written = int(state.get("written", 0))
         self._files = self._saved = set(self.disk.values())
-        self._swept = True  # below
-        if self.directory is not None and self.directory.is_dir():  # written after the checkpoint: orphans
-            for path in self.directory.glob("*.pt"):
-                if path.name not in self._files:
-                    path.unlink()
+        self._swept = True
+        self._sweep(self._files)  # written after the checkpoint: orphans
+
+    def _sweep(self, keep: set[str]) -> None:
+        """Delete the files in ``directory`` of a store's own name form (``<client>.<version>.pt``) that ``keep``
+        does not name: an attempt's files after its last checkpoint. Only regular files with no other name, in a
+        folder that is no link: nothing of anyone else's, whatever the folder holds."""
+        if self.directory is None or self.directory.is_symlink() or not self.directory.is_dir():
+            return
+        for entry in os.scandir(self.directory):
+            ours = re.fullmatch(r"\d+\.\d+\.pt", entry.name) and own_file(Path(entry.path))
+            if ours and entry.name not in keep:
+                os.unlink(entry.path)
 
 
 def _nbytes(value: torch.Tensor) -> int:

@@ -83,6 +83,30 @@ def flatten(config: dict, prefix: str = "") -> dict:
     return flat
 
 
+def numeric_rows(path: Path, header: list[str] | None, reader) -> list[list[str]]:
+    """The rows of a per-round CSV file fedrun wrote, checked: a ``round`` column, a cell per column, every cell a
+    number or empty (as fedrun writes them); a ConfigError naming the file, the line and the cell otherwise."""
+    if header is None:
+        return []
+    if "round" not in header:
+        raise ConfigError("resume", str(path), "a file fedrun wrote (its header has no round column)")
+    at, rows = header.index("round"), []
+    for line, row in enumerate(reader, start=2):
+        if len(row) != len(header):
+            raise ConfigError(
+                "resume", str(path), f"a file fedrun wrote (line {line}: {len(row)} cells for {len(header)})"
+            )
+        for column, cell in enumerate(row):
+            try:
+                float(cell or ("" if column == at else "0"))  # empty: not measured that round (a round never is)
+            except ValueError:
+                raise ConfigError(
+                    "resume", str(path), f"a file fedrun wrote (line {line}: {cell[:40]!r} is no number)"
+                ) from None
+        rows.append(row)
+    return rows
+
+
 def resolve_uri(uri: str, start_dir: Path) -> str:
     """Make a relative ``sqlite:///`` URI absolute against the directory fedrun was started in."""
     prefix = "sqlite:///"
@@ -452,14 +476,18 @@ class Tracker:
 
     def rewind(self, round_: int) -> None:
         """Keep only the rows of rounds <= ``round_`` in the per-round CSV files (those a killed run wrote after
-        its last checkpoint are measured again), and continue appending to them."""
+        its last checkpoint are measured again), and continue appending to them. A file from elsewhere is data: a
+        header without ``round``, or a cell that is no number (a spreadsheet formula), is a ConfigError naming the
+        file and its line, before anything is rewritten."""
         for path in [self.metrics_path] + [self.dir / f"{name}.csv" for name in PER_CLIENT]:
             if not path.exists():
                 continue
             with path.open(newline="") as handle:
                 reader = csv.reader(handle)
                 header = next(reader, None)
-                rows = [row for row in reader if header and float(row[header.index("round")]) <= round_]
+                rows = [
+                    row for row in numeric_rows(path, header, reader) if float(row[header.index("round")]) <= round_
+                ]
             if header is None:
                 continue
             with replaced(path, newline="") as handle:

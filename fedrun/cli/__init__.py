@@ -96,7 +96,10 @@ def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
     except (ConfigError, FileNotFoundError) as exc:
         fail(hydra_cfg, f"fedrun: error: {exc}", 2)
     try:
-        tracker, title = open_tracking(job, hydra_cfg, parts, report)
+        try:  # a resumed run's CSV files are checked as they are rewound, before its MLflow run opens
+            tracker, title = open_tracking(job, hydra_cfg, parts, report)
+        except ConfigError as exc:
+            fail(hydra_cfg, f"fedrun: error: {exc}", 2)
         return train(job, hydra_cfg, parts, tracker, title, report)
     finally:
         if job.follower:  # a rank > 0 of a distributed run: its temporary dir held nothing rank 0 lacks
@@ -257,8 +260,8 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
         status, reason, stopped = "KILLED", pruned or str(exc), exc
     except DivergenceError as exc:
         reason, divergence = f"DivergenceError: {exc}", exc
-    except runfiles.LinkedFile as exc:
-        reason, refused = f"LinkedFile: {exc}", exc
+    except runfiles.RunFileError as exc:  # a link made in the run dir, a crafted file read back
+        reason, refused = f"{type(exc).__name__}: {exc}", exc
     except BaseException as exc:
         reason = f"{type(exc).__name__}: {exc}"
         raise

@@ -208,6 +208,12 @@ def test_a_resume_logs_only_to_an_existing_store_that_holds_its_run_and_takes_tr
         lines = done.stderr.strip().splitlines()
         return done.returncode, (lines[-1] if lines else "")
 
+    rows = (out / "metrics.csv").read_text()
+    (out / "metrics.csv").write_text(rows + "=cmd|' /C calc'!A0" + "," * rows.splitlines()[0].count(",") + "\n")
+    code, line = resume()  # a spreadsheet formula in a row: one line naming the file and the line, nothing trained
+    assert code == 2 and line.startswith(f"fedrun: error: resume='{out / 'metrics.csv'}' is invalid: allowed is a file")
+    assert f"line {len(rows.splitlines()) + 1}: \"=cmd|' /C calc'!A0\" is no number" in line
+    (out / "metrics.csv").write_text(rows)
     crafted = tmp_path / "elsewhere" / "new.db"
     (out / "config.yaml").write_text(config.replace(f"sqlite:///{store}", f"sqlite:///{crafted}"))
     code, line = resume()

@@ -423,4 +423,47 @@ def test_a_checkpoint_naming_a_spill_file_outside_the_store_is_refused_and_delet
     with pytest.raises(ConfigError, match="^checkpoint="):
         store.load_state_dict({"memory": {}, "disk": {3: name}, "written": 1})
     assert (victim / "important_0.pt").read_bytes() == b"keep me"
+    torch.save({"value": torch.ones(2)}, tmp_path / "run" / "personal" / "3.0.pt")
     store.load_state_dict({"memory": {}, "disk": {3: "3.0.pt"}, "written": 1})  # fedrun's own name is taken
+    assert torch.equal(store.get(3), torch.ones(2))
+
+
+def test_spilled_files_that_are_missing_linked_or_crafted_are_refused_in_one_line_and_the_sweep_spares_others(
+    tmp_path,
+):
+    import pickle
+
+    from fedrun.errors import ConfigError
+    from fedrun.runfiles import BadFile
+
+    folder, victim = tmp_path / "run" / "client", tmp_path / "victim.pt"
+    folder.mkdir(parents=True)
+    torch.save({"value": torch.zeros(3)}, victim)
+    with pytest.raises(ConfigError, match="missing, or a link"):
+        PersonalStore(1.0, folder).load_state_dict({"disk": {1: "1.0.pt"}, "written": 1})
+    (folder / "1.0.pt").symlink_to(victim)
+    with pytest.raises(ConfigError, match="missing, or a link"):
+        PersonalStore(1.0, folder).load_state_dict({"disk": {1: "1.0.pt"}, "written": 1})
+    (folder / "1.0.pt").unlink()
+    (folder / "1.0.pt").hardlink_to(victim)
+    with pytest.raises(ConfigError, match="missing, or a link"):
+        PersonalStore(1.0, folder).load_state_dict({"disk": {1: "1.0.pt"}, "written": 1})
+    (folder / "1.0.pt").unlink()
+    # Contents: a pickle weights_only refuses, a file that is no torch file, a torch file of something else.
+    for content in (pickle.dumps(print), b"plain text\n", None):
+        if content is None:
+            torch.save([1, 2], folder / "1.0.pt")
+        else:
+            (folder / "1.0.pt").write_bytes(content)
+        store = PersonalStore(1.0, folder)
+        store.load_state_dict({"disk": {1: "1.0.pt"}, "written": 1})
+        with pytest.raises(BadFile, match=r"1.0.pt is not a client state fedrun spilled"):
+            store.get(1)
+    # The sweep of an attempt's orphans deletes only regular single-name files of the store's own name form.
+    (folder / "2.0.pt").symlink_to(victim)
+    (folder / "5.3.pt").hardlink_to(victim)
+    (folder / "notes.pt").write_bytes(b"mine")
+    (folder / "7.1.pt").write_bytes(b"an orphan")
+    PersonalStore(1.0, folder).load_state_dict({"disk": {1: "1.0.pt"}, "written": 2})
+    assert sorted(p.name for p in folder.iterdir()) == ["1.0.pt", "2.0.pt", "5.3.pt", "notes.pt"]
+    assert torch.equal(torch.load(victim, weights_only=True)["value"], torch.zeros(3))
