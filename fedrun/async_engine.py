@@ -199,7 +199,7 @@ class AsyncEngine:
             RunResult(w),
             Bits.of(parts.stages, w, parts.client_state),
         )
-        if (saved := parts.restore(checkpoint)) is not None:  # the simulation after the instant of saved["round"]
+        if (saved := parts.restore(checkpoint, w)) is not None:  # the simulation after the instant of saved["round"]
             loop = AsyncLoop.of(saved["loop"], seed)
             result = RunResult(loop.params, rows=saved["rows"])
         evaluate = lambda p: self._evaluate(model, p, x_test, y_test, label_sets, trainer.per_sample)  # noqa: E731

@@ -61,7 +61,7 @@ class Loop:
     @classmethod
     def started(cls, parts: Parts, checkpoint: Checkpoint | None, initial: torch.Tensor, seed: int) -> tuple:
         """(loop, result, first round): as they were after the checkpoint's round, or new."""
-        if (saved := parts.restore(checkpoint)) is None:
+        if (saved := parts.restore(checkpoint, initial)) is None:
             return cls(initial, numpy_rng(seed, "sampling")), RunResult(initial), 1
         loop = cls(**saved["loop"])
         return loop, RunResult(loop.params, rows=saved["rows"]), saved["round"] + 1

@@ -93,6 +93,14 @@ def number(cell: str, where: str) -> float:
     return float(cell)
 
 
+def finite(cell: str, where: str) -> float:
+    """A number that is finite (an aggregation weight, a round): ``inf``, ``nan`` and 1e999 are refused."""
+    value = number(cell, where)
+    if not math.isfinite(value):
+        raise ConfigError(where, shown(cell), "a finite number")
+    return value
+
+
 def step(cell: str, where: str) -> int:
     if not (cell.isascii() and cell.isdigit() and int(cell) <= MAX_STEP):
         raise ConfigError(where, shown(cell), f"a round: an integer 0 to {MAX_STEP}")
@@ -202,17 +210,19 @@ def checked(directory: Path, experiment: str | None) -> Checked:
 
     # a run from before the tag logged every alpha series
     max_alpha = tracking.get("max_alpha_series", 100)
-    if regular(directory / "alpha.csv") and summary.get("alpha_series", "per_client") == "per_client":
+    if regular(directory / "alpha.csv"):  # checked whole even when only copied: a weight is a finite number
         alpha_header, alpha_rows = table(directory / "alpha.csv")
-        clients = [c for c in alpha_header if re.fullmatch(r"client_\d{1,12}", c)]
-        if "round" in alpha_header and clients and isinstance(max_alpha, int) and len(clients) <= max_alpha:
-            at = alpha_header.index("round")
-            for line, row in enumerate(alpha_rows, 2):
+        at = alpha_header.index("round") if "round" in alpha_header else None
+        alphas = [
+            [finite(cell, f"alpha.csv line {line} {name}") for name, cell in zip(alpha_header, row)]
+            for line, row in enumerate(alpha_rows, 2)
+        ]
+        clients = [i for i, c in enumerate(alpha_header) if re.fullmatch(r"client_\d{1,12}", c)]
+        wanted = summary.get("alpha_series", "per_client") == "per_client"
+        if wanted and at is not None and clients and isinstance(max_alpha, int) and len(clients) <= max_alpha:
+            for line, (row, values) in enumerate(zip(alpha_rows, alphas), 2):
                 round_ = step(row[at], f"alpha.csv line {line} round")
-                result.series += [
-                    (f"alpha/{c}", number(row[alpha_header.index(c)], f"alpha.csv line {line} {c}"), round_)
-                    for c in clients
-                ]
+                result.series += [(f"alpha/{alpha_header[i]}", values[i], round_) for i in clients]
 
     reason = diverged(directory) if regular(directory / "diverged.txt") else None  # the run failed, and says why
     rounds = schedule.get("rounds", math.inf)

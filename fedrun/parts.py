@@ -27,6 +27,7 @@ from fedrun.heterogeneity import EqualWork
 from fedrun.pipeline import Pipeline
 from fedrun.privacy import Privacy
 from fedrun.programs import LocalSGD
+from fedrun.runfiles import BadFile
 from fedrun.sampling import Uniform
 from fedrun.servers import ServerOptimizer
 from fedrun.state import Context, Stateful
@@ -166,13 +167,23 @@ class Parts:
             if hasattr(part, "load_state_dict"):
                 part.load_state_dict(state.get(name, {}))
 
-    def restore(self, checkpoint) -> dict | None:
-        """The saved state when ``checkpoint`` resumes (in today's format, its parts loaded into these), else None."""
+    def restore(self, checkpoint, initial: torch.Tensor) -> dict | None:
+        """The saved state when ``checkpoint`` resumes (in today's format, its parts loaded into these), else None.
+        A checkpoint is data (``weights_only`` let nothing run); one that is not this run's (a global model of
+        another shape than ``initial``, parts' state that does not load) is a ``BadFile``: one line, before round 1."""
         saved = checkpoint.restored() if checkpoint is not None else None
         if saved is None:
             return None
-        saved = migrate(saved)
-        self.load_state_dict(saved["parts"])
+        try:
+            saved = migrate(saved)
+            params = saved["loop"]["params"]
+            if not isinstance(params, torch.Tensor) or params.shape != initial.shape:
+                raise ValueError(
+                    f"a global model of {getattr(params, 'shape', type(params).__name__)}, not {tuple(initial.shape)}"
+                )
+            self.load_state_dict(saved["parts"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as error:
+            raise BadFile(checkpoint.path, f"a checkpoint of this run ({type(error).__name__}: {error})") from None
         return saved
 
 

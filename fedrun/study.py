@@ -183,6 +183,23 @@ def check_journal(path: Path) -> None:
         ) from None
 
 
+def check_completed(trials, objective: str, where: str) -> None:
+    """Refuse, in one line, a COMPLETE trial whose value its objective cannot take: not finite, or outside its
+    range (an accuracy's [0, 1], ``fedrun.metrics.bounds``; every other objective fedrun takes, an R-index,
+    megabytes, seconds, smoothness, is >= 0). A journal is data: a fabricated trial would become the study's best."""
+    low, high = bounds(objective) or (0.0, math.inf)
+    for trial in trials:
+        if trial.state.name != "COMPLETE":
+            continue
+        value = trial.value
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or not low <= value <= high:
+            raise ConfigError(
+                f"{where} trial {trial.number}",
+                value,
+                f"a value of {objective} in [{low:g}, {high:g}] (a finite number)",
+            )
+
+
 def relaunched_params(trial, space: dict, where: str) -> dict:
     """An interrupted trial's parameters as they are relaunched: each one of the study's search space (``space``,
     which the resume checked against the command), with a value inside its distribution, given as the

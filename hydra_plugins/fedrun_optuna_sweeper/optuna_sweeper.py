@@ -236,6 +236,7 @@ class FedrunOptunaSweeper(Sweeper):
         states = optuna.trial.TrialState
         interrupted = study.get_trials(deepcopy=False, states=(states.RUNNING, states.WAITING))
         where = s["storage"] or str(sweep_dir / studies.STUDY_FILE)
+        studies.check_completed(study.get_trials(deepcopy=False), s["objective"], where)
         # every interrupted trial's parameters are checked before the first is relaunched: none runs if one is bad
         relaunched = {t.number: studies.relaunched_params(t, space, where) for t in interrupted}
         tracking = config.tracking.enabled

@@ -34,3 +34,29 @@ def test_fedrun_import_refuses_a_bad_metrics_file_before_it_creates_anything(tmp
         import_run(run, f"sqlite:///{tmp_path / 'store.db'}", None)
     assert str(refused.value).startswith(key) and allowed in str(refused.value)
     assert not (tmp_path / "store.db").exists()
+
+
+@pytest.mark.parametrize(
+    "alpha,summary,key,allowed",
+    [
+        ("round,client_0\n1,=cmd()\n", "", "alpha.csv line 2 client_0", "a number"),
+        ("round,client_0\n1,inf\n", "", "alpha.csv line 2 client_0='inf'", "a finite number"),
+        ("round,client_0\n1,1e999\n", "", "alpha.csv line 2 client_0", "a finite number"),
+        # a run that logged alpha.csv only as an artifact: its cells are checked all the same
+        ("round,client_0\n1,nan\n", ",value\nalpha_series,artifacts\n", "alpha.csv line 2 client_0", "a finite number"),
+    ],
+)
+def test_fedrun_import_refuses_an_alpha_file_that_is_no_weights(tmp_path, alpha, summary, key, allowed):
+    from fedrun.importer import import_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("round,test_accuracy\n1,0.5\n")
+    (run / "alpha.csv").write_text(alpha)
+    if summary:
+        (run / "summary.csv").write_text(summary)
+    (run / "config.yaml").write_text(CONFIG)
+    with pytest.raises(ConfigError) as refused:
+        import_run(run, f"sqlite:///{tmp_path / 'store.db'}", None)
+    assert str(refused.value).startswith(key) and allowed in str(refused.value)
+    assert not (tmp_path / "store.db").exists()

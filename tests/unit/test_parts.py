@@ -113,6 +113,21 @@ def test_a_client_state_is_checkpointed_and_restored_exactly(tmp_path):
     assert strip(resumed_rows) == strip(whole_rows[2:])
 
 
+def test_a_checkpoint_of_another_run_is_refused_in_one_line_before_round_1(tmp_path):
+    from fedrun.runfiles import BadFile
+
+    train(Parts(FedAvg(), client_state=FedPerHead()), rounds=2, checkpoint=Checkpoint(tmp_path, every=1))
+    saved = Checkpoint(tmp_path, resume=True).restored()
+    wrong = {**saved, "loop": {**saved["loop"], "params": torch.zeros(7)}}  # a model of another shape
+    Checkpoint(tmp_path, every=1).save(wrong)
+    with pytest.raises(BadFile, match=r"checkpoint.pt is not a checkpoint of this run \(ValueError: a global model of"):
+        train(Parts(FedAvg(), client_state=FedPerHead()), rounds=5, checkpoint=Checkpoint(tmp_path, resume=True))
+    broken = {**saved, "parts": {**saved["parts"], "client_state": {"heads": "not a dict of tensors"}}}
+    Checkpoint(tmp_path, every=1).save(broken)
+    with pytest.raises(BadFile, match="is not a checkpoint of this run"):
+        train(Parts(FedAvg(), client_state=FedPerHead()), rounds=5, checkpoint=Checkpoint(tmp_path, resume=True))
+
+
 def test_a_client_state_holds_nothing_for_clients_that_never_trained():
     state = FedPerHead()
     assert state.state_dict() == {"heads": {}}

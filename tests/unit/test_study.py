@@ -2,6 +2,7 @@
 (studies through the real ``fedrun -m`` command: tests/e2e/test_study.py)."""
 
 import math
+import re
 from pathlib import Path
 
 import optuna
@@ -446,3 +447,24 @@ def test_an_accuracy_objectives_interval_stays_in_its_range():
     assert objective_interval("tail_test_accuracy", 0.281, 0.962) == (0.0, 1.0)  # seeds 0.057, 0.057, 0.728
     assert objective_interval("final_test_accuracy", 0.9, 0.05) == pytest.approx((0.85, 0.95))
     assert objective_interval("R90", 12.0, 15.0) == (-3.0, 27.0)  # a round count has no range to cut to
+
+
+def test_a_completed_trial_outside_its_objective_s_range_is_refused_in_one_line():
+    import optuna
+
+    from fedrun.errors import ConfigError
+    from fedrun.study import check_completed
+
+    def trial(number, value, state=optuna.trial.TrialState.COMPLETE):
+        made = optuna.trial.create_trial(params={}, distributions={}, value=value, state=state)
+        made.number = number
+        return made
+
+    fine = [trial(0, 0.91), trial(1, None, optuna.trial.TrialState.RUNNING)]
+    check_completed(fine, "final_test_accuracy", "journal")
+    check_completed([trial(0, 14.0)], "R90", "journal")
+    for value, objective in ((1e308, "final_test_accuracy"), (1.5, "tail_test_accuracy"), (-3.0, "R90")):
+        with pytest.raises(
+            ConfigError, match=rf"^journal trial 2={re.escape(repr(value))} is invalid: allowed is a value"
+        ):
+            check_completed([*fine, trial(2, value)], objective, "journal")
