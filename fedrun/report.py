@@ -442,7 +442,8 @@ def plot_distribution(accuracies: dict[str, np.ndarray], path: Path, title: str)
     jitter = np.random.default_rng(0)  # the points' horizontal spread only
     for i, values in enumerate(data, 1):
         ax.plot(i + jitter.uniform(-0.15, 0.15, len(values)), values, "o", alpha=0.45, markersize=3)
-    ax.set_xticks(range(1, len(names) + 1), [f"{n}\n(n={len(d)})" for n, d in zip(names, data)], fontsize="small")
+    shown = [n.replace(", ", "\n") for n in names]  # a key a line: long group names side by side stay legible
+    ax.set_xticks(range(1, len(names) + 1), [f"{n}\n(n={len(d)})" for n, d in zip(shown, data)], fontsize="small")
     ax.set(ylabel="client's accuracy on its own test split", title=title)
     ax.grid(alpha=0.3, axis="y")
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -451,6 +452,10 @@ def plot_distribution(accuracies: dict[str, np.ndarray], path: Path, title: str)
 
 
 MARKERS = "osD^v<>P*X"  # a group's marker by its tenth (its colour repeats every 10 groups)
+AXIS = {
+    "tail_fairness_mean": "the clients' mean accuracy (tail_fairness_mean)",
+    "tail_fairness_worst10": "the worst tenth's mean accuracy (tail_fairness_worst10)",
+}
 
 
 def plot_frontier(
@@ -486,7 +491,7 @@ def plot_frontier(
                 capsize=3,
                 label=f"{legend_name(others, values)} (n={int(row['runs'])})",
             )
-        ax.set(xlabel=x.replace("_", " "), ylabel=y.replace("_", " "), title=str(name))
+        ax.set(xlabel=AXIS.get(x, x), ylabel=AXIS.get(y, y), title=str(name))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="x-small")
     fig.suptitle(title)

@@ -37,6 +37,7 @@ class Part:
 
     name: str
     args: tuple[str, ...]
+    paired: str | None = None  # its side report's --paired baseline, when not the paper's (``Paper.paired``)
     side: str = (
         ""  # "tuning" (a sweep that picks a setting), "check" (a sensitivity check) or "full" (the table's runs
         # without their stop): its own experiment and report
@@ -406,8 +407,27 @@ PAPERS = {
                 ("fedsoftmax", ("aggregator=fedsoftmax", "aggregator.temperature=1,0.1")),
                 ("fedmax", ("aggregator=fedmax",)),
             )
+        )
+        + (
+            # Sensitivity check: q-FFL's step shrinks with the updates' norms (its h_k), so in 200 rounds it trails
+            # uniform FedAvg on synthetic; ten times the budget, to see whether its fairness gain shows later.
+            Part(
+                "qffl_long",
+                (
+                    "experiment=qffl_synthetic",
+                    "aggregator=qffl",
+                    "aggregator.q=0,1",
+                    "schedule.rounds=2000",
+                    "schedule.tail=200",
+                    "seed={seeds}",
+                ),
+                paired="aggregator.q=0",
+                side="check",
+            ),
         ),
         report_by=("dataset", "aggregator", "aggregator.q", "aggregator.t", "aggregator.temperature"),
+        report_extra=("--fairness",),
+        paired="aggregator=fedavg",
     ),
 }
 TINY = ("schedule.rounds=2", "schedule.stop_at_accuracy=null")
@@ -529,7 +549,8 @@ def reproduce(
     # A sensitivity check's report, once its parts have run; paired with the baseline when all of them ran.
     for side in dict.fromkeys(p.side for p in chosen if p.side and not p.tuning):
         whole = all(p in chosen for p in spec.parts if p.side == side)
-        run(report(paper, out, side, extra=spec.report_extra + (("--paired", spec.paired) if whole else ())), dry_run)
+        against = next((p.paired for p in spec.parts if p.side == side and p.paired), spec.paired)
+        run(report(paper, out, side, extra=spec.report_extra + (("--paired", against) if whole else ())), dry_run)
     # The table is paired with the baseline once the baseline's part has run (now or before).
     baseline = any(p in chosen or started(out, paper, p) for p in spec.parts if has_baseline(p, spec.paired))
     table = spec.report_extra + (("--paired", spec.paired) if baseline else ())
