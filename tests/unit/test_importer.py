@@ -23,13 +23,19 @@ BAD_DIRS = {
 
 @pytest.mark.parametrize("case", list(BAD_DIRS))
 def test_fedrun_import_refuses_a_bad_metrics_file_before_it_creates_anything(tmp_path, case):
-    from fedrun.importer import import_run
 
     metrics, key, allowed = BAD_DIRS[case]
+    refused_before_the_store(tmp_path, {"metrics.csv": metrics}, key, allowed)
+
+
+def refused_before_the_store(tmp_path, files: dict, key: str, allowed: str) -> None:
+    """A run dir of ``files`` (and a config) is refused by fedrun-import naming ``key``, and no store is created."""
+    from fedrun.importer import import_run
+
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.csv").write_text(metrics)
-    (run / "config.yaml").write_text(CONFIG)
+    for name, text in {"config.yaml": CONFIG, **files}.items():
+        (run / name).write_text(text)
     with pytest.raises(ConfigError) as refused:
         import_run(run, f"sqlite:///{tmp_path / 'store.db'}", None)
     assert str(refused.value).startswith(key) and allowed in str(refused.value)
@@ -47,16 +53,5 @@ def test_fedrun_import_refuses_a_bad_metrics_file_before_it_creates_anything(tmp
     ],
 )
 def test_fedrun_import_refuses_an_alpha_file_that_is_no_weights(tmp_path, alpha, summary, key, allowed):
-    from fedrun.importer import import_run
-
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.csv").write_text("round,test_accuracy\n1,0.5\n")
-    (run / "alpha.csv").write_text(alpha)
-    if summary:
-        (run / "summary.csv").write_text(summary)
-    (run / "config.yaml").write_text(CONFIG)
-    with pytest.raises(ConfigError) as refused:
-        import_run(run, f"sqlite:///{tmp_path / 'store.db'}", None)
-    assert str(refused.value).startswith(key) and allowed in str(refused.value)
-    assert not (tmp_path / "store.db").exists()
+    files = {"metrics.csv": "round,test_accuracy\n1,0.5\n", "alpha.csv": alpha}
+    refused_before_the_store(tmp_path, files | ({"summary.csv": summary} if summary else {}), key, allowed)
