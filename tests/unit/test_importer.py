@@ -23,7 +23,6 @@ BAD_DIRS = {
 
 @pytest.mark.parametrize("case", list(BAD_DIRS))
 def test_fedrun_import_refuses_a_bad_metrics_file_before_it_creates_anything(tmp_path, case):
-
     metrics, key, allowed = BAD_DIRS[case]
     refused_before_the_store(tmp_path, {"metrics.csv": metrics}, key, allowed)
 

@@ -1,0 +1,58 @@
+"""The fair aggregators (q-FFL, AFL, TERM: fedrun/aggregators/fair.py) compose with the rest of a round: a server
+optimizer, a sampler that reads reported losses, a compressed upload and an attack that lies about its loss, each
+backend giving the loop's numbers (their arithmetic by hand: tests/unit/aggregators/test_fair.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedrun.cli.build import parts_of, setup
+
+EVERYTHING = [
+    "dataset=digits",
+    "schedule.rounds=2",
+    "partition.num_clients=8",
+    "schedule.clients_per_round=0.5",
+    "server=adam",
+    "sampler=power_of_choice",
+    "compression=topk",
+    "attack=loss_lie",
+    "attack.fraction=0.25",
+    "device=cpu",
+    "device.threads=1",
+]
+
+
+def trained(cfg):
+    """(final parameters, rows) of the run ``cfg`` builds, as ``fedrun``'s train() calls its engine."""
+    parts = setup(cfg)
+    result = parts["engine"](
+        model=parts["model"],
+        data=parts["data"],
+        clients=parts["clients"],
+        parts=parts_of(parts),
+        optimizer=parts["optimizer"],
+        schedule=parts["schedule"],
+        device=parts["device"],
+        seed=cfg.seed,
+        client_tests=parts["client_tests"],
+        client_vals=parts["client_vals"],
+    )
+    return result.params, result.rows
+
+
+@pytest.mark.parametrize("aggregator", [["aggregator=qffl", "aggregator.q=1"], ["aggregator=afl"], ["aggregator=term"]])
+def test_each_fair_rule_runs_a_whole_round_of_parts_on_every_backend_with_the_loops_numbers(compose_config, aggregator):
+    def run(backend: str, *more: str):
+        workers = ["device.workers=2"] if backend == "processes" else []
+        params, rows = trained(compose_config(*aggregator, *EVERYTHING, f"device.backend={backend}", *workers, *more))
+        assert torch.isfinite(params).all() and len(rows) == 2
+        return params, [(r["test_accuracy"], r["test_loss"]) for r in rows]
+
+    loop, processes = run("loop"), run("processes")
+    assert torch.equal(processes[0], loop[0]) and processes[1] == loop[1]  # the same arithmetic, bit for bit
+    # vmap sums in its own order: equal to floating-point noise, without top-k, whose choice between two coordinates
+    # within that noise of each other may go either way (a discontinuity of the compressor, not of vmap)
+    dense_loop, dense_vmap = run("loop", "compression=none"), run("vmap", "compression=none")
+    torch.testing.assert_close(dense_vmap[0], dense_loop[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dense_vmap[1], dense_loop[1], rtol=1e-5)
