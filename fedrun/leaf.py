@@ -183,6 +183,16 @@ class Leaf(Dataset):
 
     def _splits(self):
         x_train, y_train, train_users, train_parts = self.read("train")
+        # A user without a training sample is no client (a cohort of them has no weight to average by): left out,
+        # as LEAF's own preprocessing leaves out users below its minimum sample count, and said.
+        if empty := sum(1 for part in train_parts if not len(part)):
+            kept = [i for i, part in enumerate(train_parts) if len(part)]
+            if not kept:
+                raise ConfigError(
+                    "dataset.root", str(self.root / "train"), "LEAF files with a user that has a training sample"
+                )
+            train_users, train_parts = [train_users[i] for i in kept], [train_parts[i] for i in kept]
+            tqdm.write(f"fedrun: {self.folder} train: left out {empty} users without a training sample")
         x_test, y_test, test_users, test_parts = self.read("test")
         by_user = dict(zip(test_users, test_parts))
         empty = np.zeros(0, dtype=np.int64)

@@ -50,6 +50,19 @@ def femnist_files(root, rng=None):
     return made
 
 
+def test_users_without_a_training_sample_are_left_out_and_said(tmp_path, capsys):
+    """200,000 empty users in an 8.8 MB file were clients: a cohort of them had no weight to average by."""
+    made = femnist_files(tmp_path)
+    write(tmp_path / "train" / "c.json", {f"empty_{i}": {"x": [], "y": []} for i in range(1000)})
+    data = FEMNIST(root=str(tmp_path)).load(seed=0)
+    assert [len(part) for part in data.natural_split] == [len(m[1]) for m in made.values()]
+    assert "fedrun: femnist train: left out 1000 users without a training sample" in capsys.readouterr().out
+    for name in ("a.json", "b.json"):
+        (tmp_path / "train" / name).unlink()
+    with pytest.raises(ConfigError, match="LEAF files with a user that has a training sample"):
+        FEMNIST(root=str(tmp_path)).load(seed=0)
+
+
 def windows(text: str, start: int, count: int):
     """LEAF's samples: 80 characters and the next one (shake_utils.py)."""
     return [text[i : i + 80] for i in range(start, start + count)], [text[i + 80] for i in range(start, start + count)]
