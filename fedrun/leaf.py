@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from fedrun.datasets import Dataset, default_root
 from fedrun.errors import ConfigError, check
+from fedrun.partitions import most_clients
 
 # LEAF models/utils/language_utils.py, line 11 (80 symbols; index 0 is the newline, 79 the closing brace).
 ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
@@ -120,7 +121,7 @@ class Leaf(Dataset):
                 str(self.root / split),
                 f"LEAF {self.folder} files with at least one user in {split}/ (users is empty in all {len(files)})",
             )
-        x = _stacked(xs, self.sample_shape)
+        x = _stacked(xs, self.sample_shape, self.root / split)
         y = torch.from_numpy(np.concatenate(ys))
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         parts = [np.arange(a, b) for a, b in zip(offsets[:-1], offsets[1:])]
@@ -209,10 +210,21 @@ def _expect(ok: bool, path: Path, what: str, value) -> None:
         )
 
 
-def _stacked(chunks: list[np.ndarray], shape: tuple[int, ...]) -> torch.Tensor:
-    """The chunks concatenated into one tensor, each freed once copied (never two copies of the data)."""
+def _stacked(chunks: list[np.ndarray], shape: tuple[int, ...], where: Path) -> torch.Tensor:
+    """The chunks concatenated into one tensor, each freed once copied (never two copies of the data); a ConfigError
+    before the tensor is allocated when it would not fit this machine's memory (the files say how many samples)."""
     total = sum(len(c) for c in chunks)
-    out = torch.empty((total, *shape), dtype=torch.from_numpy(chunks[0]).dtype if chunks else torch.float32)
+    dtype = torch.from_numpy(chunks[0]).dtype if chunks else torch.float32
+    need = total * int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    _, memory = most_clients()
+    if memory is not None and need > memory:
+        raise ConfigError(
+            "dataset.root",
+            str(where),
+            f"LEAF files whose samples fit this machine's memory ({need / 1e9:.1f} GB "
+            f"for {total} samples, {memory / 1e9:.1f} GB here)",
+        )
+    out = torch.empty((total, *shape), dtype=dtype)
     offset = 0
     while chunks:
         chunk = chunks.pop(0)

@@ -275,3 +275,12 @@ def test_the_vmap_backend_trains_leafs_cnn_as_the_loop_does():
         make = functools.partial(torch.optim.SGD, lr=0.1)
         results.append(run(model, data, clients, Parts(FedAvg()), make, schedule, device, seed=0).params)
     assert torch.allclose(results[0], results[1], atol=1e-10)
+
+
+def test_samples_that_would_not_fit_in_memory_are_refused_before_they_are_allocated(tmp_path, monkeypatch):
+    import fedrun.leaf as leaf
+
+    femnist_files(tmp_path)
+    monkeypatch.setattr(leaf, "most_clients", lambda: (0, 12 * 784 * 4 - 1))  # a byte short of the 12 training samples
+    with pytest.raises(ConfigError, match=r"fit this machine's memory \(0.0 GB for 12 samples"):
+        FEMNIST(root=str(tmp_path)).load(seed=0)
