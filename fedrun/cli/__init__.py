@@ -27,7 +27,7 @@ from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals, held, un
 from fedrun.cli.build import build, check_run_keys, parts_of, setup
 from fedrun.cli.entry import one_line_errors
 from fedrun.cli.resume import Job, open_job
-from fedrun.cli.runinfo import description, git_commit, run_name
+from fedrun.cli.runinfo import description, found, git_commit, run_name
 from fedrun.cli.sweeps import SweepRun, job_cores, seed_report
 from fedrun.clients import calibrate
 from fedrun.engine import server_calibration
@@ -275,8 +275,15 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
             tags["fedrun.pruned"] = "true"
         tracker.finish(status, values, tags, model=final, reason=reason, title=title)
         signals.__exit__()
-        if (line := unstable_line(values, tags, window)) and not job.follower:
-            print(line, file=sys.stderr)
+        if not job.follower:  # what the run found, and where it is
+            schedule = parts["schedule"]
+            why = reason or (
+                f"schedule.stop_at_accuracy={schedule.stop_at_accuracy} reached"
+                if schedule.stop_at_accuracy is not None
+                else None
+            )
+            lines = [unstable_line(values, tags, window), *found(values, tags, schedule.rounds, status, why)]
+            print("\n".join([line for line in lines if line] + [f"fedrun: run folder: {output_dir}"]), file=sys.stderr)
         if tracker.lost:
             print(
                 f"fedrun: MLflow missed part of this run ({tracker.lost}); {output_dir} has all of it. Import it with:\n"

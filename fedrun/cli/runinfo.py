@@ -1,5 +1,7 @@
 """What a run is called and how it describes itself in MLflow: its name, its description, the git commit."""
 
+import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -60,3 +62,35 @@ def description(cfg: DictConfig, choices: dict, overrides: str, output_dir: Path
         lines.append(f"- {group}: `{choices.get(group, '')}` {values}")
     lines += ["", f"Overrides: `{overrides}`", "", f"Output: `{output_dir}`"]
     return "\n".join(lines)
+
+
+def found(values: dict, tags: dict, planned: int, status: str, why: str | None = None) -> list[str]:
+    """What a run found, in a line or two for its end (``values`` and ``tags``: its summary, ``run_summary``): the
+    test accuracy at the last round and over the tail (its swing), the best and its round, the R-indices reached
+    and not, the clients' personal or fairness headline where measured, the epsilon spent, and why it stopped when
+    it stopped before its last round (a privacy budget, a stop at an accuracy, a signal, a divergence)."""
+    parts = []
+    if "final_test_accuracy" in values:
+        accuracy = f"test accuracy {values['final_test_accuracy']:.4f} at round {values.get('rounds_run', '?')}"
+        if "tail_test_accuracy" in values:
+            accuracy += (
+                f", {values['tail_test_accuracy']:.4f} over the tail (swing {values['tail_test_accuracy_swing']:.4f})"
+            )
+        parts.append(accuracy + f", best {values['best_test_accuracy']:.4f}")
+    reached = [f"{k} {int(v)}" for k, v in values.items() if re.fullmatch(r"R\d+", k)]
+    missed = [k for k, v in tags.items() if re.fullmatch(r"R\d+", k) and v == "not_reached"]
+    if reached or missed:
+        parts.append(", ".join(reached + [f"{k} not reached" for k in missed]))
+    if "tail_personal_accuracy_mean" in values:
+        parts.append(
+            f"clients' own models {values['tail_personal_accuracy_mean']:.4f} on their test splits over the tail "
+            f"(worst client {values.get('tail_personal_accuracy_min', math.nan):.4f})"
+        )
+    if "tail_fairness_worst10" in values:
+        parts.append(f"the worst tenth of the clients {values['tail_fairness_worst10']:.4f}")
+    if "final_epsilon" in values:
+        parts.append(f"epsilon {values['final_epsilon']:.3g} spent")
+    ran = int(values.get("rounds_run", 0))
+    line = f"fedrun: {status.lower()} after {ran} of {planned} rounds" + (": " + "; ".join(parts) if parts else "")
+    stop = tags.get("stopped_by") or why
+    return [line] + ([f"fedrun: stopped before its last round: {stop}"] if stop and ran < planned else [])

@@ -19,11 +19,19 @@ def job_dirs(cwd: Path, kind: str) -> list[Path]:
 
 
 def test_main_job_logs_metrics_alpha_and_artifacts(fedrun, store):
-    fedrun("aggregator=fedsoftmax", "partition=shards", *TINY, experiment="main")
+    done = fedrun("aggregator=fedsoftmax", "partition=shards", *TINY, experiment="main")
     client, runs = mlflow_runs(store, "main")
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
+    # It ends by saying what it found, where its files are and where MLflow shows it.
+    final, tail = (run.data.metrics[f"5_summary/{k}_test_accuracy"] for k in ("final", "tail"))
+    said = done.stderr.strip().splitlines()
+    assert f"fedrun: finished after 3 of 3 rounds: test accuracy {final:.4f} at round 3, {tail:.4f} over the tail" in (
+        "\n".join(said)
+    )
+    assert said[-1] == f"fedrun: run folder: {run.data.tags['output_dir']}"
+    assert any(line.startswith("fedrun: MLflow run: mlflow ui --backend-store-uri") for line in said)
     assert run.data.tags["aggregator"] == "fedsoftmax" and run.data.tags["partition"] == "shards"
     assert run.data.tags["dataset"] == "digits" and run.data.tags["torch_version"]
     assert run.data.params["aggregator.temperature"] == "1.0" and run.data.params["schedule.rounds"] == "3"
@@ -124,6 +132,16 @@ def test_multirun_makes_one_run_per_seed_and_same_seed_repeats_exactly(fedrun, s
 
     pd.testing.assert_frame_equal(numbers(by_seed["- seed=0"]), numbers(single))
     assert not numbers(by_seed["- seed=1"]).equals(numbers(single))
+
+
+def test_a_run_stopped_by_its_privacy_budget_says_so_and_what_it_spent(fedrun, store):
+    args = ["privacy=central", "privacy.max_epsilon=5", "schedule.sampling=poisson", "schedule.clients_per_round=0.5"]
+    done = fedrun(*args, "schedule.rounds=5", "partition.num_clients=5", experiment="budget")
+    said = done.stderr.strip().splitlines()
+    assert (
+        said[-3].startswith("fedrun: finished after 1 of 5 rounds: test accuracy") and "epsilon 3.89 spent" in said[-3]
+    )
+    assert said[-2] == "fedrun: stopped before its last round: max_epsilon 5: round 2 would bring epsilon to 5.377"
 
 
 def test_bad_value_stops_before_training_with_one_line(fedrun, store):
