@@ -68,6 +68,10 @@ CASES = {  # (overrides, ranks)
     ),
     "apfl_personal_updates": (["personalization=apfl", "dataset.client_test_fraction=0.2"], 2),  # two updates each
     "fedbuff_async": (["aggregator=fedbuff"], 2),  # the asynchronous engine: each instant's arrivals over the ranks
+    # the fair rules: AFL's lambda ascended on the candidates' losses gathered from both ranks; q-FFL's step from
+    # every update's norm, behind a server optimizer
+    "afl_power_of_choice": (["aggregator=afl", "sampler=power_of_choice", "schedule.clients_per_round=0.5"], 2),
+    "qffl_server_adam": (["aggregator=qffl", "server=adam"], 2),
     "population_power_of_choice_4_ranks": (  # a million clients drawn when they train; the candidates' loss pass
         ["partition=population", "schedule.cohort=10", "model=logistic", "sampler=power_of_choice"],
         4,
