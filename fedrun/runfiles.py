@@ -82,9 +82,9 @@ def write_text(path: Path, text: str) -> None:
         handle.write(text)
 
 
-def appended(path: Path, **kwargs):
-    """``path`` opened to append text (created when absent), never through a symbolic link, and refused
-    (``LinkedFile``) when it is no regular file or has another name (a hard link)."""
+def appended(path: Path, binary: bool = False, **kwargs):
+    """``path`` opened to append text (bytes when ``binary``; created when absent), never through a symbolic link,
+    and refused (``LinkedFile``) when it is no regular file or has another name (a hard link)."""
     path = Path(path)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
@@ -97,7 +97,7 @@ def appended(path: Path, **kwargs):
     if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
         os.close(fd)
         raise LinkedFile(path, "a hard link" if stat.S_ISREG(info.st_mode) else "not a regular file")
-    return os.fdopen(fd, "a", **kwargs)
+    return os.fdopen(fd, "ab" if binary else "a", **kwargs)
 
 
 def linked(entry: os.DirEntry) -> bool:

@@ -22,6 +22,7 @@ A job finds its trial by its number: trial ``n``'s seed ``i`` (of S) is job ``n 
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -126,7 +127,22 @@ def open_storage(url: str | None, sweep_dir: Path):
                 "hydra.sweeper.storage", url, f"null (a journal in the sweep dir) or an RDB URL that opens ({first})"
             ) from None
     Path(sweep_dir).mkdir(parents=True, exist_ok=True)
-    return optuna.storages.JournalStorage(JournalFileBackend(str(Path(sweep_dir) / STUDY_FILE)))
+
+    class Journal(JournalFileBackend):
+        """Optuna's journal file, appended to as Optuna does (its lock, one fsynced write) but never through a link
+        made in the sweep dir while the study runs (``fedrun.runfiles.appended``)."""
+
+        def append_logs(self, logs: list[dict]) -> None:
+            from optuna.storages.journal._file import get_lock_file  # what JournalFileBackend.append_logs holds
+
+            with get_lock_file(self._lock):
+                text = "\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n"
+                with runfiles.appended(Path(self._file_path), binary=True) as journal:
+                    journal.write(text.encode("utf-8"))
+                    journal.flush()
+                    os.fsync(journal.fileno())
+
+    return optuna.storages.JournalStorage(Journal(str(Path(sweep_dir) / STUDY_FILE)))
 
 
 def check_journal(path: Path) -> None:

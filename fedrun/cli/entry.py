@@ -27,6 +27,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from fedrun.cli.resume import refuse_linked_resume
 from fedrun.errors import ConfigError, JobFailed
+from fedrun.runfiles import RunFileError
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
@@ -60,6 +61,11 @@ def _one_line(func):
             raise
         print(f"fedrun: error: {explain(exc, _command_line_overrides())}", file=sys.stderr)
         sys.exit(2)
+    except RunFileError as exc:  # the sweeper's own file (a study's journal) became a link while it ran
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"fedrun: error: {exc}", file=sys.stderr)
+        sys.exit(1)
     except JobFailed:  # each failed job printed its line as it failed; Hydra re-raises the first at the end
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -468,3 +468,20 @@ def test_a_completed_trial_outside_its_objective_s_range_is_refused_in_one_line(
             ConfigError, match=rf"^journal trial 2={re.escape(repr(value))} is invalid: allowed is a value"
         ):
             check_completed([*fine, trial(2, value)], objective, "journal")
+
+
+def test_the_journal_is_appended_to_as_optuna_does_but_never_through_a_link_made_while_the_study_runs(tmp_path):
+    from fedrun.runfiles import LinkedFile
+
+    storage = open_storage(None, tmp_path)
+    study = optuna.create_study(storage=storage, study_name="s")
+    study.enqueue_trial({"x": 1.0})
+    assert len(optuna.load_study(study_name="s", storage=open_storage(None, tmp_path)).trials) == 1  # replayed
+    journal, victim = tmp_path / "optuna_study.journal", tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    kept = journal.read_bytes()
+    journal.unlink()
+    journal.symlink_to(victim)
+    with pytest.raises(LinkedFile, match="optuna_study.journal is a symbolic link"):
+        study.enqueue_trial({"x": 2.0})
+    assert victim.read_text() == "keep me\n" and kept
