@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from fedrun import distributed, runfiles
 from fedrun.backends import usable_cores
 from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals, held, unlock
-from fedrun.cli.build import build, check_run_keys, parts_of, setup
+from fedrun.cli.build import build, check_run_keys, run_engine, setup
 from fedrun.cli.entry import one_line_errors
 from fedrun.cli.resume import Job, open_job
 from fedrun.cli.runinfo import description, found, git_commit, run_name
@@ -235,20 +235,7 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
         print(line, file=sys.stderr)  # a warning: a long stride may be the point (an expensive evaluation)
     signals = StopSignals(checkpoint).__enter__()  # until the run is closed: a signal while it closes waits for that
     try:
-        result = parts["engine"](
-            model=model,
-            data=parts["data"],
-            clients=parts["clients"],
-            parts=parts_of(parts),
-            optimizer=parts["optimizer"],
-            schedule=parts["schedule"],
-            device=parts["device"],
-            seed=job.cfg.seed,
-            on_round=on_round,
-            client_tests=parts["client_tests"],
-            checkpoint=checkpoint,
-            client_vals=parts["client_vals"],
-        )
+        result = run_engine(parts, job.cfg.seed, on_round=on_round, checkpoint=checkpoint)
         load_flat(model, result.params)
         status, final = "FINISHED", model.cpu()
         if (calibration := server_calibration(final, parts["data"].x_train, parts["clients"])) is not None:

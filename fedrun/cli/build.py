@@ -220,6 +220,23 @@ def root_set(objects: dict, n: int, seed: int) -> np.ndarray | None:
     return np.sort(numpy_rng(seed, "root").choice(n, size=size, replace=False))
 
 
+def run_engine(built: dict, seed: int, **hooks):
+    """The run's engine called on what ``setup`` built (``hooks``: ``on_round``, ``checkpoint``); its RunResult."""
+    return built["engine"](
+        model=built["model"],
+        data=built["data"],
+        clients=built["clients"],
+        parts=parts_of(built),
+        optimizer=built["optimizer"],
+        schedule=built["schedule"],
+        device=built["device"],
+        seed=seed,
+        client_tests=built["client_tests"],
+        client_vals=built["client_vals"],
+        **hooks,
+    )
+
+
 def parts_of(built: dict) -> Parts:
     """The parts of a round from the built objects (privacy puts its own stage and aggregation in place)."""
     return Parts(**{name: built[name] for name in Parts.NAMES if name in built})

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedrun.cli.build import parts_of, setup
+from fedrun.cli.build import run_engine, setup
 
 EVERYTHING = [
     "dataset=digits",
@@ -24,20 +24,13 @@ EVERYTHING = [
 
 
 def trained(cfg):
-    """(final parameters, rows) of the run ``cfg`` builds, as ``fedrun``'s train() calls its engine."""
-    parts = setup(cfg)
-    result = parts["engine"](
-        model=parts["model"],
-        data=parts["data"],
-        clients=parts["clients"],
-        parts=parts_of(parts),
-        optimizer=parts["optimizer"],
-        schedule=parts["schedule"],
-        device=parts["device"],
-        seed=cfg.seed,
-        client_tests=parts["client_tests"],
-        client_vals=parts["client_vals"],
-    )
+    """(final parameters, rows) of the run ``cfg`` builds, as ``fedrun``'s train() runs its engine."""
+    built, before = setup(cfg), torch.get_num_threads()
+    built["device"].use_cores(1)  # device.threads=1, as the CLI sets it: the workers' count, so the same sums
+    try:
+        result = run_engine(built, cfg.seed)
+    finally:
+        torch.set_num_threads(before)
     return result.params, result.rows
 
 
