@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from fedrun.errors import ConfigError
-from fedrun.runfiles import BadFile, own_file, replaced
+from fedrun.runfiles import BadFile, appended, own_file, replaced, write_text
+
+LOG = "written.log"  # the names of the files a store wrote in its folder, one a line: what a sweep may delete
 
 
 class PersonalStore:
@@ -82,6 +84,8 @@ class PersonalStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"{client}.{self.written}.pt"
         self.written += 1
+        with appended(self.directory / LOG) as log:  # recorded before it exists: a kill between leaves a name only
+            log.write(name + "\n")
         with replaced(self.directory / name, "wb") as handle:
             torch.save({"value": value.cpu()}, handle)
         self.bytes -= _nbytes(value)
@@ -99,6 +103,8 @@ class PersonalStore:
         self._swept = True
         for name in self._files - named - self._saved:
             (self.directory / name).unlink(missing_ok=True)
+        if self.directory is not None and (self.directory / LOG).exists():  # the record: what may still be deleted
+            write_text(self.directory / LOG, "".join(f"{name}\n" for name in sorted(named | self._saved)))
         self._files, self._saved = named | self._saved, named
         return {"memory": dict(self.memory), "disk": dict(self.disk), "written": self.written}
 
@@ -127,15 +133,17 @@ class PersonalStore:
         self._sweep(self._files)  # written after the checkpoint: orphans
 
     def _sweep(self, keep: set[str]) -> None:
-        """Delete the files in ``directory`` of a store's own name form (``<client>.<version>.pt``) that ``keep``
-        does not name: an attempt's files after its last checkpoint. Only regular files with no other name, in a
-        folder that is no link: nothing of anyone else's, whatever the folder holds."""
-        if self.directory is None or self.directory.is_symlink() or not self.directory.is_dir():
+        """Delete the files this folder's stores recorded writing (``LOG``, a name a line, written before each file)
+        that ``keep`` does not name: an attempt's files after its last checkpoint. Deletion is of what fedrun wrote,
+        not of what a read of the folder finds: a recorded name must be of the store's form
+        (``<client>.<version>.pt``) and a regular file with no other name, in a folder that is no link."""
+        if self.directory is None or self.directory.is_symlink() or not own_file(self.directory / LOG):
             return
-        for entry in os.scandir(self.directory):
-            ours = re.fullmatch(r"\d+\.\d+\.pt", entry.name) and own_file(Path(entry.path))
-            if ours and entry.name not in keep:
-                os.unlink(entry.path)
+        recorded = [n for n in (self.directory / LOG).read_text().split() if re.fullmatch(r"\d+\.\d+\.pt", n)]
+        for name in set(recorded) - keep:
+            if own_file(self.directory / name):
+                os.unlink(self.directory / name)
+        write_text(self.directory / LOG, "".join(f"{name}\n" for name in dict.fromkeys(recorded) if name in keep))
 
 
 def _nbytes(value: torch.Tensor) -> int:

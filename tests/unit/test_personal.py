@@ -459,11 +459,22 @@ def test_spilled_files_that_are_missing_linked_or_crafted_are_refused_in_one_lin
         store.load_state_dict({"disk": {1: "1.0.pt"}, "written": 1})
         with pytest.raises(BadFile, match=r"1.0.pt is not a client state fedrun spilled"):
             store.get(1)
-    # The sweep of an attempt's orphans deletes only regular single-name files of the store's own name form.
+    # The sweep of an attempt's orphans deletes only what the store recorded writing (written.log), of its own name
+    # form, regular and with no other name: not a file it did not record, a link, another name, a path elsewhere.
     (folder / "2.0.pt").symlink_to(victim)
     (folder / "5.3.pt").hardlink_to(victim)
     (folder / "notes.pt").write_bytes(b"mine")
     (folder / "7.1.pt").write_bytes(b"an orphan")
+    (folder / "8.0.pt").write_bytes(b"not recorded: not fedrun's to delete")
+    (folder / "written.log").write_text("1.0.pt\n7.1.pt\n2.0.pt\n5.3.pt\nnotes.pt\n../victim.pt\n")
     PersonalStore(1.0, folder).load_state_dict({"disk": {1: "1.0.pt"}, "written": 2})
-    assert sorted(p.name for p in folder.iterdir()) == ["1.0.pt", "2.0.pt", "5.3.pt", "notes.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "1.0.pt",
+        "2.0.pt",
+        "5.3.pt",
+        "8.0.pt",
+        "notes.pt",
+        "written.log",
+    ]
+    assert (folder / "written.log").read_text() == "1.0.pt\n"  # what may still be deleted: what is kept
     assert torch.equal(torch.load(victim, weights_only=True)["value"], torch.zeros(3))
