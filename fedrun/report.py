@@ -513,10 +513,7 @@ def with_tails(client, runs: pd.DataFrame) -> pd.DataFrame:
         points = history(client, runs.at[index, "run_id"], "test_accuracy")
         if not points:
             continue
-        window = pd.to_numeric(runs.get("params.schedule.tail", pd.Series(dtype=float)).get(index), errors="coerce")
-        mean, swing, _ = tail(
-            [p.step for p in points], [p.value for p in points], TAIL if pd.isna(window) else int(window)
-        )
+        mean, swing, _ = tail([p.step for p in points], [p.value for p in points], run_window(runs.loc[index]))
         runs.loc[index, [column, column + "_swing"]] = mean, swing
     return runs
 
