@@ -31,9 +31,8 @@ import pandas as pd
 from fedrun import runfiles
 from fedrun.errors import ConfigError, check
 from fedrun.metrics import bounds, mean_ci, r_name, within
-from fedrun.sweepdir import job_dirs, write_parent
+from fedrun.sweepdir import STUDY_FILE, job_dirs, write_parent
 
-STUDY_FILE = "optuna_study.journal"  # the default storage, in the sweep dir
 RESULTS_FILE = "optimization_results.yaml"
 PRUNED = "pruned"  # ``checkpoint.stop_requested`` of a pruned job: it checkpoints and stops like a signalled one
 VALUE_PREFIX = "fedrun:value:"

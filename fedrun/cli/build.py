@@ -14,9 +14,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun import compat
-from fedrun.cli.entry import check_finite, check_resolves
+from fedrun.cli.entry import check_run_keys
 from fedrun.errors import ConfigError
-from fedrun.metrics import UNSTABLE_SWING
 from fedrun.models import batch_norm_names, batch_norms, flat_parameters
 from fedrun.partitions import LazyClients, Natural, Population, client_sizes, hold_out
 from fedrun.parts import Parts, layout
@@ -76,11 +75,11 @@ def _explain(group: str, node: DictConfig, cause: BaseException) -> ConfigError:
     return ConfigError(group, arguments, f"valid arguments for {target} ({cause})")
 
 
-def setup(cfg: DictConfig) -> dict:
-    """Build every object of the run and check them against each other, before any training."""
+def setup(cfg: DictConfig, checked: typing.Callable[[], None] | None = None) -> dict:
+    """Build every object of the run and check them against each other, before any training; ``checked`` is called
+    once every part is built and checked, before the dataset is read (the CLI checks the tracking store there: a
+    config error does not wait for MLflow, an unreachable store does not wait for the data)."""
     seed = cfg.seed
-    if not isinstance(seed, int) or seed < 0:
-        raise ConfigError("seed", seed, "an integer >= 0")
     # Privacy is built and checked with the engine first: its options set aggregator.weighting=uniform, a key
     # asynchronous aggregators lack, so its refusal of the asynchronous engine must come before they are built.
     privacy = build("privacy", cfg.privacy)
@@ -116,6 +115,8 @@ def setup(cfg: DictConfig) -> dict:
     except (ValueError, TypeError) as exc:
         raise _explain("optimizer", cfg.optimizer, exc) from None
     check_run_keys(cfg)
+    if checked is not None:
+        checked()
 
     data = objects["dataset"].load(seed)
     data.root = root_set(objects, len(data.y_train), seed)
@@ -240,34 +241,3 @@ def run_engine(built: dict, seed: int, **hooks):
 def parts_of(built: dict) -> Parts:
     """The parts of a round from the built objects (privacy puts its own stage and aggregation in place)."""
     return Parts(**{name: built[name] for name in Parts.NAMES if name in built})
-
-
-def check_run_keys(cfg: DictConfig) -> None:
-    """The root-level keys that no constructor checks."""
-    check_resolves(cfg)  # an interpolation to nothing or a ??? left unset, named now rather than mid-run
-    check_finite(cfg)  # inf and nan, in every group
-    targets = cfg.metrics.r_targets
-    if not OmegaConf.is_list(targets) or not all(isinstance(t, (int, float)) and 0 < t <= 1 for t in targets):
-        raise ConfigError(
-            "metrics.r_targets",
-            OmegaConf.to_container(targets) if OmegaConf.is_config(targets) else targets,
-            "a list of accuracies in (0, 1]",
-        )
-    swing = cfg.metrics.get("unstable_swing", UNSTABLE_SWING)  # a run saved before the key: its default
-    if isinstance(swing, bool) or not isinstance(swing, (int, float)) or not 0 <= swing <= 1:
-        raise ConfigError("metrics.unstable_swing", swing, "an accuracy range in [0, 1]")
-    tracking = cfg.tracking
-    if not isinstance(tracking.enabled, bool):
-        raise ConfigError("tracking.enabled", tracking.enabled, "true or false")
-    if not isinstance(tracking.uri, str) or not tracking.uri:
-        raise ConfigError(
-            "tracking.uri", tracking.uri, "an MLflow tracking URI (sqlite:///path.db, http://host:port, ...)"
-        )
-    if not isinstance(tracking.experiment, str) or not tracking.experiment:
-        raise ConfigError("tracking.experiment", tracking.experiment, "a non-empty experiment name")
-    if (
-        not isinstance(tracking.max_alpha_series, int)
-        or isinstance(tracking.max_alpha_series, bool)
-        or tracking.max_alpha_series < 0
-    ):
-        raise ConfigError("tracking.max_alpha_series", tracking.max_alpha_series, "an integer >= 0")

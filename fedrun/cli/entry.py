@@ -11,23 +11,27 @@ as before (``--help``, ``--cfg``, sweeps, and a genuine bug inside a job keep Hy
 ``HYDRA_FULL_ERROR=1`` keeps Hydra's full report.
 """
 
+import difflib
 import functools
 import math
 import os
 import re
 import sys
+import typing
 from importlib import resources
+from pathlib import Path
 
 import yaml
 from hydra._internal import utils as hydra_utils
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
-from omegaconf import OmegaConf
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
-from fedrun.cli.resume import refuse_linked_resume
 from fedrun.errors import ConfigError, JobFailed
 from fedrun.runfiles import RunFileError
+from fedrun.sweepdir import linked_files
 
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
@@ -50,6 +54,30 @@ def one_line_errors(hydra_main):
             hydra_utils.run_and_report = reporter
 
     return main
+
+
+def refuse_linked_resume(overrides: list[str], cwd: str) -> None:
+    """Before Hydra starts: ``resume=<dir>`` of a dir that holds links, symbolic or hard, is a ConfigError. Hydra
+    writes ``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml`` and the job's log into the dir it runs in (a
+    resumed run's or sweep's own) before any of fedrun's code runs, and it writes through links: a crafted dir (or
+    one copied with ``cp -al``) would have it overwrite a file elsewhere."""
+    try:  # as Hydra reads them: resume=, +resume=, ++resume=, a quoted path
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        return  # Hydra refuses the command before it writes anything
+    given = next((o.value() for o in reversed(parsed) if o.key_or_group == "resume"), None)
+    given = given if isinstance(given, str) else None
+    directory = Path(cwd, given) if given else None
+    if directory is None or not directory.is_dir():
+        return  # nothing to write through (a missing dir is refused once the job opens)
+    if links := linked_files(directory):
+        shown = ", ".join(str(link.relative_to(directory)) for link in links[:3])
+        raise ConfigError(
+            "resume",
+            given,
+            f"a dir without links, symbolic or hard ({directory} has {shown}{', ...' if len(links) > 3 else ''}; "
+            "Hydra writes .hydra/ and the job's log into it before fedrun starts: copy the dir with cp -a, not -al)",
+        )
 
 
 def _one_line(func):
@@ -114,7 +142,11 @@ def explain(exc: BaseException, overrides: list[str]) -> ConfigError:
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         if exc.options is not None and group:
-            return ConfigError(group, option, f"an option of {group}: {', '.join(sorted(exc.options))}")
+            return ConfigError(
+                group,
+                option,
+                f"an option of {group}: {', '.join(sorted(exc.options))}{did_you_mean(option, exc.options)}",
+            )
         return ConfigError("config", exc.missing_cfg_file, f"a config of fedrun ({message.splitlines()[0]})")
     if found := re.match(r"Could not override '([^']+)'", message):
         key = found.group(1)
@@ -158,7 +190,8 @@ def _known_keys(key: str, others: list[str]) -> str:
     sit in (with the option chosen for it), and the options of that group that have it."""
     groups = _groups()
     if "/" in key:
-        return f"a config group: {', '.join(groups)} (or hydra/<group>)"
+        near = did_you_mean(key.partition("/")[0], groups)
+        return f"a config group: {', '.join(groups)} (or hydra/<group>){near}"
     parent, _, leaf = key.rpartition(".")
     keys, choices = _node_keys(parent, others)
     group = parent.replace(".", "/")
@@ -175,7 +208,16 @@ def _known_keys(key: str, others: list[str]) -> str:
             allowed += f"; {leaf} is a key of {' and '.join(having)}"
     elif group in choices:  # a group of Hydra's or a plugin's: its options are not files of fedrun's
         allowed += f"; other {group} options have other keys"
-    return allowed
+    if keys is None and parent in groups:  # the config did not compose (a second bad override): any option's keys
+        keys = sorted(set().union(*_options(parent).values()))
+    return allowed + did_you_mean(leaf, keys or [])
+
+
+def did_you_mean(word: str, candidates) -> str:
+    """``; did you mean x?`` for the candidates closest to a misspelt ``word`` (difflib's ratio of at least 0.6, at
+    most three, closest first), else ``""``."""
+    near = difflib.get_close_matches(word, [str(c) for c in candidates if str(c) != word], n=3)
+    return f"; did you mean {' or '.join(near)}?" if near else ""
 
 
 def _groups() -> list[str]:
@@ -260,3 +302,50 @@ def _raw(cfg, key: str):
         return node._get_node(leaf)._value()
     except Exception:
         return key
+
+
+def check_run_keys(cfg: DictConfig) -> None:
+    """The root-level keys that no constructor checks; pure config, so a new run's are checked before torch or
+    MLflow is imported (``fedrun.cli.main``), a resumed run's once its saved config is read."""
+    check_resolves(cfg)  # an interpolation to nothing or a ??? left unset, named now rather than mid-run
+    check_finite(cfg)  # inf and nan, in every group
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
+        raise ConfigError("seed", cfg.seed, "an integer >= 0")
+    targets = cfg.metrics.r_targets
+    if not OmegaConf.is_list(targets) or not all(isinstance(t, (int, float)) and 0 < t <= 1 for t in targets):
+        raise ConfigError(
+            "metrics.r_targets",
+            OmegaConf.to_container(targets) if OmegaConf.is_config(targets) else targets,
+            "a list of accuracies in (0, 1]",
+        )
+    swing = cfg.metrics.get("unstable_swing", 0.0)  # a run saved before the key has none
+    if isinstance(swing, bool) or not isinstance(swing, (int, float)) or not 0 <= swing <= 1:
+        raise ConfigError("metrics.unstable_swing", swing, "an accuracy range in [0, 1]")
+    tracking = cfg.tracking
+    if not isinstance(tracking.enabled, bool):
+        raise ConfigError("tracking.enabled", tracking.enabled, "true or false")
+    if not isinstance(tracking.uri, str) or not tracking.uri:
+        raise ConfigError(
+            "tracking.uri", tracking.uri, "an MLflow tracking URI (sqlite:///path.db, http://host:port, ...)"
+        )
+    if not isinstance(tracking.experiment, str) or not tracking.experiment:
+        raise ConfigError("tracking.experiment", tracking.experiment, "a non-empty experiment name")
+    if (
+        not isinstance(tracking.max_alpha_series, int)
+        or isinstance(tracking.max_alpha_series, bool)
+        or tracking.max_alpha_series < 0
+    ):
+        raise ConfigError("tracking.max_alpha_series", tracking.max_alpha_series, "an integer >= 0")
+
+
+def fail(hydra_cfg, line: str, code: int) -> typing.NoReturn:
+    """Print the one-line reason; exit with ``code``, or in a sweep fail only this job (Hydra runs the rest and
+    reports the failed jobs' overrides at the end)."""
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        line = line.replace(
+            "fedrun: error: ", f"fedrun: error: job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}): ", 1
+        )
+        print(line, file=sys.stderr)
+        raise JobFailed(line)
+    print(line, file=sys.stderr)
+    sys.exit(code)

@@ -30,8 +30,7 @@ from fedrun import distributed
 from fedrun.backends import BACKENDS
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, FollowerCheckpoint, diverged, lock
 from fedrun.errors import ConfigError
-from fedrun.runfiles import linked
-from fedrun.study import STUDY_FILE
+from fedrun.sweepdir import linked_files
 from fedrun.tracking import flatten
 from fedrun.upgrade import migrate_config
 
@@ -246,50 +245,6 @@ def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:
         return None
     state = Checkpoint(job_dir, resume=True).restored()
     return state["rows"][-1]["test_accuracy"] if state["finished"] else None
-
-
-def linked_files(directory: Path, depth: int = 3) -> list[Path]:
-    """The links in ``directory`` and its folders down to ``depth`` (never followed), symbolic or hard
-    (``fedrun.runfiles.linked``: a file with another name): a run dir's ``.hydra/``, a sweep dir's job dirs and
-    theirs."""
-    found, folders = [], [(Path(directory), 0)]
-    while folders:
-        folder, level = folders.pop()
-        for entry in os.scandir(folder):
-            if level == 0 and entry.name.startswith(STUDY_FILE + ".lock"):
-                continue  # Optuna's journal lock is a link to the journal (stale after a kill; Optuna breaks it)
-            if linked(entry):
-                found.append(Path(entry.path))
-            elif entry.is_dir(follow_symlinks=False) and level < depth:
-                folders.append((Path(entry.path), level + 1))
-    return sorted(found)
-
-
-def refuse_linked_resume(overrides: list[str], cwd: str) -> None:
-    """Before Hydra starts: ``resume=<dir>`` of a dir that holds links, symbolic or hard, is a ConfigError. Hydra
-    writes ``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml`` and the job's log into the dir it runs in (a
-    resumed run's or sweep's own) before any of fedrun's code runs, and it writes through links: a crafted dir (or
-    one copied with ``cp -al``) would have it overwrite a file elsewhere."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    try:  # as Hydra reads them: resume=, +resume=, ++resume=, a quoted path
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except OverrideParseException:
-        return  # Hydra refuses the command before it writes anything
-    given = next((o.value() for o in reversed(parsed) if o.key_or_group == "resume"), None)
-    given = given if isinstance(given, str) else None
-    directory = Path(cwd, given) if given else None
-    if directory is None or not directory.is_dir():
-        return  # nothing to write through (a missing dir is refused once the job opens)
-    if links := linked_files(directory):
-        shown = ", ".join(str(link.relative_to(directory)) for link in links[:3])
-        raise ConfigError(
-            "resume",
-            given,
-            f"a dir without links, symbolic or hard ({directory} has {shown}{', ...' if len(links) > 3 else ''}; "
-            "Hydra writes .hydra/ and the job's log into it before fedrun starts: copy the dir with cp -a, not -al)",
-        )
 
 
 def saved_config(directory: Path, given, named: frozenset[str] = frozenset()) -> DictConfig:

@@ -10,29 +10,19 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from fedrun.backends import usable_cores
-from fedrun.checkpoint import lock
-from fedrun.cli.runinfo import git_commit
 from fedrun.errors import ConfigError
 from fedrun.sweepdir import sweep_parent, trial_of, write_parent
-from fedrun.tracking import (
-    Tracker,
-    child_runs,
-    create_run,
-    end_run,
-    log_batch,
-    open_client,
-    preflight,
-    reopen_run,
-    resolve_uri,
-    retried,
-)
+
+# Hydra builds ``SweepRun`` for every command that runs (a single run too) before fedrun's ``main``: torch and MLflow
+# are imported where a sweep needs them, so that a config error answers before either (``fedrun.cli``).
 
 
 def open_sweep_run(uri: str, experiment: str, sweep_dir: Path, name: str, tags: dict) -> str:
     """The MLflow run that groups a sweep's jobs as its children (the UI shows them under it): created on the
     sweep's first launch, reopened when the sweep is resumed. Its id goes to the sweep dir (``fedrun.sweepdir``), where
     every job reads it (``sweep_parent``), on this machine or on a cluster node sharing the dir."""
+    from fedrun.tracking import Tracker, create_run, open_client, reopen_run, retried
+
     client = open_client(uri)
     run_id = sweep_parent(sweep_dir)
     if run_id is not None:
@@ -72,6 +62,8 @@ def close_sweep_run(uri: str, run_id: str) -> str:
     (one failed, or none ran: the sweep stopped before its jobs, at a config error) or KILLED (one was stopped),
     with the count of children in each state as metrics (``jobs_finished`` ..., ``jobs_pruned``). Returns the
     status."""
+    from fedrun.tracking import child_runs, end_run, log_batch, open_client, retried
+
     client = open_client(uri)
     children = retried(lambda: child_runs(client, run_id))
     pruned = [status == "KILLED" and tags.get("optuna.state") == "PRUNED" for status, tags in children]
@@ -98,6 +90,8 @@ def job_cores(hydra_cfg) -> int:
     ray_cpus = OmegaConf.select(hydra_cfg, "launcher.ray.remote.num_cpus")
     if isinstance(ray_cpus, (int, float)) and ray_cpus >= 1:
         return int(ray_cpus)
+    from fedrun.backends import usable_cores
+
     n_jobs = OmegaConf.select(hydra_cfg, "launcher.n_jobs")
     cores = usable_cores()
     if not isinstance(n_jobs, int) or n_jobs == 0:
@@ -115,6 +109,10 @@ class SweepRun(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         # One process sweeps a dir: a second `-m ... resume=<sweep dir>` while this one runs would relaunch its
         # jobs and trials (each job's own dir is locked by the job). Held until this process exits.
+        from fedrun.checkpoint import lock
+        from fedrun.cli.runinfo import git_commit
+        from fedrun.tracking import preflight, resolve_uri
+
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         try:

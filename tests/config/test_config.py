@@ -7,7 +7,7 @@ import torch
 from hydra.utils import instantiate
 
 import fedrun.conf
-from fedrun.cli import build, setup
+from fedrun.cli.build import build, setup
 from fedrun.errors import ConfigError
 from fedrun.tracking import CONFIG_GROUPS
 

@@ -3,7 +3,8 @@
 import pytest
 
 from fedrun.checkpoint import Checkpoint
-from fedrun.cli import check_run_keys, setup
+from fedrun.cli.build import setup
+from fedrun.cli.entry import check_run_keys
 from fedrun.errors import ConfigError
 
 # (overrides, the key the one-line message must name)

@@ -15,7 +15,7 @@ from fedrun.parts import Parts
 
 def test_each_users_leaf_test_samples_are_its_held_out_data(tmp_path, compose_config):
     from fedrun.aggregators import FedAvg
-    from fedrun.cli import setup
+    from fedrun.cli.build import setup
     from fedrun.clients import evaluate
     from fedrun.engine import run
     from fedrun.models import Logistic, flat_parameters

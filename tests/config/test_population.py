@@ -27,7 +27,7 @@ from fedrun.errors import ConfigError
 def test_a_population_refuses_what_it_cannot_hold_before_the_dataset_is_read(
     compose_config, monkeypatch, overrides, message
 ):
-    from fedrun.cli import setup
+    from fedrun.cli.build import setup
     from fedrun.datasets import Dataset
 
     def read(*args, **kwargs):

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import fedrun.cli.resume as resume
-from fedrun.cli import setup
+from fedrun.cli.build import setup
 from fedrun.errors import ConfigError
 
 # Read at use (not imported by name), so that each test fails for its own reason on a fedrun without them.

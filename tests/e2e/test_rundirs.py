@@ -16,7 +16,7 @@ from conftest import FEDRUN
 from omegaconf import OmegaConf
 
 import fedrun.checkpoint as checkpoint
-import fedrun.cli.resume as resume
+import fedrun.cli.entry as entry
 from fedrun.errors import ConfigError
 
 # Read at use (not imported by name), so that each test fails for its own reason on a fedrun without them.
@@ -53,7 +53,7 @@ def test_a_resume_of_a_dir_with_a_link_in_hydra_s_files_is_refused_before_hydra_
     assert ".hydra/overrides.yaml" in line
     for spelt in ("++resume=run", "+resume=run", "resume='run'"):  # Hydra reads each as resume=run
         with pytest.raises(ConfigError, match="a dir without links, symbolic or hard"):
-            resume.refuse_linked_resume([spelt], str(tmp_path))
+            entry.refuse_linked_resume([spelt], str(tmp_path))
 
 
 HOLD = "import sys, time\nfrom fedrun.checkpoint import lock\nlock(sys.argv[1], 'k', 'v')\nprint('held', flush=True)\ntime.sleep(60)\n"

@@ -6,7 +6,7 @@ from fedrun.backends import usable_cores
 def test_cores_per_job_follow_joblib_n_jobs_and_ray_num_cpus():
     from omegaconf import OmegaConf
 
-    from fedrun.cli import job_cores
+    from fedrun.cli.sweeps import job_cores
 
     def launcher(**keys):
         return OmegaConf.create({"launcher": keys})

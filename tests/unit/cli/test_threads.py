@@ -1,4 +1,4 @@
-"""fedrun.cli.settle_threads: a run's thread count is resolved once, when it starts, and a run that continues takes
+"""fedrun.cli.job.settle_threads: a run's thread count is resolved once, when it starts, and a run that continues takes
 the saved count whatever the machine, sweep or world size now (matrix products give other last bits at other thread
 counts); a count read back from a run dir is checked."""
 
@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from fedrun.backends import Device, usable_cores
 from fedrun.checkpoint import RUN_FILE, Checkpoint
-from fedrun.cli import settle_threads
+from fedrun.cli.job import settle_threads
 from fedrun.cli.resume import Job, opened_run
 from fedrun.errors import ConfigError
 

@@ -1,0 +1,70 @@
+"""``fedrun`` answers before it imports torch or MLflow: ``--help``, ``--cfg``, ``--info``, every composition error
+and the root keys' checks (issue 53; ``scripts/bench_cli_start.py`` times them). Each case runs the real entry
+point in a fresh interpreter and reads back which modules it imported."""
+
+import subprocess
+import sys
+
+import pytest
+
+from fedrun.cli.entry import did_you_mean
+
+pytestmark = pytest.mark.e2e
+
+PROBE = """
+import sys
+from fedrun.cli import main
+sys.argv = ["fedrun", *sys.argv[1:]]
+code = 0
+try:
+    main()
+except SystemExit as exc:
+    code = exc.code
+print("imported:", *(m for m in ("torch", "mlflow", "pandas", "numpy") if m in sys.modules), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def answer(tmp_path, *args) -> tuple[int, list[str], set[str]]:
+    """Exit status, stderr lines and the heavy modules imported by ``fedrun <args>`` run through its entry point."""
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=tmp_path, capture_output=True, text=True)
+    lines = done.stderr.strip().splitlines()
+    heavy = set(lines[-1].split()[1:])
+    return done.returncode, lines[:-1], heavy
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["aggregator=fedsoftmx"], "; did you mean fedsoftmax or fedmax or fedsoftbetter?"),
+        (["schedule.round=3"], "_target_, rounds, local_epochs"),  # the keys of schedule=default
+        (["agregator=fedavg"], "; did you mean aggregator?"),
+        (["agregator/x=fedavg"], "allowed is a config group: aggregator, attack"),
+        (["metrics.r_targets=[2]"], "metrics.r_targets=[2] is invalid: allowed is a list of accuracies in (0, 1]"),
+        (["optimizer.lr=nan"], "optimizer.lr=nan is invalid: allowed is a finite number"),
+        (["seed=[1,2]"], "seed=[1, 2] is invalid"),  # a list where a number goes: composition
+    ],
+)
+def test_an_error_answers_before_torch_or_mlflow(tmp_path, args, said):
+    code, lines, heavy = answer(tmp_path, *args)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("fedrun: error: ") and said in lines[0], lines
+    assert not heavy & {"torch", "mlflow"}, heavy
+    assert not list(tmp_path.rglob("mlflow.db")) and not list(tmp_path.rglob("metrics.csv"))  # no run was opened
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["--info"]])
+def test_help_cfg_and_info_import_neither(tmp_path, args):
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip()
+    heavy = set(done.stderr.strip().splitlines()[-1].split()[1:])
+    assert not heavy & {"torch", "mlflow", "pandas"}, heavy
+
+
+def test_did_you_mean():
+    assert did_you_mean("fedsoftmx", ["fedavg", "fedsoftmax", "median"]) == "; did you mean fedsoftmax?"
+    assert did_you_mean("round", ["rounds", "batch_size", "tail"]) == "; did you mean rounds?"
+    assert did_you_mean("zzz", ["rounds", "tail"]) == ""  # nothing near: nothing guessed
+    assert did_you_mean("tail", ["tail", "rounds"]) == ""  # the word itself is not a suggestion
+    # at most three, closest first (difflib's ratio: 2 * matches / total length)
+    options = ["afl", "fedavg", "fedmax", "fedsoftbetter", "fedsoftmax", "median"]
+    assert did_you_mean("fedsoftmx", options) == "; did you mean fedsoftmax or fedmax or fedsoftbetter?"
