@@ -656,4 +656,5 @@ class Tracker:
         page = f"#/experiments/{self.experiment_key}/runs/{self.run_id}/model-metrics?workflowType=machine_learning"
         if self.uri.startswith(("http://", "https://")):
             return f"MLflow run at {self.uri.rstrip('/')}/{page}"
-        return f"MLflow run: mlflow ui --backend-store-uri {self.uri}, then http://127.0.0.1:5000/{page}"
+        store = self.uri[len("sqlite:///") :] if self.uri.startswith("sqlite:///") else self.uri
+        return f"MLflow run: fedrun-ui --store {store}, then http://127.0.0.1:5000/{page}"

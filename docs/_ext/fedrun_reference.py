@@ -316,7 +316,7 @@ def index_page() -> str:
 def cli_page() -> str:
     """The commands and their ``--help``: fedrun's from the installed console script (Hydra renders it), the others
     from their parsers (``build_parser``), as their ``--help`` prints them."""
-    from fedrun import importer, report, upgrade
+    from fedrun import importer, report, ui, upgrade
 
     done = subprocess.run([str(Path(sys.executable).parent / "fedrun"), "--help"], capture_output=True, text=True)
     if done.returncode != 0:
@@ -325,6 +325,7 @@ def cli_page() -> str:
         ("fedrun", "Runs one experiment, or a sweep with `-m`.", done.stdout),
         ("fedrun-report", "Tables, plots and robustness matrices from runs.", report.build_parser().format_help()),
         ("fedrun-import", "A run dir into MLflow, as a new run.", importer.build_parser().format_help()),
+        ("fedrun-ui", "MLflow's UI on fedrun's store, opened on the runs.", ui.build_parser().format_help()),
         (
             "python -m fedrun.upgrade",
             "Run dirs written before November 2026 converted once.",

@@ -20,7 +20,7 @@ from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals
 from fedrun.cli.build import run_engine, setup
 from fedrun.cli.entry import check_run_keys, fail
 from fedrun.cli.resume import Job, open_job
-from fedrun.cli.runinfo import description, found, git_commit, run_name
+from fedrun.cli.runinfo import description, found, git_commit, run_name, swept_keys
 from fedrun.cli.sweeps import job_cores, seed_report
 from fedrun.clients import calibrate
 from fedrun.engine import server_calibration
@@ -134,7 +134,12 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
         )
         if parent and cfg.tracking.enabled:
             tags["mlflow.parentRunId"] = parent
-        name = run_name(choices, hydra_cfg.overrides.task, cfg.seed)
+        varying = (
+            swept_keys(Path(str(hydra_cfg.sweep.dir)), OmegaConf.select(hydra_cfg, "sweeper.params"))
+            if hydra_cfg.mode == RunMode.MULTIRUN
+            else frozenset()
+        )
+        name = run_name(choices, hydra_cfg.overrides.task, cfg.seed, varying)
         params = flatten(OmegaConf.to_container(cfg, resolve=True))
         tracker.start(params, tags, name, run_id=reopened.get("mlflow_run_id"))
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)

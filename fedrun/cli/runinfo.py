@@ -5,6 +5,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.datasets import SCALE_NAMES
@@ -27,20 +29,46 @@ FEATURE_GROUPS = (
 QUIET_CHOICES = ("none", "uniform", "sync", "sgd")  # the defaults: nothing to say
 
 
-def run_name(choices: dict, overrides, seed: int) -> str:
+def run_name(choices: dict, overrides, seed: int, varying: frozenset[str] = frozenset()) -> str:
     """A short run name that says what the run is and what differs: the aggregator, partition and dataset
     chosen, each feature that ran (``FEATURE_GROUPS`` not at their defaults), each overridden value by its last key
     (paths, tracking, Hydra and device keys left out), and the seed; e.g. ``fedsoftmax shards mnist temperature=0.1
-    seed=2``, ``fedavg iid digits central noise_multiplier=0.8 seed=0``. The whole override string is the tag ``overrides``."""
+    seed=2``, ``fedavg iid digits central noise_multiplier=0.8 seed=0``. In a sweep the keys it ``varying`` and
+    the seed come first (``temperature=0.1 seed=2 fedsoftmax shards mnist``): MLflow's runs table cuts names at
+    about 15-20 characters, and what tells a sweep's jobs apart must be within them. The whole override string is
+    the tag ``overrides``."""
+    given = []  # (key, word) for each override of the command line that says something about the run
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.split(".")[0].split("/")[0] in ("tracking", "hydra", "device", "resume", "seed") or "/" in value:
+            continue  # the seed is said last (or first in a sweep); paths and where it ran say nothing about the run
+        given.append((key, f"{key.rsplit('.', 1)[-1]}={value}" if "." in key else value))
+    chosen = {key for key, _ in given if "." not in key}
     words = [choices.get(group) for group in ("aggregator", "partition", "dataset") if choices.get(group)]
     # a feature that ran says so (``central``, ``topk``, ``sign_flip``): a run is not named as plain FedAvg
     words += [choices[group] for group in FEATURE_GROUPS if choices.get(group) not in (None, *QUIET_CHOICES)]
-    for override in overrides:
-        key, _, value = override.lstrip("+~").partition("=")
-        if "." not in key or key.startswith(("tracking.", "hydra.", "device.")) or "/" in value or key == "resume":
-            continue  # group choices are in the words already; paths and where it ran say nothing about the run
-        words.append(f"{key.rsplit('.', 1)[-1]}={value}")
-    return " ".join(words + [f"seed={seed}"])[:250]
+    words += [word for key, word in given if "." in key]
+    if varying:
+        lead = [word for key, word in given if key in varying] + [f"seed={seed}"]
+        words = lead + [w for w in words if w not in lead] + [w for k, w in given if k in chosen and w not in words]
+    else:
+        words.append(f"seed={seed}")
+    return " ".join(dict.fromkeys(words))[:250]
+
+
+def swept_keys(sweep_dir: Path, sweeper_params) -> frozenset[str]:
+    """The keys a sweep varies: each given more than one value on its command line (as Hydra wrote it in the sweep
+    dir's ``multirun.yaml`` before any job started; read as plain YAML) or searched by its sweeper
+    (``hydra.sweeper.params``). The seed counts as varying when swept."""
+    keys = set(sweeper_params or {})
+    try:
+        saved = yaml.safe_load((Path(sweep_dir) / "multirun.yaml").read_text())
+        task = saved["hydra"]["overrides"]["task"]
+        parsed = OverridesParser.create().parse_overrides([str(t) for t in task])
+    except Exception:  # no file (a launcher that writes none), or not Hydra's: the sweeper's params alone
+        return frozenset(keys)
+    keys.update(o.key_or_group for o in parsed if o.is_sweep_override())
+    return frozenset(keys)
 
 
 def description(cfg: DictConfig, choices: dict, overrides: str, output_dir: Path) -> str:

@@ -31,7 +31,7 @@ def test_main_job_logs_metrics_alpha_and_artifacts(fedrun, store):
         "\n".join(said)
     )
     assert said[-1] == f"fedrun: run folder: {run.data.tags['output_dir']}"
-    assert any(line.startswith("fedrun: MLflow run: mlflow ui --backend-store-uri") for line in said)
+    assert any(line.startswith("fedrun: MLflow run: fedrun-ui --store ") for line in said)
     assert run.data.tags["aggregator"] == "fedsoftmax" and run.data.tags["partition"] == "shards"
     assert run.data.tags["dataset"] == "digits" and run.data.tags["torch_version"]
     assert run.data.params["aggregator.temperature"] == "1.0" and run.data.params["schedule.rounds"] == "3"
@@ -118,13 +118,20 @@ def test_a_feature_has_its_section_after_the_main_ones_then_communication_timing
 
 @pytest.mark.slow
 def test_multirun_makes_one_run_per_seed_and_same_seed_repeats_exactly(fedrun, store):
-    fedrun("-m", "seed=0,1", *TINY, experiment="sweep")
+    fedrun("-m", "aggregator=fedavg,fedsoftmax", "seed=0,1", *TINY, experiment="sweep")
     _, runs = mlflow_runs(store, "sweep")
-    assert sorted(r.data.tags["seed"] for r in runs) == ["0", "1"]
+    assert sorted(r.data.tags["seed"] for r in runs) == ["0", "0", "1", "1"]
     assert len({r.info.experiment_id for r in runs}) == 1
-    fedrun("seed=0", *TINY, experiment="sweep")
+    # MLflow's runs table shows about the first 15-20 characters of a name: the jobs differ within them
+    names = sorted(r.info.run_name for r in runs)
+    assert names == [
+        f"{a} seed={s} iid digits rounds=3 num_clients=5" for a in ("fedavg", "fedsoftmax") for s in (0, 1)
+    ]
+    assert len({name[:20] for name in names}) == 4
+    fedrun("seed=0", "aggregator=fedsoftmax", *TINY, experiment="sweep")
     sweep_jobs, [single] = job_dirs(fedrun.cwd, "multiruns"), job_dirs(fedrun.cwd, "runs")
-    by_seed = {pd.read_csv(j / ".hydra" / "overrides.yaml", header=None).iloc[0, 0]: j for j in sweep_jobs}
+    by_seed = {tuple(pd.read_csv(j / ".hydra" / "overrides.yaml", header=None).iloc[:2, 0]): j for j in sweep_jobs}
+    by_seed = {seed: job for (aggregator, seed), job in by_seed.items() if aggregator == "- aggregator=fedsoftmax"}
 
     def numbers(job):
         frame = pd.read_csv(job / "metrics.csv")

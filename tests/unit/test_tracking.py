@@ -123,6 +123,25 @@ def test_each_metric_has_the_mlflow_section_a_reader_looks_for_it_in_and_the_pla
     choices |= {"compression": "none", "sampler": "uniform", "engine": "sync"}
     overrides = ["privacy=central", "privacy.noise_multiplier=0.8", "device.threads=1", "tracking.experiment=x"]
     assert run_name(choices, overrides, 0) == "fedavg iid digits central noise_multiplier=0.8 seed=0"
+    # in a sweep, what it varies and the seed lead (the rest keeps its order; a preset given is said last)
+    swept = ["experiment=fedprox", *overrides, "seed=4"]
+    assert run_name(choices, swept, 4, frozenset({"privacy.noise_multiplier", "seed"})) == (
+        "noise_multiplier=0.8 seed=4 fedavg iid digits central fedprox"
+    )
+    assert run_name(choices, swept, 4, frozenset({"seed"})).startswith("seed=4 fedavg iid")
+
+
+def test_swept_keys_are_the_command_lines_lists_and_the_sweepers_params(tmp_path):
+    from fedrun.cli.runinfo import swept_keys
+
+    task = ["aggregator=fedavg,fedsoftmax", "seed=range(3)", "schedule.rounds=4", "aggregator.temperature=0.5"]
+    (tmp_path / "multirun.yaml").write_text(f"hydra:\n  overrides:\n    task: {task}\n")
+    assert swept_keys(tmp_path, None) == {"aggregator", "seed"}
+    assert swept_keys(tmp_path, {"aggregator.temperature": "interval(0.1, 2)"}) == {
+        "aggregator", "seed", "aggregator.temperature"
+    }  # fmt: skip
+    (tmp_path / "multirun.yaml").write_text("!!python/object:os.system [echo]\n")  # read as plain YAML: refused
+    assert swept_keys(tmp_path, None) == frozenset()
 
 
 def test_a_long_dense_series_keeps_every_client_and_reads_back_as_the_wide_one(tmp_path, monkeypatch):
