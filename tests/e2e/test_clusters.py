@@ -129,7 +129,7 @@ def test_the_slurm_presets_are_accepted_by_submitit():
 @pytest.fixture
 def ray_head(tmp_path):
     """A local Ray head (2 CPUs, no dashboard) for the test's duration, in its own temp dir."""
-    pytest.importorskip("ray")  # the [ray] extra (in [dev])
+    pytest.importorskip("ray", reason="the [ray] extra: pip install -e '.[dev,ray]' && pytest -m ray")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
     started = subprocess.run(
@@ -146,6 +146,7 @@ def ray_head(tmp_path):
     shutil.rmtree(temp, ignore_errors=True)
 
 
+@pytest.mark.ray
 def test_a_sweep_on_a_ray_cluster_runs_its_jobs_as_ray_tasks(tmp_path, store, ray_head):
     address, env = ray_head
     done = subprocess.run(
