@@ -39,12 +39,12 @@ from fedrun.tracking import (
     experiment_names,
     find_experiment,
     metric_history,
-    mlflow_name,
     open_client,
     per_client_table,
     plain_name,
     resolve_uri,
     search_runs,
+    stored_names,
 )
 
 IGNORED_PARAMS = ("seed", "tracking.", "hydra.")
@@ -520,8 +520,11 @@ def with_tails(client, runs: pd.DataFrame) -> pd.DataFrame:
 
 def history(client, run_id: str, metric: str) -> list:
     """A metric's series by its plain name, under its MLflow name (``0_main/test_accuracy``) or, for a run stored
-    before the main metrics had a section, the plain one."""
-    return metric_history(client, run_id, mlflow_name(metric)) or metric_history(client, run_id, metric)
+    before, the name it had then (``fedrun.tracking.stored_names``)."""
+    for name in stored_names(metric):
+        if points := metric_history(client, run_id, name):
+            return points
+    return []
 
 
 def per_megabyte(accuracy: dict[str, pd.DataFrame], uploads: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:

@@ -323,13 +323,30 @@ FEATURE_PREFIXES = {  # a feature's metrics, by their own prefix
 COMPRESSION = re.compile(r"^[a-z_]+/(bits_per_coordinate|relative_error)$")  # topk/bits_per_coordinate
 TIMING_SECTION, SUMMARY_SECTION = "4_timing/", "5_summary/"
 SECTION = re.compile(r"^[0-9]_[a-z_]+/")
+# A method's headline, drawn first on the run's page: in the main section, whose charts MLflow sorts by name, before
+# the global model's curves, which measure neither a personal method (FedPer's global head is never trained) nor what
+# a private run spent. Runs stored before (November 2026) have them under their feature's section (``FORMER``).
+HEADLINE = {
+    "epsilon": MAIN_SECTION + "epsilon",
+    "personal/accuracy_mean": MAIN_SECTION + "personal_accuracy_mean",
+    "personal/accuracy_min": MAIN_SECTION + "personal_accuracy_min",
+}
+HEADLINE_PLAIN = {shown: plain for plain, shown in HEADLINE.items()}
+FORMER = {
+    "epsilon": "2_privacy/epsilon",
+    "personal/accuracy_mean": "2_personal/accuracy_mean",
+    "personal/accuracy_min": "2_personal/accuracy_min",
+}
 
 
 def mlflow_name(name: str, summary: bool = False) -> str:
-    """The name a metric has in MLflow: ``0_main/test_accuracy``, ``1_r_index/R90``, ``2_privacy/epsilon``,
+    """The name a metric has in MLflow: ``0_main/test_accuracy``, ``1_r_index/R90``, ``2_privacy/noise_std``,
     ``2_compression/topk/bits_per_coordinate``, ``3_communication/upload_mb``, ``4_timing/train_wall_s``; a run's
     summary (``summary``: logged once, when it ends) ``5_summary/<name>`` unless its name has a section (an
-    R-index stays with the R-index, a feature's with its feature); anything else its own name."""
+    R-index stays with the R-index, a feature's with its feature); a method's ``HEADLINE`` first in the main section;
+    anything else its own name."""
+    if name in HEADLINE and not summary:
+        return HEADLINE[name]
     if name in MAIN_METRICS:
         return MAIN_SECTION + name
     if MAIN_R_INDEX.match(name):
@@ -347,8 +364,16 @@ def mlflow_name(name: str, summary: bool = False) -> str:
     return SUMMARY_SECTION + name if summary else name
 
 
+def stored_names(name: str) -> list[str]:
+    """Every name a per-round metric may have in MLflow, the current first: a headline's name in runs stored before
+    ``HEADLINE`` (``FORMER``), then the name without a section (runs stored before sections)."""
+    return list(dict.fromkeys([mlflow_name(name), *([FORMER[name]] if name in FORMER else []), name]))
+
+
 def plain_name(name: str) -> str:
     """The inverse of ``mlflow_name`` (a name without a section is returned as it is: runs stored before them)."""
+    if name in HEADLINE_PLAIN:
+        return HEADLINE_PLAIN[name]
     plain = SECTION.sub("", name, count=1)
     for prefix, section in FEATURE_PREFIXES.items():
         if name.startswith(section):

@@ -94,7 +94,7 @@ FEATURES = {
             "schedule.sampling=poisson",
             "schedule.clients_per_round=0.5",
         ],
-        {"2_privacy/epsilon", "2_privacy/clip_norm", "2_privacy/clipped_fraction", "2_privacy/noise_std"},
+        {"0_main/epsilon", "2_privacy/clip_norm", "2_privacy/clipped_fraction", "2_privacy/noise_std"},
     ),
     "compression": (["compression=topk"], {"2_compression/topk/bits_per_coordinate"}),
 }

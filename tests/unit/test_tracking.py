@@ -89,18 +89,19 @@ def test_a_batch_is_split_at_mlflow_s_limits_and_a_small_one_is_one_call():
 
 def test_each_metric_has_the_mlflow_section_a_reader_looks_for_it_in_and_the_plain_name_comes_back():
     from fedrun.cli.runinfo import run_name
-    from fedrun.tracking import mlflow_name, plain_name
+    from fedrun.tracking import mlflow_name, plain_name, stored_names
 
     per_round = {
         "test_accuracy": "0_main/test_accuracy",
         "R90": "1_r_index/R90",
-        "epsilon": "2_privacy/epsilon",
+        "epsilon": "0_main/epsilon",  # a headline: first on the page (HEADLINE)
         "noise_std": "2_privacy/noise_std",
         "topk/bits_per_coordinate": "2_compression/topk/bits_per_coordinate",
         "selection_p_cv": "2_selection/selection_p_cv",
         "attack/weight_share": "2_attack/weight_share",
         "robust/discarded": "2_robust/discarded",
-        "personal/accuracy_min": "2_personal/accuracy_min",
+        "personal/accuracy_min": "0_main/personal_accuracy_min",
+        "personal/accuracy_p10": "2_personal/accuracy_p10",
         "upload_mb": "3_communication/upload_mb",
         "train_wall_s": "4_timing/train_wall_s",
         "lr": "lr",
@@ -119,6 +120,13 @@ def test_each_metric_has_the_mlflow_section_a_reader_looks_for_it_in_and_the_pla
         for plain, shown in names.items():
             assert mlflow_name(plain, summary=is_summary) == shown
             assert plain_name(shown) == plain
+    # a run stored before the headlines had them in their feature's section: read back under the same plain name
+    assert (
+        plain_name("2_privacy/epsilon") == "epsilon"
+        and plain_name("2_personal/accuracy_min") == "personal/accuracy_min"
+    )
+    assert stored_names("epsilon") == ["0_main/epsilon", "2_privacy/epsilon", "epsilon"]
+    assert stored_names("test_accuracy") == ["0_main/test_accuracy", "test_accuracy"]
     choices = {"aggregator": "fedavg", "partition": "iid", "dataset": "digits", "privacy": "central"}
     choices |= {"compression": "none", "sampler": "uniform", "engine": "sync"}
     overrides = ["privacy=central", "privacy.noise_multiplier=0.8", "device.threads=1", "tracking.experiment=x"]
