@@ -8,18 +8,24 @@ earlier one wrote), each with ``bash -euo pipefail``. Two comments on the line r
 - a ``{code-block}`` with a ``:caption: PATH`` option is a file the reader writes: it is saved to PATH (relative to
   the page's working directory) before the blocks after it run.
 
-Usage: ``python docs/_ext/doc_commands.py docs/tutorial.md [--workdir DIR]`` (exit 1 on the first block that fails).
-Tests run it on the tutorial and every how-to page (tests/e2e/test_docs_commands.py).
+Usage: ``python docs/_ext/doc_commands.py docs/tutorial.md [--workdir DIR] [--times FILE]`` (exit 1 on the first
+block that fails). Tests run it on the tutorial and every how-to page (tests/e2e/test_docs_commands.py). Each block
+run is timed; with ``--times`` (the tests: ``FEDRUN_DOC_TIMES``) a JSON line per block is appended to FILE: the page,
+the block's line and first command, its wall seconds and the machine it ran on (the cores this process may use and
+the load average before and after), which ``scripts/doc_times.py`` turns into the table the pages' times come from.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +42,12 @@ class Block:
     line: int
     reason: str = ""
     path: str = ""
+    seconds: float | None = None  # a block run: its wall time
+
+
+def machine() -> dict:
+    """The cores this process may use and the 1-minute load average now: what a time measured here depends on."""
+    return {"cores": len(os.sched_getaffinity(0)), "load": round(os.getloadavg()[0], 2)}
 
 
 def blocks(page: Path) -> list[Block]:
@@ -71,9 +83,12 @@ def blocks(page: Path) -> list[Block]:
     return out
 
 
-def run_page(page: Path, workdir: Path, timeout: float = 600, env: dict | None = None) -> list[Block]:
+def run_page(
+    page: Path, workdir: Path, timeout: float = 600, env: dict | None = None, times: Path | None = None
+) -> list[Block]:
     """Run ``page``'s blocks in ``workdir``; raises ``RuntimeError`` naming the page and line of a block that fails.
-    Returns the blocks (run, skipped and written)."""
+    Returns the blocks (run, skipped and written), each block run with its wall ``seconds``; with ``times``, appends
+    one JSON line per block run to that file."""
     found = blocks(page)
     for block in found:
         if block.kind == "skip" and not block.reason:
@@ -84,6 +99,7 @@ def run_page(page: Path, workdir: Path, timeout: float = 600, env: dict | None =
             target.write_text(block.text)
         elif block.kind == "run":
             print(f"$ {page}:{block.line}\n{block.text}", file=sys.stderr, flush=True)
+            before, start = machine(), time.perf_counter()
             done = subprocess.run(
                 ["bash", "-euo", "pipefail", "-c", block.text],
                 cwd=workdir,
@@ -92,6 +108,22 @@ def run_page(page: Path, workdir: Path, timeout: float = 600, env: dict | None =
                 text=True,
                 timeout=timeout,
             )
+            block.seconds = time.perf_counter() - start
+            if times is not None:
+                after = machine()
+                record = {
+                    "page": page.name if page.parent.name == "docs" else f"{page.parent.name}/{page.name}",
+                    "line": block.line,
+                    "command": next((ln for ln in block.text.splitlines() if ln.strip()), "")[:120],
+                    "seconds": round(block.seconds, 1),
+                    "ok": done.returncode == 0,
+                    "cores": before["cores"],
+                    "load_before": before["load"],
+                    "load_after": after["load"],
+                    "date": datetime.date.today().isoformat(),
+                }
+                with times.open("a") as out:
+                    out.write(json.dumps(record) + "\n")
             if done.returncode != 0:
                 raise RuntimeError(
                     f"{page}:{block.line}: exit {done.returncode}\n{block.text}\n--- stdout\n{done.stdout[-3000:]}"
@@ -104,12 +136,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pages", nargs="+", type=Path)
     parser.add_argument("--workdir", type=Path, help="run here (default: a new temporary directory per page)")
+    parser.add_argument("--times", type=Path, help="append a JSON line per block run (its wall time, the machine)")
     args = parser.parse_args(argv)
     for page in args.pages:
         workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fedrun-doc-"))
         workdir.mkdir(parents=True, exist_ok=True)
         try:
-            found = run_page(page.resolve(), workdir)
+            found = run_page(page.resolve(), workdir, times=args.times)
         except RuntimeError as error:
             print(error, file=sys.stderr)
             return 1

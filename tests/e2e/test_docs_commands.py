@@ -24,7 +24,8 @@ PAGES = [DOCS / "tutorial.md", *sorted(p for p in (DOCS / "how-to").glob("*.md")
 def test_the_pages_commands_run_as_written(page, tmp_path):
     bin_dir = str(Path(sys.executable).parent)  # the installed fedrun, as the reader's shell finds it
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HYDRA_FULL_ERROR": "0"}
-    found = doc_commands.run_page(page, tmp_path, timeout=600, env=env)
+    times = Path(os.environ["FEDRUN_DOC_TIMES"]) if os.environ.get("FEDRUN_DOC_TIMES") else None  # doc_times.py
+    found = doc_commands.run_page(page, tmp_path, timeout=600, env=env, times=times)
     assert all(b.kind != "skip" or b.reason for b in found)
 
 
