@@ -125,8 +125,17 @@ class LocalSGD:
 
     @property
     def plain(self) -> bool:
-        """Whether this is plain local SGD (what vmap batches and a personalisation method may train with)."""
+        """Whether this is plain local SGD (what a personalisation method may train with)."""
         return type(self) is LocalSGD
+
+    @property
+    def batched(self) -> bool:
+        """Whether the vmap backend steps this program for the whole cohort at once: local SGD whose only change is
+        ``gradient``, a function of each parameter's gradient, value, start, own state and broadcast, which
+        ``torch.func.vmap`` maps over the clients (SCAFFOLD, FedDyn). A program that changes anything else (its
+        start, step, objective, frozen layers or pull) runs on the loop there, with the loop's numbers."""
+        steps_as_sgd = ("start", "step", "before", "closure", "objective", "corrected", "frozen", "pull", "finish")
+        return all(getattr(type(self), name) is getattr(LocalSGD, name) for name in steps_as_sgd)
 
     def __getstate__(self) -> dict:  # to a worker process: the program without the server's state
         return {**self.__dict__, "store": None, "server": None, "context": None}
@@ -173,7 +182,7 @@ class LocalSGD:
         with fresh gradients, ``corrected``; it returns the data term, which is what the client reports."""
         client = local.client
         data = _loss_closure(client.model, local.optimizer, client.x, client.y, chosen, local.pull)
-        if type(self).objective is LocalSGD.objective and type(self).corrected is LocalSGD.corrected:
+        if type(self).objective is LocalSGD.objective and not self.corrects:
             return data
 
         def closure():
@@ -195,8 +204,25 @@ class LocalSGD:
         forward, or None (the data term alone)."""
         return None
 
+    @property
+    def corrects(self) -> bool:
+        """Whether the program changes the gradients before the solver steps (``corrected`` or ``gradient``)."""
+        return type(self).corrected is not LocalSGD.corrected or type(self).gradient is not LocalSGD.gradient
+
     def corrected(self, local: Local) -> None:
-        """Change the gradients before the solver steps (SCAFFOLD's and FedDyn's corrections); default: none."""
+        """Change the gradients before the solver steps: by default each parameter's to ``gradient``'s."""
+        if type(self).gradient is LocalSGD.gradient:
+            return
+        with torch.no_grad():
+            for p, start, own, shared in with_gradients(local.client.model, local.start, local.own, local.shared):
+                p.grad.copy_(self.gradient(p.grad, p, start, own, shared))
+
+    def gradient(self, grad, param, start, own, shared):
+        """The gradient the local solver steps with, from the mini-batch's ``grad`` at ``param`` and the same
+        parameter's part of the client's start, own state and the server's broadcast (each a model's tensor, or
+        [clients, *shape] when vmap maps it over the cohort; None where the program has no such state); default:
+        ``grad``. SCAFFOLD's and FedDyn's corrections are this."""
+        return grad
 
     def finish(self, local: Local) -> Finished:
         client, job = local.client, local.client.job
@@ -389,10 +415,8 @@ class Scaffold(LocalSGD):
     def shared(self) -> torch.Tensor | None:
         return torch.zeros(self.context.layout[-1][2]) if self.server is None else self.server
 
-    def corrected(self, local: Local) -> None:
-        with torch.no_grad():
-            for p, c, c_i in with_gradients(local.client.model, local.shared, local.own):
-                p.grad.add_(c - c_i)
+    def gradient(self, grad, param, start, own, shared):
+        return grad + (shared - own)  # g_i(y) - c_i + c (line 10)
 
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
         if not steps:
@@ -434,10 +458,8 @@ class FedDyn(LocalSGD):
     def initial(self, d: int) -> torch.Tensor:
         return torch.zeros(d)
 
-    def corrected(self, local: Local) -> None:
-        with torch.no_grad():
-            for p, anchor, g in with_gradients(local.client.model, local.start, local.own):
-                p.grad.add_(p - anchor, alpha=self.alpha).sub_(g)
+    def gradient(self, grad, param, start, own, shared):
+        return torch.add(grad, param - start, alpha=self.alpha) - own  # grad L_k - g_k + alpha (theta - theta^{t-1})
 
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
         return local.own - self.alpha * delta
@@ -554,10 +576,11 @@ class Tilted(LocalSGD):
         return closure
 
 
-def with_gradients(model: nn.Module, *flats: torch.Tensor):
+def with_gradients(model: nn.Module, *flats: torch.Tensor | None):
     """Each parameter of ``model`` that has a gradient, with its slice of each flat vector (in ``flat_parameters``'
-    order) viewed in its shape."""
-    for p, *views in zip(model.parameters(), *(_anchors(model, flat) for flat in flats)):
+    order) viewed in its shape (None for a flat that is None)."""
+    slices = [_anchors(model, f) if f is not None else [None] * len(list(model.parameters())) for f in flats]
+    for p, *views in zip(model.parameters(), *slices):
         if p.grad is not None:
             yield (p, *views)
 

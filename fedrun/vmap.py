@@ -31,7 +31,7 @@ from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import ConfigError
 from fedrun.models import BatchSoftmax
 from fedrun.optimizers import ProxSGD, base_lr, coefficient_norm
-from fedrun.programs import train_cohort
+from fedrun.programs import Client, Local, Program, train_cohort
 from fedrun.seeding import torch_generator
 from fedrun.trainer import Trainer
 
@@ -141,8 +141,9 @@ class VmapTrainer(Trainer):
         self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
     ) -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
-        if program is not None and not program.program.plain:
-            # a client program other than plain SGD (SCAFFOLD, a personal phase: frozen layers, Ditto's pull): the loop's
+        if program is not None and not program.program.batched:
+            # a program that changes more than the gradient (a personal phase's frozen layers, Ditto's pull, APFL's
+            # mixture, MOON's term): the loop's, with the loop's numbers
             return train_cohort(
                 self.model, global_params, self.x, self.y, parts, client_ids, self.make_optimizer, lr, works, seed,
                 round_, stream, program,
@@ -159,13 +160,14 @@ class VmapTrainer(Trainer):
                 seed,
                 client_rows(round_, lo, lo + size),
                 stream,
+                None if program is None else program.rows(lo, lo + size),
             )
             for lo in range(0, len(parts), size)
         ]
         return CohortUpdate.concat(pieces, global_params)
 
     def _train(
-        self, global_params, parts, client_ids, works: list[LocalWork], rule: SGDRule, seed, round_, stream
+        self, global_params, parts, client_ids, works: list[LocalWork], rule: SGDRule, seed, round_, stream, program
     ) -> CohortUpdate:
         clients, device = len(parts), self.x.device
         batches = [
@@ -193,12 +195,24 @@ class VmapTrainer(Trainer):
             params = [a.unsqueeze(0).repeat(clients, *([1] * a.dim())) for a in anchor]
         buffers: list[torch.Tensor | None] = [None] * len(params)
         losses = torch.empty(clients, most, dtype=global_params.dtype, device=device)
+        gradient = None if program is None or not program.program.corrects else program.program.gradient
+        if gradient is not None:  # each parameter's start, own state and broadcast, as [clients, *shape] or [*shape]
+            starts = [a if global_params.dim() == 2 else a.unsqueeze(0) for a in anchor]
+            owns = self._unflatten(program.owns.to(global_params)) if program.owns is not None else [None] * len(params)
+            shared = (
+                self._unflatten(program.shared.to(global_params))
+                if program.shared is not None
+                else [None] * len(params)
+            )
         for k in range(most):
             chosen = index[:, k]
             grads, losses[:, k] = self._grad(
                 dict(zip(self.names, params)), self.x[chosen], self.y[chosen], mask[:, k], counts[:, k]
             )
-            new_params, new_buffers = rule.step(params, [grads[n] for n in self.names], buffers, anchor, first=k == 0)
+            grads = [grads[n] for n in self.names]
+            if gradient is not None:
+                grads = [gradient(*args) for args in zip(grads, params, starts, owns, shared)]
+            new_params, new_buffers = rule.step(params, grads, buffers, anchor, first=k == 0)
             params = [_where(active[:, k], new, old) for new, old in zip(new_params, params)]
             buffers = [new if old is None else _where(active[:, k], new, old) for new, old in zip(new_buffers, buffers)]
         losses = losses.detach().double().cpu().numpy()
@@ -212,7 +226,9 @@ class VmapTrainer(Trainer):
                 local_mean[i] = np.average(epoch_losses, weights=sizes[i, last])
                 local_authors[i] = epoch_losses.sum() / len(part)
         norms = np.array([rule.coefficient_norm(int(s)) for s in steps])
-        return CohortUpdate(flat - global_params, ClientLosses(local_mean, local_authors), steps, norms)
+        deltas = flat - global_params
+        kept = None if program is None else _kept(program, global_params, deltas, steps, rule.lr)
+        return CohortUpdate(deltas, ClientLosses(local_mean, local_authors), steps, norms, kept)
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's view of a flat model, or [clients, *shape] of one model per row."""
@@ -229,6 +245,21 @@ class VmapTrainer(Trainer):
 
     def close(self) -> None:
         pass
+
+
+def _kept(program: Program, starts: torch.Tensor, deltas: torch.Tensor, steps: np.ndarray, lr: float):
+    """Each client's state after its local work, as the program's ``kept`` says it (None when it keeps none)."""
+    if not program.program.keeps:
+        return None
+    rows = []
+    for i, delta in enumerate(deltas):
+        client = Client(None, None, None, None, None, lr, None, -1, -1, -1, "")  # what kept reads: the lr
+        own = None if program.owns is None else program.owns[i].to(delta)
+        start = starts if starts.dim() == 1 else starts[i]
+        shared = None if program.shared is None else program.shared.to(delta)
+        local = Local(client, start, own, shared, None, None, None, None, [], [])
+        rows.append(program.program.kept(local, delta, int(steps[i])))
+    return torch.stack(rows)
 
 
 def _padded_index(parts, batches, steps: np.ndarray, most: int, width: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:

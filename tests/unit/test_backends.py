@@ -290,6 +290,44 @@ def test_vmap_cohort_equals_the_loop_in_float64_with_unequal_clients(solver):
     assert loop.deltas.abs().max() > 1e-3  # the clients moved: the comparison is not between zeros
 
 
+@pytest.mark.parametrize("name", ["scaffold", "feddyn", "opaque"])
+def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes_them(name):
+    # SCAFFOLD's and FedDyn's programs change the gradient only (``LocalSGD.gradient``): vmap steps them for the whole
+    # cohort at once; a program that overrides more (here ``corrected``) runs on the loop there.
+    from fedrun.backends import Device
+    from fedrun.programs import FedDyn, Program, Scaffold
+
+    torch.manual_seed(3)
+    d = sum(p.numel() for p in CNN((3, 8, 8), 4).parameters())
+    owns = 0.01 * torch.randn(3, d, dtype=torch.float64)  # each client's c_i (SCAFFOLD) or g_k (FedDyn), not zero
+    if name == "opaque":
+
+        class Opaque(
+            Scaffold
+        ):  # the same correction through ``corrected``: vmap cannot see inside it, the loop runs it
+            def corrected(self, local) -> None:
+                super().corrected(local)
+
+        program = Program(Opaque(), owns, 0.01 * torch.randn(d, dtype=torch.float64))
+    elif name == "scaffold":
+        program = Program(Scaffold(), owns, 0.01 * torch.randn(d, dtype=torch.float64))  # with c, the server's variate
+    else:
+        program = Program(FedDyn(alpha=0.1), owns)
+    assert program.program.batched == (name != "opaque")
+    for make in VMAP_SOLVERS.values():
+        loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64, program=program)
+        for chunk in (None, 2):
+            together = cohort_update(
+                Device("cpu", "contiguous", "vmap", chunk=chunk), make, torch.float64, program=program
+            )
+            torch.testing.assert_close(together.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(together.kept, loop.kept, rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(together.local_losses.mean, loop.local_losses.mean, rtol=1e-10)
+            np.testing.assert_allclose(together.coefficient_norms, loop.coefficient_norms, rtol=1e-12)
+        plain = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64)
+        assert (loop.deltas - plain.deltas).abs().max() > 1e-6  # the correction moved the clients: not plain SGD's
+
+
 def test_vmap_nesterov_and_per_client_work_equal_the_loop():
     from fedrun.backends import Device
     from fedrun.cohort import LocalWork
