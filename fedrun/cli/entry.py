@@ -226,6 +226,12 @@ def _groups() -> list[str]:
     return sorted(p.name for p in conf.iterdir() if p.is_dir() and p.name != "hydra" and not p.name.startswith("_"))
 
 
+def _root_keys() -> list[str]:
+    """The run-level keys of conf/config.yaml (``seed``, ``resume``, ``metrics``, ...)."""
+    content = yaml.safe_load(resources.files("fedrun.conf").joinpath("config.yaml").read_text()) or {}
+    return [k for k in content if k not in ("defaults", "hydra")]
+
+
 def _options(group: str) -> dict[str, set]:
     """Each option of a fedrun group and its top-level keys, read from conf/<group>/*.yaml."""
     options = {}
@@ -309,6 +315,10 @@ def check_run_keys(cfg: DictConfig) -> None:
     MLflow is imported (``fedrun.cli.main``), a resumed run's once its saved config is read."""
     check_resolves(cfg)  # an interpolation to nothing or a ??? left unset, named now rather than mid-run
     check_finite(cfg)  # inf and nan, in every group
+    known = set(_groups()) | set(_root_keys())
+    for key in cfg:  # a key added with + that no part reads (a typo: +agregator/x=fedavg would run FedAvg silently)
+        if key not in known:
+            raise ConfigError(str(key), _raw(cfg, str(key)), _known_keys(str(key), []))
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
         raise ConfigError("seed", cfg.seed, "an integer >= 0")
     targets = cfg.metrics.r_targets
