@@ -208,7 +208,7 @@ def test_help_opens_with_what_fedrun_is_and_its_commonest_commands():
     lines = done.stdout.splitlines()
     assert lines[0].startswith("fedrun: simulated federated-learning experiments")
     commands = [line.split()[0] for line in lines[lines.index("Commonest commands:") + 1 :] if line.startswith("  ")]
-    assert commands[:7] == ["fedrun", "fedrun", "fedrun", "fedrun", "fedrun", "fedrun-report", "mlflow"]
+    assert commands[:7] == ["fedrun", "fedrun", "fedrun", "fedrun", "fedrun", "fedrun-report", "fedrun-ui"]
     for page in [p for line in lines for p in __import__("re").findall(r"\((docs/[^)]+\.md)\)", line)]:
         assert (Path(__file__).parents[2] / page).exists(), page  # every page the help points to exists
     assert any(line.startswith("aggregator: ") and "fedsoftmax" in line for line in lines)  # then the groups
