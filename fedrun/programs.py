@@ -130,11 +130,12 @@ class LocalSGD:
 
     @property
     def batched(self) -> bool:
-        """Whether the vmap backend steps this program for the whole cohort at once: local SGD whose only change is
-        ``gradient``, a function of each parameter's gradient, value, start, own state and broadcast, which
-        ``torch.func.vmap`` maps over the clients (SCAFFOLD, FedDyn). A program that changes anything else (its
-        start, step, objective, frozen layers or pull) runs on the loop there, with the loop's numbers."""
-        steps_as_sgd = ("start", "step", "before", "closure", "objective", "corrected", "frozen", "pull", "finish")
+        """Whether the vmap backend steps this program for the whole cohort at once: local SGD whose changes are
+        ``gradient`` (a function of each parameter's gradient, value, start, own state and broadcast: SCAFFOLD,
+        FedDyn), ``pull`` (Ditto's) and ``frozen`` (FedRep's phases), which ``torch.func.vmap`` maps over the
+        clients. A program that changes anything else (its start, step, an objective, ``corrected`` itself) runs on
+        the loop there, with the loop's numbers."""
+        steps_as_sgd = ("start", "step", "before", "closure", "objective", "corrected", "finish")
         return all(getattr(type(self), name) is getattr(LocalSGD, name) for name in steps_as_sgd)
 
     def __getstate__(self) -> dict:  # to a worker process: the program without the server's state

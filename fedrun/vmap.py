@@ -196,6 +196,10 @@ class VmapTrainer(Trainer):
         buffers: list[torch.Tensor | None] = [None] * len(params)
         losses = torch.empty(clients, most, dtype=global_params.dtype, device=device)
         gradient = None if program is None or not program.program.corrects else program.program.gradient
+        broadcast = None if program is None or program.shared is None else program.shared.to(global_params)
+        pull = None if program is None else program.program.pull(self.model, broadcast)  # (lambda, anchors)
+        frozen = set() if program is None else set(program.program.frozen())
+        moving = [name not in frozen for name in self.names]  # a frozen parameter keeps its start: no step at all
         if gradient is not None:  # each parameter's start, own state and broadcast, as [clients, *shape] or [*shape]
             starts = [a if global_params.dim() == 2 else a.unsqueeze(0) for a in anchor]
             owns = self._unflatten(program.owns.to(global_params)) if program.owns is not None else [None] * len(params)
@@ -210,10 +214,12 @@ class VmapTrainer(Trainer):
                 dict(zip(self.names, params)), self.x[chosen], self.y[chosen], mask[:, k], counts[:, k]
             )
             grads = [grads[n] for n in self.names]
+            if pull is not None:  # the gradient of (lambda / 2) ||w - anchor||^2, added to the data term's
+                grads = [g + pull[0] * (p - a) for g, p, a in zip(grads, params, pull[1])]
             if gradient is not None:
                 grads = [gradient(*args) for args in zip(grads, params, starts, owns, shared)]
             new_params, new_buffers = rule.step(params, grads, buffers, anchor, first=k == 0)
-            params = [_where(active[:, k], new, old) for new, old in zip(new_params, params)]
+            params = [_where(active[:, k], new, old) if m else old for new, old, m in zip(new_params, params, moving)]
             buffers = [new if old is None else _where(active[:, k], new, old) for new, old in zip(new_buffers, buffers)]
         losses = losses.detach().double().cpu().numpy()
         flat = torch.cat([p.reshape(clients, -1) for p in params], dim=1)

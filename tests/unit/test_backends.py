@@ -290,12 +290,13 @@ def test_vmap_cohort_equals_the_loop_in_float64_with_unequal_clients(solver):
     assert loop.deltas.abs().max() > 1e-3  # the clients moved: the comparison is not between zeros
 
 
-@pytest.mark.parametrize("name", ["scaffold", "feddyn", "opaque"])
+@pytest.mark.parametrize("name", ["scaffold", "feddyn", "ditto", "fedrep", "opaque"])
 def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes_them(name):
-    # SCAFFOLD's and FedDyn's programs change the gradient only (``LocalSGD.gradient``): vmap steps them for the whole
-    # cohort at once; a program that overrides more (here ``corrected``) runs on the loop there.
+    # SCAFFOLD's and FedDyn's programs change the gradient only (``LocalSGD.gradient``), Ditto's adds a pull and
+    # FedRep's freezes layers: vmap steps them for the whole cohort at once; a program that overrides more (here
+    # ``corrected``) runs on the loop there.
     from fedrun.backends import Device
-    from fedrun.programs import FedDyn, Program, Scaffold
+    from fedrun.programs import FedDyn, Frozen, Program, Pulled, Scaffold
 
     torch.manual_seed(3)
     d = sum(p.numel() for p in CNN((3, 8, 8), 4).parameters())
@@ -311,6 +312,10 @@ def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes
         program = Program(Opaque(), owns, 0.01 * torch.randn(d, dtype=torch.float64))
     elif name == "scaffold":
         program = Program(Scaffold(), owns, 0.01 * torch.randn(d, dtype=torch.float64))  # with c, the server's variate
+    elif name == "ditto":  # the personal model pulled to the round's global model (here a perturbed one)
+        program = Program(Pulled(lam=0.5), None, 0.1 * torch.randn(d, dtype=torch.float64))
+    elif name == "fedrep":  # the body frozen, the head trained (FedRep's first phase)
+        program = Program(Frozen(tuple(n for n, _ in CNN((3, 8, 8), 4).named_parameters())[:-2]))
     else:
         program = Program(FedDyn(alpha=0.1), owns)
     assert program.program.batched == (name != "opaque")
@@ -321,11 +326,14 @@ def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes
                 Device("cpu", "contiguous", "vmap", chunk=chunk), make, torch.float64, program=program
             )
             torch.testing.assert_close(together.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
-            torch.testing.assert_close(together.kept, loop.kept, rtol=1e-10, atol=1e-12)
+            if loop.kept is not None:
+                torch.testing.assert_close(together.kept, loop.kept, rtol=1e-10, atol=1e-12)
             np.testing.assert_allclose(together.local_losses.mean, loop.local_losses.mean, rtol=1e-10)
             np.testing.assert_allclose(together.coefficient_norms, loop.coefficient_norms, rtol=1e-12)
         plain = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64)
-        assert (loop.deltas - plain.deltas).abs().max() > 1e-6  # the correction moved the clients: not plain SGD's
+        assert (loop.deltas - plain.deltas).abs().max() > 1e-6  # the program moved the clients: not plain SGD's
+    if name == "fedrep":
+        assert (loop.deltas[:, :-1028] == 0).all() and (loop.deltas[:, -1028:] != 0).any()  # the head alone moved
 
 
 def test_vmap_nesterov_and_per_client_work_equal_the_loop():
