@@ -131,10 +131,10 @@ class LocalSGD:
     @property
     def batched(self) -> bool:
         """Whether the vmap backend steps this program for the whole cohort at once: local SGD whose changes are
-        ``gradient`` (a function of each parameter's gradient, value, start, own state and broadcast: SCAFFOLD,
-        FedDyn), ``pull`` (Ditto's) and ``frozen`` (FedRep's phases), which ``torch.func.vmap`` maps over the
-        clients. A program that changes anything else (its start, step, an objective, ``corrected`` itself) runs on
-        the loop there, with the loop's numbers."""
+        ``gradient`` (a function of one client's gradient, value, start, own state and broadcast of a parameter:
+        SCAFFOLD, FedDyn; ``torch.func.vmap`` maps it over the clients), ``pull`` (Ditto's) and ``frozen`` (FedRep's
+        phases). A program that changes anything else (its start, step, an objective, ``corrected`` itself) runs on
+        the loop there, with the loop's numbers; ``kept`` is called per client with the loop's arguments."""
         steps_as_sgd = ("start", "step", "before", "closure", "objective", "corrected", "finish")
         return all(getattr(type(self), name) is getattr(LocalSGD, name) for name in steps_as_sgd)
 

@@ -35,6 +35,7 @@ from fedrun.metrics import (
 from fedrun.tracking import (
     CONFIG_GROUPS,
     DEFAULT_URI,
+    HEADLINE_PLAIN,
     SECTION,
     experiment_names,
     find_experiment,
@@ -91,6 +92,8 @@ def with_plain_names(runs: pd.DataFrame) -> pd.DataFrame:
     MLflow section (``0_main/test_accuracy``, ``5_summary/final_test_accuracy``: ``fedrun.tracking.mlflow_name``)
     or, stored before sections, without."""
     moved = [c for c in runs.columns if c.startswith("metrics.") and SECTION.match(c[len("metrics.") :])]
+    # a run resumed across a rename (``fedrun.tracking.FORMER``) has both names: the current one, written last, wins
+    moved.sort(key=lambda c: c[len("metrics.") :] in HEADLINE_PLAIN)
     runs = runs.copy()
     for column in moved:
         plain = "metrics." + plain_name(column[len("metrics.") :])
@@ -520,11 +523,12 @@ def with_tails(client, runs: pd.DataFrame) -> pd.DataFrame:
 
 def history(client, run_id: str, metric: str) -> list:
     """A metric's series by its plain name, under its MLflow name (``0_main/test_accuracy``) or, for a run stored
-    before, the name it had then (``fedrun.tracking.stored_names``)."""
-    for name in stored_names(metric):
-        if points := metric_history(client, run_id, name):
-            return points
-    return []
+    before, the name it had then (``fedrun.tracking.stored_names``); a run resumed across a rename has both, merged
+    by step."""
+    merged = {}  # a run resumed across a rename logged its rounds under both names: each step once, the newest name's
+    for name in reversed(stored_names(metric)):
+        merged.update({point.step: point for point in metric_history(client, run_id, name)})
+    return [merged[step] for step in sorted(merged)]
 
 
 def per_megabyte(accuracy: dict[str, pd.DataFrame], uploads: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:

@@ -33,15 +33,23 @@ from fedrun.errors import ConfigError
 
 DEFAULT_STORE = "outputs/mlflow.db"  # conf/config.yaml's tracking.uri, relative to the folder fedrun ran in
 MODE = "?workflowType=machine_learning"  # MLflow 3's model-training pages (the default is its GenAI view)
-KIND_TAG = "fedrun.kind"  # fedrun.tracking.KIND_TAG: the experiments fedrun made (not imported: mlflow is slow)
+# fedrun.tracking's KIND_TAG and KIND, the tag fedrun puts on its experiments (not imported: it imports mlflow)
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def store_uri(store: str, cwd: Path) -> str:
-    """The tracking URI of ``--store``: a server's URL as given, else a SQLite file that must exist."""
+    """The tracking URI of ``--store``: a server's URL or a database URI (``postgresql://...``) as given; a SQLite
+    file (a path or ``sqlite:///path``) or a folder store (``file:`` or a folder) that must exist."""
     if store.startswith(("http://", "https://")):
         return store.rstrip("/")
-    path = Path(store[len("sqlite:///") :] if store.startswith("sqlite:///") else store)
-    path = (cwd / path).resolve()
+    if "://" in store and not store.startswith(("sqlite:", "file:")):
+        return store  # a database server's URI: the MLflow server says if it cannot reach it
+    local = store.removeprefix("sqlite:///").removeprefix("file://").removeprefix("file:")
+    path = (cwd / local).resolve()
+    if store.startswith("file:") or path.is_dir():
+        if not path.is_dir():
+            raise ConfigError("--store", store, f"an MLflow folder store that exists (none at {path})")
+        return path.as_uri()
     if not path.is_file():
         raise ConfigError(
             "--store",
@@ -50,6 +58,21 @@ def store_uri(store: str, cwd: Path) -> str:
             "the file that tracking.uri names)",
         )
     return f"sqlite:///{path}"
+
+
+def local_folder(uri: str) -> Path | None:
+    """The folder a local store lives in (its artifacts go beside it), None for a database server."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///") :]).parent
+    if uri.startswith("file:"):
+        return Path(uri.removeprefix("file://")).parent
+    return None
+
+
+def address(host: str, port: int) -> str:
+    """The base URL to open: a wildcard address is served on this machine's loopback; IPv6 in brackets."""
+    shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
 
 
 def page(base: str, experiment_id: str | None = None) -> str:
@@ -71,7 +94,7 @@ def experiments(base: str) -> list[dict]:
 def shown(base: str) -> list[str]:
     """Lines that name the experiments page and each experiment's runs (fedrun's first)."""
     found = experiments(base)
-    ours = [e for e in found if any(t.get("key") == KIND_TAG for t in e.get("tags", []))]
+    ours = [e for e in found if any((t.get("key"), t.get("value")) == (KIND_TAG, KIND) for t in e.get("tags", []))]
     others = [e for e in found if e not in ours and e.get("name") != "Default"]
     lines = [f"fedrun-ui: experiments: {page(base)}"]
     for experiment in (ours + others)[:20]:
@@ -83,20 +106,22 @@ def shown(base: str) -> list[str]:
 
 def free(host: str, port: int) -> bool:
     """Whether nothing listens on ``host:port``."""
-    with socket.socket() as probe, contextlib.suppress(OSError):
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    family = socket.AF_INET6 if ":" in target else socket.AF_INET
+    with socket.socket(family) as probe, contextlib.suppress(OSError):
         probe.settimeout(1)
-        return probe.connect_ex((host, port)) != 0
+        return probe.connect_ex((target, port)) != 0
     return True
 
 
 def start(uri: str, host: str, port: int, log) -> subprocess.Popen:
     """``mlflow server`` on ``uri``, in a new session (its workers with it), its output to the open file ``log``.
     Runs created from the UI keep their artifacts beside the store, as fedrun's do."""
-    artifacts = Path(uri[len("sqlite:///") :]).parent / "mlartifacts"
+    folder = local_folder(uri)
+    artifacts = [] if folder is None else ["--default-artifact-root", (folder / "mlartifacts").as_uri()]
     return subprocess.Popen(
         [
-            *(sys.executable, "-m", "mlflow", "server"),
-            *("--backend-store-uri", uri, "--default-artifact-root", artifacts.as_uri()),
+            *(sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, *artifacts),
             *("--no-serve-artifacts", "--host", host, "--port", str(port), "--workers", "1"),
         ],
         stdout=log,
@@ -145,25 +170,22 @@ def main(argv: list[str] | None = None) -> int:
         uri = store_uri(args.store, Path.cwd())
         if not 0 < args.port < 65536:
             raise ConfigError("--port", args.port, "a port from 1 to 65535")
-        if uri.startswith("sqlite:///") and not free(args.host, args.port):
+        if not uri.startswith(("http://", "https://")) and not free(args.host, args.port):
             raise ConfigError(
                 "--port", args.port, f"a free port ({args.host}:{args.port} is in use: another UI? pass --port)"
             )
     except ConfigError as exc:
         print(f"fedrun-ui: error: {exc}", file=sys.stderr)
         return 2
-    if not uri.startswith("sqlite:///"):  # a tracking server: it serves its own UI
-        lines = shown(uri)
-        print("\n".join(lines), flush=True)
-        if args.open:
-            webbrowser.open(lines[min(1, len(lines) - 1)].split(": ", 2)[-1])
-        return 0
-    base = f"http://{args.host}:{args.port}"
+    if uri.startswith(("http://", "https://")):  # a tracking server: it serves its own UI
+        return listed(uri, args.open)
+    # Ctrl-C, SIGTERM and a closed terminal (SIGHUP) end the wait below; the server's group is stopped either way.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda number, _: sys.exit(128 + number))
+    base = address(args.host, args.port)
     log = tempfile.TemporaryFile("w+")  # the server's output, shown if it fails; nothing written beside the store
     print(f"fedrun-ui: starting MLflow's UI on {uri}", file=sys.stderr, flush=True)
     process = start(uri, args.host, args.port, log)
-    # Ctrl-C and SIGTERM end the wait below; the server's group is stopped either way.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         if not ready(base, process, time.monotonic() + args.timeout):
             log.seek(0)
@@ -173,10 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        lines = shown(base)
-        print("\n".join(lines), flush=True)
-        if args.open:
-            webbrowser.open(lines[min(1, len(lines) - 1)].split(": ", 2)[-1])
+        if code := listed(base, args.open):
+            return code
         print("fedrun-ui: Ctrl-C stops the UI and its workers", file=sys.stderr, flush=True)
         process.wait()
         print(f"fedrun-ui: error: the MLflow server stopped (exit {process.returncode})", file=sys.stderr)
@@ -186,6 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop(process)
         log.close()
+
+
+def listed(base: str, open_first: bool) -> int:
+    """Print the experiments page and each experiment's runs (and open the first with ``open_first``); one line
+    and exit status 1 when the server does not answer the listing (unreachable, or refusing: an authenticated
+    server, a host it does not serve)."""
+    try:
+        lines = shown(base)
+    except (OSError, ValueError) as exc:
+        print(f"fedrun-ui: error: {base} did not list its experiments ({exc})", file=sys.stderr)
+        return 1
+    print("\n".join(lines), flush=True)
+    if open_first:
+        webbrowser.open(lines[min(1, len(lines) - 1)].rsplit(": ", 1)[-1])
+    return 0
 
 
 if __name__ == "__main__":

@@ -200,14 +200,11 @@ class VmapTrainer(Trainer):
         pull = None if program is None else program.program.pull(self.model, broadcast)  # (lambda, anchors)
         frozen = set() if program is None else set(program.program.frozen())
         moving = [name not in frozen for name in self.names]  # a frozen parameter keeps its start: no step at all
-        if gradient is not None:  # each parameter's start, own state and broadcast, as [clients, *shape] or [*shape]
-            starts = [a if global_params.dim() == 2 else a.unsqueeze(0) for a in anchor]
-            owns = self._unflatten(program.owns.to(global_params)) if program.owns is not None else [None] * len(params)
-            shared = (
-                self._unflatten(program.shared.to(global_params))
-                if program.shared is not None
-                else [None] * len(params)
-            )
+        if gradient is not None:  # mapped over the clients: each call sees one client's tensors, as on the loop
+            per_client, owned = global_params.dim() == 2, program.owns is not None
+            owns = self._unflatten(program.owns.to(global_params)) if owned else [None] * len(params)
+            shared = self._unflatten(broadcast) if broadcast is not None else [None] * len(params)
+            gradient = vmap(gradient, in_dims=(0, 0, 0 if per_client else None, 0 if owned else None, None))
         for k in range(most):
             chosen = index[:, k]
             grads, losses[:, k] = self._grad(
@@ -217,7 +214,7 @@ class VmapTrainer(Trainer):
             if pull is not None:  # the gradient of (lambda / 2) ||w - anchor||^2, added to the data term's
                 grads = [g + pull[0] * (p - a) for g, p, a in zip(grads, params, pull[1])]
             if gradient is not None:
-                grads = [gradient(*args) for args in zip(grads, params, starts, owns, shared)]
+                grads = [gradient(*args) for args in zip(grads, params, anchor, owns, shared)]
             new_params, new_buffers = rule.step(params, grads, buffers, anchor, first=k == 0)
             params = [_where(active[:, k], new, old) if m else old for new, old, m in zip(new_params, params, moving)]
             buffers = [new if old is None else _where(active[:, k], new, old) for new, old in zip(new_buffers, buffers)]
@@ -233,7 +230,14 @@ class VmapTrainer(Trainer):
                 local_authors[i] = epoch_losses.sum() / len(part)
         norms = np.array([rule.coefficient_norm(int(s)) for s in steps])
         deltas = flat - global_params
-        kept = None if program is None else _kept(program, global_params, deltas, steps, rule.lr)
+        kept = None
+        if program is not None and program.program.keeps:
+            clients_run = [
+                Client(self.model, self.x, self.y, torch.as_tensor(part, device=device), job, rule.lr,
+                       self.make_optimizer, int(client), per_client_round(round_, i), seed, stream)
+                for i, (part, client, job) in enumerate(zip(parts, client_ids, works))
+            ]  # fmt: skip
+            kept = _kept(program, clients_run, global_params, deltas, steps)
         return CohortUpdate(deltas, ClientLosses(local_mean, local_authors), steps, norms, kept)
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -253,13 +257,11 @@ class VmapTrainer(Trainer):
         pass
 
 
-def _kept(program: Program, starts: torch.Tensor, deltas: torch.Tensor, steps: np.ndarray, lr: float):
-    """Each client's state after its local work, as the program's ``kept`` says it (None when it keeps none)."""
-    if not program.program.keeps:
-        return None
+def _kept(program: Program, clients: list[Client], starts: torch.Tensor, deltas: torch.Tensor, steps: np.ndarray):
+    """Each client's state after its local work, as the program's ``kept`` says it from the client's call (its
+    data, work, learning rate and keys, as the loop's), its start, own state and broadcast."""
     rows = []
-    for i, delta in enumerate(deltas):
-        client = Client(None, None, None, None, None, lr, None, -1, -1, -1, "")  # what kept reads: the lr
+    for i, (client, delta) in enumerate(zip(clients, deltas)):
         own = None if program.owns is None else program.owns[i].to(delta)
         start = starts if starts.dim() == 1 else starts[i]
         shared = None if program.shared is None else program.shared.to(delta)

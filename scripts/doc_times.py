@@ -4,6 +4,7 @@ guides state come from this table.
     python scripts/doc_times.py docs/how-to/personalization.md docs/tutorial.md   # run the pages, then the table
     FEDRUN_DOC_TIMES=times.jsonl pytest -m slow -k pages_commands                 # the slow tier records them too
     python scripts/doc_times.py --from times.jsonl                                # the table of recorded times
+    python scripts/doc_times.py --from times.jsonl --page docs/reference/doc-times.md   # the page the docs cite
 
 Pages run with ``docs/_ext/doc_commands.py``, the runner of the slow tier's test of every page, one page after
 another in a temporary folder each. The table gives each block's wall seconds with the cores the runner could use
@@ -39,10 +40,27 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PAGE = """# How long the documentation's commands take
+
+The times the README, the tutorial and the how-to guides give come from this table: each block of commands as
+`docs/_ext/doc_commands.py` ran it (the slow tier's test of every page, with `FEDRUN_DOC_TIMES` set; `.ci/run`
+prints the same table for every CI run), in wall seconds, with the cores the runner could use and the 1-minute
+load average before and after the block. A load above the cores means the block shared them with other work, and
+took longer than it would on an idle machine. Regenerate: `python scripts/doc_times.py --from <times.jsonl> --page
+docs/reference/doc-times.md`.
+
+{note}
+
+{table}
+"""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pages", nargs="*", type=Path, help="pages to run and time (docs/tutorial.md, ...)")
     parser.add_argument("--from", dest="source", type=Path, help="a JSON-lines file of recorded times instead")
+    parser.add_argument("--page", type=Path, help="write the table as the docs' reference page (docs/reference/doc-times.md)")
+    parser.add_argument("--note", default="", help="a line on how the times were taken, for --page")
     args = parser.parse_args(argv)
     if args.source is None and not args.pages:
         parser.error("name pages to run, or --from a file of recorded times")
@@ -59,6 +77,8 @@ def main(argv=None) -> int:
                     print(error, file=sys.stderr)
                     break
             records = [json.loads(line) for line in times.read_text().splitlines()] if times.exists() else []
+    if args.page is not None:
+        args.page.write_text(PAGE.format(note=args.note, table=table(records)))
     print(table(records))
     return 0
 

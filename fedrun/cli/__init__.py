@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.plugins import Plugins
 from omegaconf import DictConfig, OmegaConf
 
-from fedrun.cli.entry import check_run_keys, fail, one_line_errors
+from fedrun.cli.entry import check_known_keys, check_run_keys, fail, one_line_errors
 from fedrun.errors import ConfigError
 from hydra_plugins.fedrun_grid_sweeper.grid_sweeper import FedrunGridSweeper
 from hydra_plugins.fedrun_optuna_sweeper.optuna_sweeper import FedrunOptunaSweeper
@@ -37,10 +37,10 @@ def main(cfg: DictConfig) -> float | None:
     """Run one job; returns the final test accuracy (Hydra sweepers can use it). Its dir is locked while it runs
     (``fedrun.checkpoint.lock``) and released when it ends: a sweep's process runs its jobs one after another."""
     hydra_cfg = HydraConfig.get()
-    if not cfg.get(
-        "resume"
-    ):  # a new run's own keys, before torch and MLflow (a resumed run's: once its config is read)
+    # a new run's own keys, before torch and MLflow (a resumed run's: once its config is read)
+    if not cfg.get("resume"):
         try:
+            check_known_keys(cfg, hydra_cfg)
             check_run_keys(cfg)
         except ConfigError as exc:
             fail(hydra_cfg, f"fedrun: error: {exc}", 2)

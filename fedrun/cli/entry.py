@@ -226,6 +226,38 @@ def _groups() -> list[str]:
     return sorted(p.name for p in conf.iterdir() if p.is_dir() and p.name != "hydra" and not p.name.startswith("_"))
 
 
+def check_known_keys(cfg, hydra_cfg) -> None:
+    """Refuse a new run's top-level key that nothing reads: a key added with ``+`` that is neither a config group
+    (fedrun's, or one a ``--config-dir`` added: Hydra's choices) nor a run-level key of conf/config.yaml, nor named
+    by an interpolation (``+lr=0.1 optimizer.lr='${lr}'``). A typo there (``+agregator/x=fedavg``) used to run the
+    defaults silently. Not for a config read back from a run dir, nor under a primary config of the user's own."""
+    if hydra_cfg.job.config_name != "config":
+        return
+    choices = {str(group).split("/")[0] for group in hydra_cfg.runtime.choices}
+    known = choices | set(_groups()) | set(_root_keys()) | _interpolated_roots(cfg)
+    for key in cfg:
+        if key not in known:
+            raise ConfigError(str(key), _raw(cfg, str(key)), _known_keys(str(key), []))
+
+
+def _interpolated_roots(cfg) -> set[str]:
+    """The top-level keys the config's interpolations name (``${lr}``, ``${a.b}``)."""
+    found = set()
+    stack = [cfg]
+    while stack:
+        node = stack.pop()
+        if node._is_none() or node._is_missing():
+            continue
+        items = node.items_ex(resolve=False) if OmegaConf.is_dict(node) else enumerate(node)
+        for key, _ in items:
+            child = node._get_node(key)
+            if OmegaConf.is_config(child):
+                stack.append(child)
+            elif OmegaConf.is_interpolation(node, key):
+                found.update(re.findall(r"\$\{(?:[a-z_.]+:)?([A-Za-z_]\w*)", str(child._value())))
+    return found
+
+
 def _root_keys() -> list[str]:
     """The run-level keys of conf/config.yaml (``seed``, ``resume``, ``metrics``, ...)."""
     content = yaml.safe_load(resources.files("fedrun.conf").joinpath("config.yaml").read_text()) or {}
@@ -315,10 +347,6 @@ def check_run_keys(cfg: DictConfig) -> None:
     MLflow is imported (``fedrun.cli.main``), a resumed run's once its saved config is read."""
     check_resolves(cfg)  # an interpolation to nothing or a ??? left unset, named now rather than mid-run
     check_finite(cfg)  # inf and nan, in every group
-    known = set(_groups()) | set(_root_keys())
-    for key in cfg:  # a key added with + that no part reads (a typo: +agregator/x=fedavg would run FedAvg silently)
-        if key not in known:
-            raise ConfigError(str(key), _raw(cfg, str(key)), _known_keys(str(key), []))
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or cfg.seed < 0:
         raise ConfigError("seed", cfg.seed, "an integer >= 0")
     targets = cfg.metrics.r_targets

@@ -113,6 +113,17 @@ class SweepRun(Callback):
         from fedrun.cli.runinfo import git_commit
         from fedrun.tracking import preflight, resolve_uri
 
+        if not config.get("resume"):  # a bad key fails here once, before the sweep's MLflow run, not in every job
+            from fedrun.cli.entry import check_known_keys, check_run_keys
+
+            try:
+                check_known_keys(config, config.hydra)
+                check_run_keys(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
+            except ConfigError as exc:
+                print(f"fedrun: error: {exc}", file=sys.stderr)
+                sys.exit(2)
+            except Exception:  # noqa: BLE001  (Hydra would swallow it and skip the rest: each job checks its keys)
+                pass
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         try:

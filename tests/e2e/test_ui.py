@@ -36,6 +36,9 @@ def test_the_ui_opens_on_the_runs_and_stops_its_workers(tmp_path):
     store = tmp_path / "outputs" / "mlflow.db"
     store.parent.mkdir()
     Tracker.experiment_id(f"sqlite:///{store}", "tutorial")  # an experiment as fedrun makes it
+    import mlflow
+
+    mlflow.MlflowClient(f"sqlite:///{store}").create_experiment("not fedrun's")  # newer, but listed after fedrun's
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -43,12 +46,13 @@ def test_the_ui_opens_on_the_runs_and_stops_its_workers(tmp_path):
         [UI, "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        lines = [ui.stdout.readline().strip() for _ in range(2)]  # blocks until the server answered
+        lines = [ui.stdout.readline().strip() for _ in range(3)]  # blocks until the server answered
         base = f"http://127.0.0.1:{port}"
         assert lines[0] == f"fedrun-ui: experiments: {base}/#/experiments?workflowType=machine_learning", lines
         assert lines[1].startswith(f"fedrun-ui:   tutorial: {base}/#/experiments/") and lines[1].endswith(
             "/runs?workflowType=machine_learning"
         ), lines
+        assert lines[2].startswith("fedrun-ui:   not fedrun's: "), lines  # fedrun's experiments first
         assert b"<html" in urllib.request.urlopen(base, timeout=10).read().lower()  # the UI itself answers
         server = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), ui.pid))
         assert len(session_members(server)) >= 2  # the server and its workers

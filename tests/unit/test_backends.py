@@ -290,13 +290,13 @@ def test_vmap_cohort_equals_the_loop_in_float64_with_unequal_clients(solver):
     assert loop.deltas.abs().max() > 1e-3  # the clients moved: the comparison is not between zeros
 
 
-@pytest.mark.parametrize("name", ["scaffold", "feddyn", "ditto", "fedrep", "opaque"])
+@pytest.mark.parametrize("name", ["scaffold", "feddyn", "ditto", "fedrep", "normalized", "opaque"])
 def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes_them(name):
     # SCAFFOLD's and FedDyn's programs change the gradient only (``LocalSGD.gradient``), Ditto's adds a pull and
     # FedRep's freezes layers: vmap steps them for the whole cohort at once; a program that overrides more (here
     # ``corrected``) runs on the loop there.
     from fedrun.backends import Device
-    from fedrun.programs import FedDyn, Frozen, Program, Pulled, Scaffold
+    from fedrun.programs import FedDyn, Frozen, LocalSGD, Program, Pulled, Scaffold
 
     torch.manual_seed(3)
     d = sum(p.numel() for p in CNN((3, 8, 8), 4).parameters())
@@ -310,6 +310,13 @@ def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes
                 super().corrected(local)
 
         program = Program(Opaque(), owns, 0.01 * torch.randn(d, dtype=torch.float64))
+    elif name == "normalized":  # a gradient that reduces over the parameter: mapped per client, not over the cohort
+
+        class Normalized(LocalSGD):
+            def gradient(self, grad, param, start, own, shared):
+                return grad / (grad.norm() + 1e-12)
+
+        program = Program(Normalized())
     elif name == "scaffold":
         program = Program(Scaffold(), owns, 0.01 * torch.randn(d, dtype=torch.float64))  # with c, the server's variate
     elif name == "ditto":  # the personal model pulled to the round's global model (here a perturbed one)

@@ -346,3 +346,20 @@ def test_fairness_measures_have_their_ranges():
 
     assert bounds("tail_fairness_worst10") == (0, 1) and bounds("tail_fairness_jain") == (0, 1)
     assert bounds("tail_fairness_variance") == (0, 0.25) and bounds("fairness/left_behind") == (0, 1)
+
+
+def test_a_run_resumed_across_a_metric_rename_reads_back_whole():
+    # epsilon was 2_privacy/epsilon before it became a headline (0_main/epsilon): a run stopped then and resumed now
+    # logged rounds 1-2 under the old name and 2-3 under the new; history() gives each round once, the new name's
+    from types import SimpleNamespace
+
+    from fedrun.report import history, with_plain_names
+
+    stored = {
+        "2_privacy/epsilon": [SimpleNamespace(step=1, value=1.0), SimpleNamespace(step=2, value=2.0)],
+        "0_main/epsilon": [SimpleNamespace(step=2, value=2.5), SimpleNamespace(step=3, value=3.0)],
+    }
+    client = SimpleNamespace(get_metric_history=lambda run_id, name: stored.get(name, []))
+    assert [(p.step, p.value) for p in history(client, "r", "epsilon")] == [(1, 1.0), (2, 2.5), (3, 3.0)]
+    runs = pd.DataFrame({"metrics.0_main/epsilon": [3.0], "metrics.2_privacy/epsilon": [2.0]})
+    assert with_plain_names(runs)["metrics.epsilon"].tolist() == [3.0]  # the current name's last value

@@ -178,3 +178,9 @@ def test_a_long_dense_series_keeps_every_client_and_reads_back_as_the_wide_one(t
     pd.testing.assert_frame_equal(tables["long"]["personal_accuracy"], wide_accuracy, check_dtype=False)
     # A long sparse file has columns for the clients it names (client 3 never had a weight), 0 where absent.
     np.testing.assert_array_equal(tables["long"]["alpha"].to_numpy(), np.array(alpha)[:, :3])
+
+
+def test_fedrun_ui_knows_fedruns_experiments_by_the_tag_tracking_puts_on_them():
+    from fedrun import tracking, ui
+
+    assert (ui.KIND_TAG, ui.KIND) == (tracking.KIND_TAG, tracking.KIND)  # ui does not import tracking (mlflow)
