@@ -70,11 +70,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-import dp_accounting
 import numpy as np
 import torch
-from dp_accounting import pld, rdp
-from dp_accounting.mechanism_calibration import NoBracketIntervalFoundError
 
 from fedrun.aggregators import Aggregation, Aggregator
 from fedrun.compression import dense_bits
@@ -82,6 +79,22 @@ from fedrun.errors import ConfigError, check
 from fedrun.pipeline import Stage, check_clip_rule, clip_rows, geometric_clip_step, number
 from fedrun.seeding import torch_generator
 from fedrun.state import Stateful
+
+
+class _Accounting:
+    """``dp_accounting``, imported when a privacy run first needs it: the library imports scipy's signal and stats
+    (0.7 s), which every run and every refused config would otherwise pay (``scripts/bench_cli_start.py``)."""
+
+    def __getattr__(self, name: str):
+        import dp_accounting
+        import dp_accounting.mechanism_calibration  # noqa: F401  (its NoBracketIntervalFoundError)
+        import dp_accounting.pld  # noqa: F401
+        import dp_accounting.rdp  # noqa: F401
+
+        return getattr(dp_accounting, name)
+
+
+dp_accounting = _Accounting()
 
 ACCOUNTANTS = ("rdp", "pld")
 COVERS = (
@@ -189,8 +202,8 @@ def make_accountant(kind: str, relation: str):
     neighbouring = dp_accounting.NeighboringRelation
     relation_enum = neighbouring.REPLACE_ONE if relation == REPLACE_ONE else neighbouring.REPLACE_SPECIAL
     if kind == "rdp":
-        return rdp.RdpAccountant(neighboring_relation=relation_enum)
-    return pld.PLDAccountant(neighboring_relation=relation_enum)
+        return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation_enum)
+    return dp_accounting.pld.PLDAccountant(neighboring_relation=relation_enum)
 
 
 class Accountant(Stateful):
@@ -349,7 +362,7 @@ def calibrate_events(events, relation: str, kind: str, target_epsilon: float, de
                         tol=1e-6,
                     )
                 )
-        except (ValueError, NoBracketIntervalFoundError):
+        except (ValueError, dp_accounting.mechanism_calibration.NoBracketIntervalFoundError):
             continue
     if not found:
         raise ConfigError(

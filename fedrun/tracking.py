@@ -25,7 +25,6 @@ import pandas as pd
 import torch
 
 from fedrun.errors import ConfigError
-from fedrun.plots import plot_alpha_heatmap, plot_curves
 from fedrun.runfiles import appended, replaced
 
 # MLflow 3 opens an experiment without this tag as a GenAI one (traces, token usage); fedrun's are model training.
@@ -642,6 +641,8 @@ class Tracker:
             with replaced(self.dir / "model.pt", "wb") as handle:
                 torch.save(model.state_dict(), handle)
         if metrics is not None:
+            from fedrun.plots import plot_alpha_heatmap, plot_curves  # matplotlib: when a run ends, not at every start
+
             plot_curves(metrics, self.dir / "curves.png", title)
             alpha = pd.read_csv(self.alpha_path)
             plot_alpha_heatmap(
