@@ -59,7 +59,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("pages", nargs="*", type=Path, help="pages to run and time (docs/tutorial.md, ...)")
     parser.add_argument("--from", dest="source", type=Path, help="a JSON-lines file of recorded times instead")
-    parser.add_argument("--page", type=Path, help="write the table as the docs' reference page (docs/reference/doc-times.md)")
+    parser.add_argument(
+        "--page", type=Path, help="write the table as the docs' reference page (docs/reference/doc-times.md)"
+    )
     parser.add_argument("--note", default="", help="a line on how the times were taken, for --page")
     args = parser.parse_args(argv)
     if args.source is None and not args.pages:
