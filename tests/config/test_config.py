@@ -1,5 +1,6 @@
 """Every option of every group composes and instantiates; groups are found by glob, so new files are tested."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -230,9 +231,9 @@ SCHEDULE_KEYS = (
     "_target_, rounds, local_epochs, local_steps, batch_size, clients_per_round, cohort, sampling, lr_decay, "
     "eval_every, stop_at_accuracy, stop_on, tail"
 )
-LAUNCHERS = (
-    "basic, joblib, ray, ray_aws, ray_cluster, slurm, slurm_cpu, submitit_local, submitit_local_requeue, submitit_slurm"
-)
+# Hydra's options of hydra/launcher: its own, the plugins' (ray and ray_aws only with the [ray] extra) and conf/'s
+RAY = ", ray, ray_aws" if importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") else ""
+LAUNCHERS = f"basic, joblib{RAY}, ray_cluster, slurm, slurm_cpu, submitit_local, submitit_local_requeue, submitit_slurm"
 # What a new user types wrong, and the one line fedrun says for it (Hydra printed several lines and exited 1).
 HYDRA_ERRORS = [
     (
