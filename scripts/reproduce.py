@@ -49,15 +49,26 @@ class Part:
 
 
 @dataclass(frozen=True)
+class View:
+    """The table's report on some runs (``report_<name>``): its ``--filter``, and its own ``--group-by``, ``--paired``
+    baseline and further arguments where they are not the table's (one study, two comparisons: compression against
+    dense updates, selection against uniform)."""
+
+    name: str
+    where: str
+    group_by: tuple[str, ...] = ()
+    paired: str | None = None
+    extra: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Paper:
     title: str
     parts: tuple[Part, ...]
     report_by: tuple[str, ...] = field(default_factory=tuple)  # --group-by of the table (default: what varies)
     report_extra: tuple[str, ...] = field(default_factory=tuple)  # further fedrun-report arguments (--metrics, --plot)
     paired: str = "aggregator=fedavg"  # fedrun-report --paired of the table and of sensitivity checks: the baseline
-    views: tuple[tuple[str, str], ...] = field(
-        default_factory=tuple
-    )  # (name, --filter): the table's report on some runs (report_<name>)
+    views: tuple[View, ...] = field(default_factory=tuple)  # the table's report on some runs (report_<name>)
     select_by: str = (
         "R90"  # the R-index whose censored median picks the temperature (client_R90: the clients' accuracy)
     )
@@ -138,7 +149,7 @@ PAPERS = {
             ),
         ),
         views=(
-            ("tniid", "params.`partition.shards_per_client` = '2' and params.`partition.shard_source` = 'dataset'"),
+            View("tniid", "params.`partition.shards_per_client` = '2' and params.`partition.shard_source` = 'dataset'"),
         ),
     ),
     # Paper 000 on its authors' protocol (experiment=softmax_mnist_authors: raw pixels, lr 1e-4 * 0.99^r, their splits, their
@@ -204,7 +215,7 @@ PAPERS = {
         ),
         report_extra=("--plot", "client_accuracy"),
         select_by="client_R90",
-        views=(("tniid", "tags.partition = 'label_pairs' and params.`schedule.local_epochs` = '1'"),),
+        views=(View("tniid", "tags.partition = 'label_pairs' and params.`schedule.local_epochs` = '1'"),),
     ),
     # Paper 001 on its authors' protocol (experiment=hybrid_fmnist_authors: the February 2023 code, raw pixels, the ConvNet's
     # softmax over the batch, a loss summed over the batch at lr 1e-3 = fedrun's mean loss at 0.064, shards of 30 dealt at random, the global
@@ -429,6 +440,39 @@ PAPERS = {
         report_extra=("--fairness",),
         paired="aggregator=fedavg",
     ),
+    # docs/results/selection-compression.md: who trains (uniform against Power-of-Choice, under FedAvg and FedSoftMax)
+    # and what they send (QSGD, top-k with and without error feedback) on experiment=mnist_100. Dense uniform FedAvg
+    # is the baseline of both comparisons and runs once; each view pairs its runs with it by seed.
+    "selection": Paper(
+        "Client selection and update compression on MNIST across 100 clients (pathological shards)",
+        tuple(
+            Part(name, ("experiment=mnist_100", *args, "seed={seeds}"))
+            for name, args in (
+                ("fedavg", ()),
+                ("qsgd", ("compression=qsgd",)),
+                ("topk", ("compression=topk", "compression.k=0.1,0.01", "compression.error_feedback=true,false")),
+                ("fedsoftmax", ("aggregator=fedsoftmax",)),
+                ("power_of_choice", ("sampler=power_of_choice", "aggregator=fedavg,fedsoftmax")),
+            )
+        ),
+        report_by=("sampler", "aggregator", "compression", "compression.k", "compression.error_feedback"),
+        paired="compression=none",  # no part names it: the whole table is not paired, its views are
+        views=(
+            View(
+                "compression",
+                "tags.aggregator = 'fedavg' and tags.sampler = 'uniform'",
+                group_by=("compression", "compression.k", "compression.error_feedback"),
+                paired="compression=none",
+                extra=("--per-mb",),
+            ),
+            View(
+                "selection",
+                "tags.compression = 'none'",
+                group_by=("sampler", "aggregator"),
+                paired="sampler=uniform",
+            ),
+        ),
+    ),
 }
 TINY = ("schedule.rounds=2", "schedule.stop_at_accuracy=null")
 
@@ -553,13 +597,16 @@ def reproduce(
         run(report(paper, out, side, extra=spec.report_extra + (("--paired", against) if whole else ())), dry_run)
     # The table is paired with the baseline once the baseline's part has run (now or before).
     baseline = any(p in chosen or started(out, paper, p) for p in spec.parts if has_baseline(p, spec.paired))
-    table = spec.report_extra + (("--paired", spec.paired) if baseline else ())
+    paired = ("--paired", spec.paired) if baseline else ()
+    table = spec.report_extra + paired
     if any(p in chosen or started(out, paper, p) for p in spec.parts if not p.side):  # else no table run exists yet
         run(report(paper, out, group_by=spec.report_by, extra=table), dry_run)
     # The views (e.g. 000's very non-IID split alone: a plot with four lines, not ten) once every table part has run.
     table_ran = all(p in chosen or started(out, paper, p) for p in spec.parts if not p.side)
-    for name, where in spec.views if table_ran else ():
-        run(report(paper, out, group_by=spec.report_by, extra=table + ("--filter", where), view=name), dry_run)
+    for view in spec.views if table_ran else ():
+        against = ("--paired", view.paired) if view.paired else paired
+        extra = spec.report_extra + view.extra + against + ("--filter", view.where)
+        run(report(paper, out, group_by=view.group_by or spec.report_by, extra=extra, view=view.name), dry_run)
 
 
 def started(out: Path, paper: str, part: Part) -> bool:

@@ -50,8 +50,8 @@ def test_a_reproduction_runs_tiny_and_resumes(tmp_path, paper):
     assert done.returncode == 0, done.stderr[-3000:]
     spec = reproduce.PAPERS[paper]
     assert (tmp_path / paper / "report" / "report.md").is_file()
-    for name, _ in spec.views:
-        assert (tmp_path / paper / f"report_{name}" / "accuracy.png").is_file()
+    for view in spec.views:
+        assert (tmp_path / paper / f"report_{view.name}" / "accuracy.png").is_file()
     for part in spec.parts:
         assert (tmp_path / paper / part.name / "0" / "metrics.csv").is_file(), (paper, part.name)
     if any(part.name == "temperature" for part in spec.parts):
