@@ -1,6 +1,7 @@
 """Measurements over whole runs: pure functions of accuracy curves and metrics rows."""
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -172,12 +173,23 @@ def unstable_line(values: dict, tags: dict, window: int) -> str | None:
     )
 
 
-def bounds(name: str) -> tuple[float, float] | None:
+R_INDEX = re.compile(
+    r"^(?P<client>client_)?R(?P<target>\d+(\.\d+)?)(?P<time>_time|_mb)?$"
+)  # R60, client_R60, R60_time, R60_mb
+# Quantities that cannot be negative though nothing bounds them above: megabytes, seconds, an epsilon, a relative
+# deviation, the smoothness std(d) / mean(|d|).
+NON_NEGATIVE = re.compile(r"(_mb|_mb_total|_s|_wall_s)$|epsilon|^attack/deviation|^smoothness$")
+
+
+def bounds(name: str, rounds: float = math.inf) -> tuple[float, float] | None:
     """The range a metric's values lie in, by its name: [0, 1] for an accuracy, a share or a fraction (and an
     accuracy's tail swing) and for the fairness measures of the clients' accuracies but their variance, [0, 1/4],
-    [-1, 1] for a lag-one autocorrelation, [0, 2] for the L1 distance between two weight vectors; None for an
-    unbounded one (an R-index, megabytes, seconds, a deviation)."""
+    [-1, 1] for a lag-one autocorrelation, [0, 2] for the L1 distance between two weight vectors; [1, ``rounds``]
+    for an R-index in rounds (a round number of a run of at most ``rounds`` rounds), [0, inf) for one in time or
+    megabytes and for the other quantities that cannot be negative (``NON_NEGATIVE``); None for any other."""
     plain = name.removeprefix("metrics.")
+    if (r := R_INDEX.match(plain)) is not None:
+        return (0.0, math.inf) if r["time"] else (1.0, rounds)
     if "accuracy" in plain or "share" in plain or plain.endswith("_fraction"):
         return (0.0, 1.0)
     if plain.startswith(("fairness/", "tail_fairness_")):  # accuracies' statistics; a variance of [0, 1] values
@@ -186,6 +198,8 @@ def bounds(name: str) -> tuple[float, float] | None:
         return (-1.0, 1.0)
     if plain.startswith("alpha_distance"):
         return (0.0, 2.0)
+    if NON_NEGATIVE.search(plain):
+        return (0.0, math.inf)
     return None
 
 

@@ -21,6 +21,7 @@ import pandas as pd
 
 from fedrun.metrics import (
     FAIRNESS,
+    R_INDEX,
     TAIL,
     Interval,
     bounded_ci,
@@ -195,10 +196,12 @@ def metric_columns(runs: pd.DataFrame, extra: tuple[str, ...] = ()) -> tuple[pd.
     return runs, r_columns, [f"metrics.{m}" for m in dict.fromkeys(SUMMARY + tuple(extra)) if f"metrics.{m}" in runs]
 
 
-def interval_columns(name: str, values: np.ndarray) -> dict:
-    """A bounded metric's interval within its range (``fedrun.metrics.bounded_ci``) as columns (``Interval.columns``:
-    ``<name>_lo``, ``_hi``, ``_split``, ``_values``, each run's value in seed order); {} for an unbounded one."""
-    bound = bounds(name)
+def interval_columns(name: str, values: np.ndarray, rounds: float = math.inf) -> dict:
+    """A bounded metric's interval within its range (``fedrun.metrics.bounded_ci``; an R-index's is [1, ``rounds``],
+    the most rounds a run of the group ran) as columns (``Interval.columns``: ``<name>_lo``, ``_hi``, ``_split``,
+    ``_values``, each run's value in seed order, NaN for a run that did not reach an R-index's target); {} for an
+    unbounded one."""
+    bound = bounds(name, rounds)
     return {} if bound is None else bounded_ci(values, bound).columns(name)
 
 
@@ -212,16 +215,17 @@ def summarise(runs: pd.DataFrame, keys: list[str], extra: tuple[str, ...] = ()) 
         group = by_seed(group)
         row = {label(k): v for k, v in zip(keys, values)}
         row["runs"] = len(group)
+        # Where a median is infinite, the table says "> N": N, the most rounds any run of the group ran (and no
+        # R-index in rounds can exceed it).
+        row["rounds_max"] = float(group["metrics.rounds_run"].max()) if "metrics.rounds_run" in group else math.nan
+        rounds = math.inf if math.isnan(row["rounds_max"]) else row["rounds_max"]
         for column in r_columns + others:
             reached = group[column].dropna()
             row[f"{label(column)}_mean"], row[f"{label(column)}_ci95"] = mean_ci(reached.to_numpy())
-            if column not in r_columns:
-                row.update(interval_columns(label(column), group[column].to_numpy(dtype=np.float64)))
-            else:
+            row.update(interval_columns(label(column), group[column].to_numpy(dtype=np.float64), rounds))
+            if column in r_columns:
                 row[f"{label(column)}_reached"] = len(reached)
                 row[f"{label(column)}_median"] = censored_median(group[column].to_numpy(dtype=np.float64))
-        # Where a median is infinite, the table says "> N": N, the most rounds any run of the group ran.
-        row["rounds_max"] = float(group["metrics.rounds_run"].max()) if "metrics.rounds_run" in group else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -292,11 +296,6 @@ def paired_markdown(table: pd.DataFrame, keys: list[str], key: str, baseline: st
     )
 
 
-R_INDEX = re.compile(
-    r"^(?P<client>client_)?R(?P<target>\d+(\.\d+)?)(?P<time>_time|_mb)?$"
-)  # R60, client_R60, R60_time, R60_mb
-
-
 def _cell(mean: float, half: float, digits: int) -> str:
     if math.isnan(mean):
         return "-"
@@ -326,7 +325,7 @@ def markdown(table: pd.DataFrame, keys: list[str]) -> str:
             is_r = f"{m}_reached" in row
             cell = _cell(row[f"{m}_mean"], row[f"{m}_ci95"], 1 if is_r else 4)
             if f"{m}_lo" in row:  # bounded: the interval within its range, the seeds when few, split when split
-                cell = Interval.from_row(row, m).cell(4)
+                cell = Interval.from_row(row, m).cell(1 if is_r else 4)
             cells.append(f"{cell} ({int(row[f'{m}_reached'])}/{runs})" if is_r else cell)
             if is_r:
                 cells.append(

@@ -200,7 +200,7 @@ def check_journal(path: Path) -> None:
 
 def check_completed(trials, objective: str, where: str) -> None:
     """Refuse, in one line, a COMPLETE trial whose value its objective cannot take: not finite, or outside its
-    range (an accuracy's [0, 1], ``fedrun.metrics.bounds``; every other objective fedrun takes, an R-index,
+    range (``fedrun.metrics.bounds``: an accuracy's [0, 1], an R-index's [1, inf); every other objective fedrun takes,
     megabytes, seconds, smoothness, is >= 0). A journal is data: a fabricated trial would become the study's best."""
     low, high = bounds(objective) or (0.0, math.inf)
     for trial in trials:

@@ -172,7 +172,19 @@ def test_a_bounded_interval_is_the_t_interval_cut_to_the_range_by_hand():
     assert Interval(0.5, 0.4, 0.6, ()).cell(".2g") == "0.5 ± 0.1"
     assert Interval(0.5, 0.4, 0.6, ()).cell(2, brackets=True) == "0.50 [0.40, 0.60]"  # a simultaneous interval
     assert bounds("tail_test_accuracy_swing") == (0, 1) and bounds("attack/weight_share_mean") == (0, 1)
-    assert bounds("lag1_autocorr") == (-1, 1) and bounds("R90") is None and bounds("attack/deviation_mean") is None
+    assert bounds("lag1_autocorr") == (-1, 1) and bounds("train_loss") is None and bounds("rounds_run") is None
+    # An R-index in rounds is a round of the run: [1, rounds]; in time or megabytes, and the other quantities that
+    # cannot be negative, [0, inf): a cell's interval never goes below 0 (R60 3.0 ± 12.7 once printed from 2 seeds).
+    assert (
+        bounds("R90") == (1, math.inf) and bounds("client_R60", 30) == (1, 30) and bounds("R90_time", 30)[1] == math.inf
+    )
+    assert bounds("R90_mb") == bounds("smoothness") == bounds("attack/deviation_mean") == (0, math.inf)
+    assert bounds("final_epsilon") == bounds("upload_mb_total") == bounds("selection_wall_s") == (0, math.inf)
+    r = bounded_ci([2.0, 4.0], (1, 8))  # 3 ± 12.7 -> [1, 8]; spread 2 of the 7 rounds' scale: not split
+    assert (r.lo, r.hi, r.split) == (1, 8, False) and r.cell(1) == "3.0 [1.0, 8.0] (2.0, 4.0)"
+    assert bounded_ci([2.0, 7.0], (1, 8)).split  # 5 of 7: the seeds disagree in kind
+    smooth = bounded_ci([0.2, 2.5], (0, math.inf))  # 1.35 ± 14.6: cut at 0 only, never split on an open range
+    assert smooth.lo == 0 and smooth.hi == pytest.approx(1.35 + 12.706204736174705 * 2.3 / 2) and not smooth.split
 
 
 def test_a_tail_too_thin_for_the_evaluation_stride_is_warned_about():

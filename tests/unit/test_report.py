@@ -107,7 +107,11 @@ def test_summary_counts_reached_runs_and_uses_student_t():
         "| aggregator | aggregator.temperature | runs | R60 (reached) | R60 median | R95 (reached) | R95 median | "
         "R60_time (reached) | R60_time median |"
     ) in text
-    assert "| 4.0 ± 12.7 (2/2) | 3 |" in text and "| 6.0 (1/2) | 6 |" in text and "| - (0/2) | > 9 |" in text
+    # R60 of seeds 3 and 5: 4 ± 12.7 as a t interval, cut to [1, 9] (a round of these 9-round runs), the two
+    # seeds shown; in time [0, inf): 40.25 ± 123.9 cut at 0.
+    assert "| 4.0 [1.0, 9.0] (3.0, 5.0) (2/2) | 3 |" in text and "| 6.0 (1/2) | 6 |" in text
+    assert "| - (0/2) | > 9 |" in text and "| 40.2 [0.0, 164.1] (30.5, 50.0) (2/2) | 30.5 |" in text
+    assert fedavg["R60_lo"] == 1.0 and fedavg["R60_hi"] == 9.0 and not fedavg["R60_split"]
 
 
 def test_further_metrics_are_summarised_only_when_asked_for():

@@ -446,7 +446,7 @@ def test_an_accuracy_objectives_interval_stays_in_its_range():
 
     assert objective_interval("tail_test_accuracy", 0.281, 0.962) == (0.0, 1.0)  # seeds 0.057, 0.057, 0.728
     assert objective_interval("final_test_accuracy", 0.9, 0.05) == pytest.approx((0.85, 0.95))
-    assert objective_interval("R90", 12.0, 15.0) == (-3.0, 27.0)  # a round count has no range to cut to
+    assert objective_interval("R90", 12.0, 15.0) == (1.0, 27.0)  # a round: at least 1, no upper bound by its name
 
 
 def test_a_completed_trial_outside_its_objective_s_range_is_refused_in_one_line():
@@ -463,11 +463,13 @@ def test_a_completed_trial_outside_its_objective_s_range_is_refused_in_one_line(
     fine = [trial(0, 0.91), trial(1, None, optuna.trial.TrialState.RUNNING)]
     check_completed(fine, "final_test_accuracy", "journal")
     check_completed([trial(0, 14.0)], "R90", "journal")
-    for value, objective in ((1e308, "final_test_accuracy"), (1.5, "tail_test_accuracy"), (-3.0, "R90")):
+    cases = ((1e308, "final_test_accuracy"), (1.5, "tail_test_accuracy"), (-3.0, "R90"), (0.5, "R90"))
+    for value, objective in cases:  # an R-index is a round: at least 1
+        valid = trial(0, 14.0 if objective == "R90" else 0.91)
         with pytest.raises(
             ConfigError, match=rf"^journal trial 2={re.escape(repr(value))} is invalid: allowed is a value"
         ):
-            check_completed([*fine, trial(2, value)], objective, "journal")
+            check_completed([valid, trial(2, value)], objective, "journal")
 
 
 def test_the_journal_is_appended_to_as_optuna_does_but_never_through_a_link_made_while_the_study_runs(tmp_path):
