@@ -628,15 +628,37 @@ def train_cohort(
     call, works = program or PLAIN, work if isinstance(work, list) else [work] * len(parts)
     done = []
     model.train()
-    for row, (part, client, job) in enumerate(zip(parts, client_ids, works)):
-        index = torch.as_tensor(part, device=x.device)
-        run = Client(
-            model, x, y, index, job, lr, make_optimizer, int(client), per_client_round(round_, row), seed, stream
-        )
+    for row, run in enumerate(
+        cohort_calls(model, x, y, parts, client_ids, works, lr, make_optimizer, round_, seed, stream)
+    ):
         own = None if call.owns is None else call.owns[row]
         local = call.program.start(run, per_client_start(global_params, row), own, call.shared)
-        for batch in _batches(len(part), job.batch_size, job.local_epochs, job.local_steps, local.generator):
+        job = run.job
+        for batch in _batches(len(run.index), job.batch_size, job.local_epochs, job.local_steps, local.generator):
             local = call.program.step(local, batch)
         done.append(call.program.finish(local))
     model.eval()
     return CohortUpdate.of(done, global_params)
+
+
+def cohort_calls(
+    model: nn.Module, x, y, parts, client_ids, works, lr, make_optimizer, round_, seed: int, stream: str
+) -> list[Client]:
+    """Each cohort client's call, in cohort order: the workspace, its samples (``parts``) in ``x``, ``y``, its work,
+    id and round (``round_``: one, or one per client) and its mini-batch stream; what every backend hands a program."""
+    return [
+        Client(
+            model,
+            x,
+            y,
+            torch.as_tensor(part, device=x.device),
+            job,
+            lr,
+            make_optimizer,
+            int(client),
+            per_client_round(round_, row),
+            seed,
+            stream,
+        )
+        for row, (part, client, job) in enumerate(zip(parts, client_ids, works))
+    ]

@@ -31,7 +31,7 @@ from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import ConfigError
 from fedrun.models import BatchSoftmax
 from fedrun.optimizers import ProxSGD, base_lr, coefficient_norm
-from fedrun.programs import Client, Local, Program, train_cohort
+from fedrun.programs import Client, Local, Program, cohort_calls, train_cohort
 from fedrun.seeding import torch_generator
 from fedrun.trainer import Trainer
 
@@ -232,12 +232,10 @@ class VmapTrainer(Trainer):
         deltas = flat - global_params
         kept = None
         if program is not None and program.program.keeps:
-            clients_run = [
-                Client(self.model, self.x, self.y, torch.as_tensor(part, device=device), job, rule.lr,
-                       self.make_optimizer, int(client), per_client_round(round_, i), seed, stream)
-                for i, (part, client, job) in enumerate(zip(parts, client_ids, works))
-            ]  # fmt: skip
-            kept = _kept(program, clients_run, global_params, deltas, steps)
+            calls = cohort_calls(
+                self.model, self.x, self.y, parts, client_ids, works, rule.lr, self.make_optimizer, round_, seed, stream
+            )
+            kept = _kept(program, calls, global_params, deltas, steps)
         return CohortUpdate(deltas, ClientLosses(local_mean, local_authors), steps, norms, kept)
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
