@@ -25,10 +25,10 @@ import pandas as pd
 import torch
 
 from fedrun.errors import ConfigError
+from fedrun.mlstore import KIND, KIND_TAG, SQLITE, local_store
 from fedrun.runfiles import appended, replaced
 
 # MLflow 3 opens an experiment without this tag as a GenAI one (traces, token usage); fedrun's are model training.
-KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 PER_CLIENT = (
     "alpha",
     "local_steps",
@@ -108,11 +108,10 @@ def numeric_rows(path: Path, header: list[str] | None, reader) -> list[list[str]
 
 def resolve_uri(uri: str, start_dir: Path) -> str:
     """Make a relative ``sqlite:///`` URI absolute against the directory fedrun was started in."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_absolute():
-        db = (start_dir / uri[len(prefix) :]).resolve()
+    if uri.startswith(SQLITE) and not Path(uri[len(SQLITE) :]).is_absolute():
+        db = local_store(uri, start_dir).resolve()
         db.parent.mkdir(parents=True, exist_ok=True)
-        return prefix + str(db)
+        return SQLITE + str(db)
     return uri
 
 
@@ -124,7 +123,7 @@ def log_run_dir(directory: Path, uri: str) -> None:
 
     root = mlflow.get_artifact_uri()
     root = Path(root.removeprefix("file://")).resolve() if root.startswith(("file://", "/")) else None
-    db = Path(uri.removeprefix("sqlite:///")).resolve() if uri.startswith("sqlite:///") else None
+    db = local_store(uri, Path.cwd()).resolve() if uri.startswith(SQLITE) else None
     for entry in sorted(Path(directory).iterdir()):
         resolved = entry.resolve()
         if root is not None and root.is_relative_to(resolved):

@@ -30,11 +30,10 @@ import webbrowser
 from pathlib import Path
 
 from fedrun.errors import ConfigError
+from fedrun.mlstore import KIND, KIND_TAG, local_store
 
 DEFAULT_STORE = "outputs/mlflow.db"  # conf/config.yaml's tracking.uri, relative to the folder fedrun ran in
 MODE = "?workflowType=machine_learning"  # MLflow 3's model-training pages (the default is its GenAI view)
-# fedrun.tracking's KIND_TAG and KIND, the tag fedrun puts on its experiments (not imported: it imports mlflow)
-KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def store_uri(store: str, cwd: Path) -> str:
@@ -42,10 +41,10 @@ def store_uri(store: str, cwd: Path) -> str:
     file (a path or ``sqlite:///path``) or a folder store (``file:`` or a folder) that must exist."""
     if store.startswith(("http://", "https://")):
         return store.rstrip("/")
-    if "://" in store and not store.startswith(("sqlite:", "file:")):
+    path = local_store(store, cwd)
+    if path is None:
         return store  # a database server's URI: the MLflow server says if it cannot reach it
-    local = store.removeprefix("sqlite:///").removeprefix("file://").removeprefix("file:")
-    path = (cwd / local).resolve()
+    path = path.resolve()
     if store.startswith("file:") or path.is_dir():
         if not path.is_dir():
             raise ConfigError("--store", store, f"an MLflow folder store that exists (none at {path})")
@@ -62,11 +61,8 @@ def store_uri(store: str, cwd: Path) -> str:
 
 def local_folder(uri: str) -> Path | None:
     """The folder a local store lives in (its artifacts go beside it), None for a database server."""
-    if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///") :]).parent
-    if uri.startswith("file:"):
-        return Path(uri.removeprefix("file://")).parent
-    return None
+    path = local_store(uri, Path.cwd())
+    return None if path is None else path.parent
 
 
 def address(host: str, port: int) -> str:

@@ -30,6 +30,7 @@ from fedrun import distributed
 from fedrun.backends import BACKENDS
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, FollowerCheckpoint, diverged, lock
 from fedrun.errors import ConfigError
+from fedrun.mlstore import SQLITE, local_store
 from fedrun.sweepdir import linked_files
 from fedrun.tracking import flatten
 from fedrun.upgrade import migrate_config
@@ -211,13 +212,12 @@ def existing_store(uri: str, cwd: Path) -> str | None:
     """``uri`` with a relative SQLite path made absolute against ``cwd``, when the store is there: the database file
     of an ``sqlite:///`` URI, the folder of a file store (a path or ``file:``); a server's URI as it is (it is
     asked, not created). None when the file or folder is missing. Nothing is created, unlike ``resolve_uri``."""
-    if uri.startswith("sqlite:///"):
-        path = Path(cwd, uri.removeprefix("sqlite:///"))
-        return "sqlite:///" + str(path.resolve()) if path.is_file() else None
-    if "://" not in uri or uri.startswith("file:"):
-        path = Path(cwd, uri.removeprefix("file://").removeprefix("file:"))
-        return uri if path.is_dir() else None
-    return uri
+    path = local_store(uri, cwd)
+    if path is None:
+        return uri
+    if uri.startswith(SQLITE):
+        return SQLITE + str(path.resolve()) if path.is_file() else None
+    return uri if path.is_dir() else None
 
 
 def sweep_job(cfg: DictConfig, job_dir: Path) -> float | str | None:

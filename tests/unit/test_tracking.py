@@ -1,6 +1,8 @@
 """The tracker's files: wide and long per-client series, columns that appear mid-run; how a batch is split for
 MLflow (no MLflow store here: a client that records its calls)."""
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
@@ -180,7 +182,24 @@ def test_a_long_dense_series_keeps_every_client_and_reads_back_as_the_wide_one(t
     np.testing.assert_array_equal(tables["long"]["alpha"].to_numpy(), np.array(alpha)[:, :3])
 
 
-def test_fedrun_ui_knows_fedruns_experiments_by_the_tag_tracking_puts_on_them():
-    from fedrun import tracking, ui
+def test_a_stores_file_or_folder_is_read_one_way_by_tracking_resume_and_the_ui(tmp_path):
+    from fedrun.cli.resume import existing_store
+    from fedrun.mlstore import local_store
+    from fedrun.tracking import resolve_uri
+    from fedrun.ui import local_folder, store_uri
 
-    assert (ui.KIND_TAG, ui.KIND) == (tracking.KIND_TAG, tracking.KIND)  # ui does not import tracking (mlflow)
+    assert local_store("sqlite:///outputs/mlflow.db", tmp_path) == tmp_path / "outputs" / "mlflow.db"
+    assert local_store("sqlite:////abs/m.db", tmp_path) == Path("/abs/m.db")
+    assert local_store("file:runs", tmp_path) == local_store("file://runs", tmp_path) == tmp_path / "runs"
+    assert local_store("runs", tmp_path) == tmp_path / "runs"  # a plain path: MLflow's folder store
+    assert local_store("http://host:5000", tmp_path) is None and local_store("postgresql://u@h/db", tmp_path) is None
+    # The three readers agree on the same store: a SQLite file relative to the folder fedrun started in.
+    uri = resolve_uri("sqlite:///outputs/mlflow.db", tmp_path)  # creates the folder, not the file
+    assert uri == f"sqlite:///{tmp_path.resolve()}/outputs/mlflow.db"
+    assert existing_store("sqlite:///outputs/mlflow.db", tmp_path) is None  # no file yet: nothing to resume into
+    (tmp_path / "outputs" / "mlflow.db").touch()
+    assert existing_store("sqlite:///outputs/mlflow.db", tmp_path) == uri == store_uri("outputs/mlflow.db", tmp_path)
+    assert local_folder(uri) == (tmp_path / "outputs").resolve() and local_folder("http://h:1") is None
+    assert existing_store("file:runs", tmp_path) is None and existing_store("http://h:1", tmp_path) == "http://h:1"
+    (tmp_path / "runs").mkdir()
+    assert store_uri("file:runs", tmp_path) == (tmp_path / "runs").resolve().as_uri()
