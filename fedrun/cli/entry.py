@@ -185,15 +185,16 @@ def _wanted_type(cause: BaseException) -> str:
     return text
 
 
-def _known_keys(key: str, others: list[str]) -> str:
+def _known_keys(key: str, others: list[str], top: list[str] | None = None) -> str:
     """What may stand where ``key`` does: a config group (for ``group/option``), else the keys of the node it would
-    sit in (with the option chosen for it), and the options of that group that have it."""
+    sit in (with the option chosen for it), and the options of that group that have it. ``top``: the config's own
+    top-level keys where the caller has them (a composed run's), so that nothing is composed again."""
     groups = _groups()
     if "/" in key:
         near = did_you_mean(key.partition("/")[0], groups)
         return f"a config group: {', '.join(groups)} (or hydra/<group>){near}"
     parent, _, leaf = key.rpartition(".")
-    keys, choices = _node_keys(parent, others)
+    keys, choices = (top, {}) if top is not None and not parent else _node_keys(parent, others)
     group = parent.replace(".", "/")
     allowed = f"a key of {parent}" if parent else "a key of the config"
     if choices.get(group):
@@ -237,7 +238,8 @@ def check_known_keys(cfg, hydra_cfg) -> None:
     known = choices | set(_groups()) | set(_root_keys()) | _interpolated_roots(cfg)
     for key in cfg:
         if key not in known:
-            raise ConfigError(str(key), _raw(cfg, str(key)), _known_keys(str(key), []))
+            top = [str(k) for k in cfg if k in known]  # the run's own keys, in the config's order
+            raise ConfigError(str(key), _raw(cfg, str(key)), _known_keys(str(key), [], top))
 
 
 def _interpolated_roots(cfg) -> set[str]:
