@@ -473,6 +473,46 @@ PAPERS = {
             ),
         ),
     ),
+    # docs/results/privacy-utility.md: DP-FedAvg on experiment=dp_mnist (1,000 clients, Poisson q = 0.05, 200 rounds)
+    # at epsilon 1-8, fixed against adaptive clipping, and the non-private run under the same sampling; 3 seeds on the
+    # page (--seeds 3: 27 runs of 5-9 minutes on one core). Adaptive is paired with fixed by epsilon and seed.
+    "privacy": Paper(
+        "Privacy and utility: DP-FedAvg on MNIST across 1,000 clients, fixed and adaptive clipping",
+        (
+            Part("nonprivate", ("experiment=dp_mnist", "privacy=none", "seed={seeds}")),
+            Part(
+                "private",
+                (
+                    "experiment=dp_mnist",
+                    "privacy.target_epsilon=1,2,4,8",
+                    "privacy.adaptive=False,True",
+                    "seed={seeds}",
+                ),
+            ),
+        ),
+        report_by=("privacy", "privacy.target_epsilon", "privacy.adaptive"),
+        report_extra=("--versus", "privacy.target_epsilon", "--plot", "clip_norm"),
+        paired="privacy.adaptive=False",
+    ),
+    # docs/results/personalization.md: PFLlib's Fashion-MNIST leaderboard setting (experiment=pfllib_fmnist) for 8
+    # rounds, judged on the last 3 (the personalised curves are flat from round 4 there; a tail of 10 would be the
+    # whole run); 3 seeds on the page (--seeds 3: 33 runs, 17-50 s a round).
+    "personalization": Paper(
+        "Personalised FL on PFLlib's pathological Fashion-MNIST: local, fine-tuning, FedPer, FedRep, Ditto, APFL, FedBN",
+        tuple(
+            Part(name, ("experiment=pfllib_fmnist", *args, "schedule.rounds=8", "schedule.tail=3", "seed={seeds}"))
+            for name, args in (
+                ("methods", ("personalization=none,local,finetune,fedper,fedrep,ditto",)),
+                ("fedper_fedsoftmax", ("personalization=fedper", "aggregator=fedsoftmax")),
+                ("apfl", ("personalization=apfl",)),
+                ("batch_norm", ("personalization=fedbn,none", "model.norm=batch")),
+                ("fedper_fedmax", ("personalization=fedper", "aggregator=fedmax")),
+            )
+        ),
+        report_by=("personalization", "aggregator", "model.norm"),
+        report_extra=("--personal",),
+        paired="personalization=none",
+    ),
 }
 TINY = ("schedule.rounds=2", "schedule.stop_at_accuracy=null")
 
