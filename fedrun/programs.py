@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.nn.functional import cross_entropy
 
 from fedrun.clients import (
@@ -133,9 +134,13 @@ class LocalSGD:
         """Whether the vmap backend steps this program for the whole cohort at once: local SGD whose changes are
         ``gradient`` (a function of one client's gradient, value, start, own state and broadcast of a parameter:
         SCAFFOLD, FedDyn; ``torch.func.vmap`` maps it over the clients), ``pull`` (Ditto's) and ``frozen`` (FedRep's
-        phases). A program that changes anything else (its start, step, an objective, ``corrected`` itself) runs on
-        the loop there, with the loop's numbers; ``kept`` is called per client with the loop's arguments."""
+        phases), and an ``objective`` or ``closure`` that ``batch_loss`` also writes as a function (MOON's term,
+        sample-level TERM's tilt). A program that changes anything else (its start, step, an objective without
+        ``batch_loss``, ``corrected`` itself) runs on the loop there, with the loop's numbers; ``kept`` is called per
+        client with the loop's arguments."""
         steps_as_sgd = ("start", "step", "before", "closure", "objective", "corrected", "finish")
+        if type(self).batch_loss is not LocalSGD.batch_loss:  # its objective has a functional form: vmap maps that
+            steps_as_sgd = tuple(n for n in steps_as_sgd if n not in ("closure", "objective"))
         return all(getattr(type(self), name) is getattr(LocalSGD, name) for name in steps_as_sgd)
 
     def __getstate__(self) -> dict:  # to a worker process: the program without the server's state
@@ -204,6 +209,16 @@ class LocalSGD:
         """A term added to the mini-batch loss, as a function of ``local`` run inside the closure after the model's
         forward, or None (the data term alone)."""
         return None
+
+    def batch_loss(self, model: nn.Module, params: dict, x, y, mask, count, start: dict, own: dict | None):
+        """The mini-batch loss as a function, for the vmap backend (``torch.func`` maps it over the cohort and takes
+        its gradient in ``params``): one client's ``params``, ``start`` and ``own`` state as {name: tensor}, its
+        batch ``x``, ``y`` padded to the cohort's widest (``mask``: 1 for a real sample, 0 for padding; ``count``:
+        the real ones). Returns (the loss the solver steps on, the data term the client reports). A program whose
+        ``objective`` or ``closure`` changes the loss writes the same loss here (``Moon``, ``Tilted``), or runs on
+        the loop under vmap. Default: the mean cross-entropy, both."""
+        data = masked_mean(cross_entropy(functional_call(model, params, (x,)), y, reduction="none"), mask, count)
+        return data, data
 
     @property
     def corrects(self) -> bool:
@@ -536,6 +551,18 @@ class Moon(LocalSGD):
 
         return term
 
+    def batch_loss(self, model, params, x, y, mask, count, start, own):
+        logits, z = forward_with_representation(model, params, x)
+        data = masked_mean(cross_entropy(logits, y, reduction="none"), mask, count)
+        if not self.mu:
+            return data, data
+        z_glob, z_prev = forward_with_representation(model, start, x)[1], forward_with_representation(model, own, x)[1]
+        positive = torch.cosine_similarity(z, z_glob, dim=-1) / self.tau
+        negative = torch.cosine_similarity(z, z_prev, dim=-1) / self.tau
+        logits = torch.stack([positive, negative], dim=1)
+        contrastive = cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device), reduction="none")
+        return data + self.mu * masked_mean(contrastive, mask, count), data
+
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
         return local.start + delta  # the client's local model: next round's z_prev
 
@@ -576,6 +603,16 @@ class Tilted(LocalSGD):
 
         return closure
 
+    def batch_loss(self, model, params, x, y, mask, count, start, own):
+        losses = cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
+        mean = masked_mean(losses, mask, count)
+        if self.tau == 0:
+            return mean, mean
+        # padding's exp(tau l) counts 0: log(mask) is -inf there (a client whose batch is all padding has finished;
+        # its step is discarded)
+        tilted = (torch.logsumexp(self.tau * losses + torch.log(mask), 0) - torch.log(count)) / self.tau
+        return tilted, mean
+
 
 def with_gradients(model: nn.Module, *flats: torch.Tensor | None):
     """Each parameter of ``model`` that has a gradient, with its slice of each flat vector (in ``flat_parameters``'
@@ -596,13 +633,24 @@ def representation(model: nn.Module, flat: torch.Tensor, x: torch.Tensor) -> tor
     """The input of ``model``'s last layer for ``x`` under the flat parameters ``flat`` (flattened per sample), by a
     functional call: the workspace's own parameters are untouched."""
     views = {name: view for (name, _), view in zip(model.named_parameters(), _anchors(model, flat))}
+    return forward_with_representation(model, views, x)[1]
+
+
+def forward_with_representation(model: nn.Module, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of ``model`` for ``x`` under ``params`` ({name: tensor}, a functional call) and the input of its
+    last layer (MOON's representation, flattened per sample)."""
     seen = {}
     handle = last_layer(model).register_forward_pre_hook(lambda module, inputs: seen.__setitem__("z", inputs[0]))
     try:
-        torch.func.functional_call(model, views, (x,))
+        logits = functional_call(model, params, (x,))
     finally:
         handle.remove()
-    return seen["z"].flatten(1)
+    return logits, seen["z"].flatten(1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, count) -> torch.Tensor:
+    """The mean of a padded batch's per-sample ``values`` over its real samples (``mask`` 1, ``count`` of them)."""
+    return (values * mask).sum() / count
 
 
 def train_cohort(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, grad, grad_and_value, vmap
 from torch.nn.functional import cross_entropy
 
 from fedrun.clients import _batches, client_rows, cohort_losses, per_client_round
@@ -31,7 +31,7 @@ from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import ConfigError
 from fedrun.models import BatchSoftmax
 from fedrun.optimizers import ProxSGD, base_lr, coefficient_norm
-from fedrun.programs import Client, Local, Program, cohort_calls, train_cohort
+from fedrun.programs import Client, Local, LocalSGD, Program, cohort_calls, train_cohort
 from fedrun.seeding import torch_generator
 from fedrun.trainer import Trainer
 
@@ -142,8 +142,8 @@ class VmapTrainer(Trainer):
     ) -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
         if program is not None and not program.program.batched:
-            # a program that changes more than the gradient (a personal phase's frozen layers, Ditto's pull, APFL's
-            # mixture, MOON's term): the loop's, with the loop's numbers
+            # a program that changes more than vmap maps (APFL's mixture, an objective without its batch_loss): the
+            # loop's, with the loop's numbers
             return train_cohort(
                 self.model, global_params, self.x, self.y, parts, client_ids, self.make_optimizer, lr, works, seed,
                 round_, stream, program,
@@ -200,14 +200,25 @@ class VmapTrainer(Trainer):
         pull = None if program is None else program.program.pull(self.model, broadcast)  # (lambda, anchors)
         frozen = set() if program is None else set(program.program.frozen())
         moving = [name not in frozen for name in self.names]  # a frozen parameter keeps its start: no step at all
+        per_client, owned = global_params.dim() == 2, program is not None and program.owns is not None
+        owns = self._unflatten(program.owns.to(global_params)) if owned else [None] * len(params)
         if gradient is not None:  # mapped over the clients: each call sees one client's tensors, as on the loop
-            per_client, owned = global_params.dim() == 2, program.owns is not None
-            owns = self._unflatten(program.owns.to(global_params)) if owned else [None] * len(params)
             shared = self._unflatten(broadcast) if broadcast is not None else [None] * len(params)
             gradient = vmap(gradient, in_dims=(0, 0, 0 if per_client else None, 0 if owned else None, None))
+        step_grad = self._grad
+        if program is not None and type(program.program).batch_loss is not LocalSGD.batch_loss:
+            # the program's own loss (MOON's term, TERM's tilt), its gradient in the params mapped over the clients
+            def loss(params, xb, yb, m, c, start, own):
+                return program.program.batch_loss(self.model, params, xb, yb, m, c, start, own)
+
+            batched = vmap(
+                grad(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0 if per_client else None, 0 if owned else None)
+            )
+            starts, own_states = dict(zip(self.names, anchor)), (dict(zip(self.names, owns)) if owned else None)
+            step_grad = lambda params, xb, yb, m, c: batched(params, xb, yb, m, c, starts, own_states)  # noqa: E731
         for k in range(most):
             chosen = index[:, k]
-            grads, losses[:, k] = self._grad(
+            grads, losses[:, k] = step_grad(
                 dict(zip(self.names, params)), self.x[chosen], self.y[chosen], mask[:, k], counts[:, k]
             )
             grads = [grads[n] for n in self.names]

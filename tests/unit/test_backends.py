@@ -290,13 +290,15 @@ def test_vmap_cohort_equals_the_loop_in_float64_with_unequal_clients(solver):
     assert loop.deltas.abs().max() > 1e-3  # the clients moved: the comparison is not between zeros
 
 
-@pytest.mark.parametrize("name", ["scaffold", "feddyn", "ditto", "fedrep", "normalized", "opaque"])
+@pytest.mark.parametrize(
+    "name", ["scaffold", "feddyn", "ditto", "fedrep", "moon", "tilted", "untilted", "normalized", "opaque"]
+)
 def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes_them(name):
     # SCAFFOLD's and FedDyn's programs change the gradient only (``LocalSGD.gradient``), Ditto's adds a pull and
     # FedRep's freezes layers: vmap steps them for the whole cohort at once; a program that overrides more (here
     # ``corrected``) runs on the loop there.
     from fedrun.backends import Device
-    from fedrun.programs import FedDyn, Frozen, LocalSGD, Program, Pulled, Scaffold
+    from fedrun.programs import FedDyn, Frozen, LocalSGD, Moon, Program, Pulled, Scaffold, Tilted
 
     torch.manual_seed(3)
     d = sum(p.numel() for p in CNN((3, 8, 8), 4).parameters())
@@ -321,6 +323,10 @@ def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes
         program = Program(Scaffold(), owns, 0.01 * torch.randn(d, dtype=torch.float64))  # with c, the server's variate
     elif name == "ditto":  # the personal model pulled to the round's global model (here a perturbed one)
         program = Program(Pulled(lam=0.5), None, 0.1 * torch.randn(d, dtype=torch.float64))
+    elif name == "moon":  # the contrastive term between the local, global and previous models' representations
+        program = Program(Moon(mu=1.0, tau=0.5), owns * 10)  # owns: each client's previous local model
+    elif name in ("tilted", "untilted"):  # sample-level TERM inside each client; tau = 0 is plain SGD's mean
+        program = Program(Tilted(tau=2.0 if name == "tilted" else 0.0))
     elif name == "fedrep":  # the body frozen, the head trained (FedRep's first phase)
         program = Program(Frozen(tuple(n for n, _ in CNN((3, 8, 8), 4).named_parameters())[:-2]))
     else:
@@ -338,6 +344,9 @@ def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes
             np.testing.assert_allclose(together.local_losses.mean, loop.local_losses.mean, rtol=1e-10)
             np.testing.assert_allclose(together.coefficient_norms, loop.coefficient_norms, rtol=1e-12)
         plain = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64)
+        if name == "untilted":  # tilt 0 is the mean: plain SGD's numbers
+            torch.testing.assert_close(loop.deltas, plain.deltas, rtol=1e-12, atol=1e-14)
+            continue
         assert (loop.deltas - plain.deltas).abs().max() > 1e-6  # the program moved the clients: not plain SGD's
     if name == "fedrep":
         assert (loop.deltas[:, :-1028] == 0).all() and (loop.deltas[:, -1028:] != 0).any()  # the head alone moved
