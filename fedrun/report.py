@@ -250,6 +250,9 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
         )
     match = ["params.seed"] + [k for k in keys if k != key and (base[k] != "-").any()]
     metrics = r_columns + others
+    # an R-index in rounds lies in [1, the most rounds any of these runs ran]: a difference of two, within +-(that - 1)
+    rounds = float(runs["metrics.rounds_run"].max()) if "metrics.rounds_run" in runs else math.nan
+    rounds = math.inf if math.isnan(rounds) else rounds
 
     def one_per_seed(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
         return frame.groupby(by, as_index=False, dropna=False)[metrics].mean()
@@ -263,7 +266,7 @@ def paired(runs: pd.DataFrame, keys: list[str], key: str, baseline: str, extra: 
         for column in r_columns + others:
             diff = (pairs[column] - pairs[f"{column}_base"]).dropna().to_numpy(dtype=np.float64)
             row[f"{label(column)}_diff"], row[f"{label(column)}_ci95"] = mean_ci(diff)
-            if (bound := bounds(column)) is not None:  # a difference of two values in [a, b] lies in [a - b, b - a]
+            if (bound := bounds(column, rounds)) is not None:  # a difference of two values in [a, b]: in [a - b, b - a]
                 span = bound[1] - bound[0]
                 interval = bounded_ci(diff, (-span, span))
                 row[f"{label(column)}_lo"], row[f"{label(column)}_hi"] = interval.lo, interval.hi

@@ -156,6 +156,13 @@ def test_paired_differences_match_runs_on_the_seed_against_the_baseline():
         "| fedsoftmax | 1 | 2 | -1.0 ± 0.0 (2: 2-/0=/0+) |" in text
         and "| fedsoftmax | 10 | 2 | 1.0 (1: 0-/0=/1+) |" in text
     )
+    # A difference of two R-indices of 9-round runs lies in [-8, 8]: R60 differences -1 and +5 (t interval 2 ± 38.1)
+    # are cut to [-8, 8]. R60_time, in time: [20, 40] - [30.5, 50] = [-10.5, -10], open on both sides: not cut.
+    wide = frame().assign(**{"metrics.R60": [3.0, 3.0, 2.0, 8.0, np.nan, 6.0]})
+    cut = paired(wide, keys, "tags.aggregator", "fedavg").set_index("aggregator.temperature")
+    assert (cut.loc["1", "R60_lo"], cut.loc["1", "R60_hi"]) == (-8.0, 8.0) and cut.loc["1", "R60_diff"] == 2.0
+    # sd of [-10.5, -10] is 0.3536, over sqrt(2): 0.25; t(1) 12.706 * 0.25 = 3.177
+    assert table.loc["1", "R60_time_lo"] == pytest.approx(-10.25 - 12.706204736174705 * 0.25)
     # a difference of accuracies lies in [-1, 1]: 0.03 ± 0.2541 stays inside and is printed as ±
     assert table.loc["1", "final_test_accuracy_lo"] == pytest.approx(0.03 - 0.2541, abs=1e-4)
     assert "0.0300 ± 0.2541 (2: 0-/0=/2+)" in text
