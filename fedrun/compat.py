@@ -233,6 +233,13 @@ RULES = [
         lambda p: f"sync for {name(p.aggregator)}, a synchronous aggregator",
     ),
     Rule(
+        ("engine", "devices"),
+        lambda p: p.engine.asynchronous and p.devices.clocked,
+        "devices",
+        lambda p: p.devices.kind,
+        "none with engine=async (its speed groups time its clients; device profiles time synchronous rounds)",
+    ),
+    Rule(
         ("engine", "heterogeneity"),
         lambda p: p.engine.asynchronous and not p.heterogeneity.equal_work,
         "heterogeneity",

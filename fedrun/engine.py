@@ -145,7 +145,8 @@ def run(
                 parts.sampler.observe(cohort, sent)
                 loop.previous, loop.params = loop.params, parts.step(loop.params, update, sent, cohort)
             diverged = not torch.isfinite(loop.params).all()
-            row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule)
+            clock = parts.devices.clocked and (parts.devices, [passes(int(sizes[c]), w) for c, w in zip(cohort, works)])
+            row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule, clock)
             row.update(local, **diagnostics)
             row.update(selection.spread or {}, **stage_diagnostics, **timings(timer, view))
             row.update(effect.columns(update, alpha, loop.previous, sent, view))
@@ -295,9 +296,11 @@ class Probe:
         return self.attack.report(self.round, cohort, honest, self.attack.malicious(self.round, cohort), drawn)
 
 
-def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule) -> dict:
+def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule, clock=None) -> dict:
     """The round's row before its stages', aggregator's and timing columns (every row has every column, NaN when
-    not evaluated, so that metrics.csv can be appended to)."""
+    not evaluated, so that metrics.csv can be appended to). ``clock``: the run's devices and each cohort client's
+    sample-passes this round: the round's virtual time (``fedrun.devices``), from what each client downloads and
+    uploads."""
     cohort = selection.cohort
     # Read while aggregating, they have their own columns ("losses", as reported, is read through "true_losses").
     view.signals_s = sum(seconds for name, seconds in view.wall_s.items() if name != "losses")
@@ -308,16 +311,19 @@ def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, div
             raise DivergenceError(f"non-finite training loss of the global model at round {t} (lr={lr:g})")
         train_loss = float(np.average(view.true_losses.mean, weights=view.true_sizes))
     unkept = max(selection.probed - int(np.count_nonzero(selected)), 0)  # candidates probed, not kept
+    up, down = bits.upload_mb + (models - 1 + bits.extra_up) * bits.dense_mb, (models + bits.extra_down) * bits.dense_mb
     row = {
         "round": t,
         "train_loss": train_loss,
         "lr": lr,
-        "upload_mb": len(cohort) * (bits.upload_mb + (models - 1 + bits.extra_up) * bits.dense_mb)
-        + selection.probed * LOSS_BYTES / 1e6,
-        "download_mb": ((models + bits.extra_down) * len(cohort) + unkept) * bits.dense_mb,
+        "upload_mb": len(cohort) * up + selection.probed * LOSS_BYTES / 1e6,
+        "download_mb": len(cohort) * down + unkept * bits.dense_mb,
         "local_steps_mean": float(trained.steps.mean()) if len(cohort) else 0.0,
         "cohort_size": len(cohort),
     }
+    if clock:  # each client's time: what it downloads, its passes, what it uploads (a client's own)
+        devices, client_passes = clock
+        row.update(devices.columns(cohort, client_passes, down, up))
     return row | dict.fromkeys(tensors.columns, math.nan)
 
 

@@ -22,6 +22,7 @@ import torch
 from fedrun import compat
 from fedrun.attacks import Attack
 from fedrun.cohort import CohortUpdate
+from fedrun.devices import Unmodelled
 from fedrun.errors import ConfigError
 from fedrun.heterogeneity import EqualWork
 from fedrun.pipeline import Pipeline
@@ -109,9 +110,11 @@ class Parts:
     server: Any = None
     privacy: Any = None
     attack: Any = None
+    devices: Any = None
 
     NAMES = (
         "sampler", "heterogeneity", "client_state", "client", "attack", "pipeline", "aggregator", "server", "privacy",
+        "devices",
     )  # fmt: skip
 
     def __post_init__(self):
@@ -198,6 +201,7 @@ DEFAULTS = {
     "server": ServerOptimizer,
     "privacy": Privacy,
     "attack": Attack,
+    "devices": Unmodelled,
 }
 
 

@@ -85,7 +85,17 @@ def setup(cfg: DictConfig, checked: typing.Callable[[], None] | None = None) -> 
     privacy = build("privacy", cfg.privacy)
     early = {"privacy": privacy, "engine": build("engine", cfg.engine)} if privacy else {"privacy": privacy}
     compat.check(early)
-    groups = ("dataset", "partition", "aggregator", "server", "schedule", "heterogeneity", "device", "engine")
+    groups = (
+        "dataset",
+        "partition",
+        "aggregator",
+        "server",
+        "schedule",
+        "heterogeneity",
+        "devices",
+        "device",
+        "engine",
+    )
     objects = {group: early[group] if group in early else build(group, cfg[group]) for group in groups}
     # Each stage on its own, so that an error names its key (pipeline.stages.0.max_norm), then the pipeline around them.
     stages = [build(f"pipeline.stages.{i}", stage) for i, stage in enumerate(cfg.pipeline.get("stages", []))]

@@ -105,7 +105,11 @@ def found(values: dict, tags: dict, planned: int, status: str, why: str | None =
                 f", {values['tail_test_accuracy']:.4f} over the tail (swing {values['tail_test_accuracy_swing']:.4f})"
             )
         parts.append(accuracy + f", best {values['best_test_accuracy']:.4f}")
-    reached = [f"{k} {int(v)}" for k, v in values.items() if re.fullmatch(r"R\d+", k)]
+    reached = [  # in rounds, and in virtual seconds where the run has a clock (devices, the asynchronous engine)
+        f"{k} {int(v)}" + (f" ({values[k + '_time']:.4g} s)" if k + "_time" in values else "")
+        for k, v in values.items()
+        if re.fullmatch(r"R\d+", k)
+    ]
     missed = [k for k, v in tags.items() if re.fullmatch(r"R\d+", k) and v == "not_reached"]
     if reached or missed:
         parts.append(", ".join(reached + [f"{k} not reached" for k in missed]))

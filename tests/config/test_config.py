@@ -29,9 +29,14 @@ def test_groups_are_found():
     assert set(CONFIG_GROUPS) <= groups and {"sweep", "pipeline"} <= groups
 
 
+# Options with a value the user must give (``???``), and one that composes (the constructor does not read the file).
+PROFILES = Path(__file__).parents[1] / "data" / "devices" / "profiles.csv"  # 100 clients' speeds and bandwidths
+GIVEN = {("devices", "trace"): [f"devices.profiles={PROFILES}"]}
+
+
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_option_composes_and_instantiates(compose_config, group, option):
-    cfg = compose_config(f"{group}={option}")
+    cfg = compose_config(f"{group}={option}", *GIVEN.get((group, option), []))
     if group in GLOBAL_GROUPS:
         for name in OBJECT_GROUPS:
             assert instantiate(cfg[name]) is not None or name == "device"
@@ -250,7 +255,7 @@ HYDRA_ERRORS = [
     (
         ["bogus/x=y"],
         "bogus/x='y' is invalid: allowed is a config group: aggregator, attack, client, compression, dataset, defence, device, "
-        "engine, experiment, heterogeneity, method, model, optimizer, partition, personalization, pipeline, privacy, sampler, schedule, "
+        "devices, engine, experiment, heterogeneity, method, model, optimizer, partition, personalization, pipeline, privacy, sampler, schedule, "
         "server, sweep (or hydra/<group>)",
     ),
     (

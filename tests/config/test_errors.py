@@ -106,6 +106,7 @@ BAD = [
     (["aggregator=centered_clip", "aggregator.tau=inf"], "aggregator.tau"),
     (["metrics.r_targets=[0.5,nan]"], "metrics.r_targets.1"),
     (["model.norm=batch", "device.backend=vmap"], "device.backend"),  # the trainer refused it in round 1
+    (["devices=trace", "devices.profiles=no_such_profiles.csv"], "devices.profiles"),  # before the data is read
 ]
 
 

@@ -12,6 +12,7 @@ from fedrun.aggregators import MVR, FedAvg, FedBuff, FedNova, FedSoftMax, RoundV
 from fedrun.async_engine import AsyncEngine
 from fedrun.attacks import ALIE, Attack, LossLie, SignFlip
 from fedrun.datasets import Dataset
+from fedrun.devices import Traced, Unmodelled
 from fedrun.engine import SyncEngine
 from fedrun.errors import ConfigError
 from fedrun.heterogeneity import EqualWork, RandomSteps, Stragglers
@@ -112,6 +113,11 @@ CASES = [
     (
         lambda: {"engine": asynchronous(), "aggregator": FedAvg()},
         "engine='async' is invalid: allowed is sync for FedAvg, a synchronous aggregator",
+    ),
+    (
+        lambda: {"engine": asynchronous(), "devices": Traced("profiles.csv")},
+        "devices='trace' is invalid: allowed is none with engine=async (its speed groups time its clients; device "
+        "profiles time synchronous rounds)",
     ),
     (
         lambda: {"engine": asynchronous(), "heterogeneity": RandomSteps()},
@@ -243,6 +249,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "client_state": Keeping(),  # a personal part runs on the synchronous engine
             "attack": SignFlip(fraction=0.1),  # so does an attack, private or not
             "client": LocalSGD(),
+            "devices": Traced("profiles.csv"),  # device profiles time a synchronous round
         },
         lambda: {
             "privacy": Privacy(),
@@ -257,6 +264,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "client_state": ClientState(),  # the default keeps nothing
             "attack": Attack(),  # attack=none
             "client": LocalSGD(),
+            "devices": Unmodelled(),  # devices=none
         },
     ],
     ids=["sync-private", "async"],

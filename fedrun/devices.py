@@ -1,0 +1,217 @@
+"""Clients as devices (``devices`` group): each client's compute speed and link bandwidths, and the time a round
+takes on them, on a virtual clock.
+
+A client's time in a synchronous round is FedScale's completion time (``ClientMetadata.get_completion_time``:
+computation plus communication), written per direction:
+
+    download_mb / down + passes * speed + upload_mb / up
+
+with ``passes`` the sample-passes (forward and backward) of its local work this round (``fedrun.backends.passes``),
+``download_mb`` the messages it receives (the model, and a client program's extra ones: SCAFFOLD's variate) and
+``upload_mb`` what it sends through the stages (a compressed message counts its real size, ``fedrun.rounds.Bits``).
+The round lasts as long as its slowest client (the server waits for the cohort); ``virtual_time`` is the sum of
+the rounds' durations, and the summary's ``R<target>_time`` the virtual time at which test accuracy first reached
+the target. ``devices=none`` models no device: no clock, today's runs bit for bit.
+
+Units: ``speed`` in seconds per sample-pass, ``up`` and ``down`` in megabytes per second (1 MB = 1e6 bytes).
+"""
+
+import math
+import pickle
+from pathlib import Path
+
+import numpy as np
+
+from fedrun.errors import ConfigError, check
+
+
+class Unmodelled:
+    """``devices=none``: clients are not devices; rounds take no virtual time (nothing is logged)."""
+
+    clocked, kind = False, "none"
+
+    def bind(self, context) -> None:
+        pass
+
+    def columns(self, cohort, passes, download_mb, upload_mb) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class Profiled(Unmodelled):
+    """Each client's ``speed``, ``up`` and ``down`` (arrays indexed by client id), and the run's virtual clock."""
+
+    clocked = True
+
+    def __init__(self):
+        self.speed = self.up = self.down = None
+        self.clock = 0.0  # virtual seconds since the run began: the sum of the rounds' durations
+
+    def profiles(self, num_clients: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(speed, up, down) of clients 0 .. num_clients - 1."""
+        raise NotImplementedError
+
+    def bind(self, context) -> None:
+        self.speed, self.up, self.down = self.profiles(len(context.sizes))
+
+    def times(self, cohort: np.ndarray, passes: np.ndarray, download_mb: float, upload_mb: float) -> np.ndarray:
+        """Each cohort client's seconds this round: download + compute + upload (the module's formula)."""
+        cohort = np.asarray(cohort, dtype=np.int64)
+        return (
+            download_mb / self.down[cohort]
+            + np.asarray(passes, dtype=np.float64) * self.speed[cohort]
+            + upload_mb / self.up[cohort]
+        )
+
+    def columns(self, cohort, passes, download_mb, upload_mb) -> dict:
+        """The round's ``round_virtual_s`` (its slowest client's time; 0 for an empty cohort) and ``virtual_time``
+        (the clock after it)."""
+        times = self.times(cohort, passes, download_mb, upload_mb)
+        duration = float(times.max()) if len(times) else 0.0
+        self.clock += duration
+        return {"round_virtual_s": duration, "virtual_time": self.clock}
+
+    def state_dict(self) -> dict:
+        return {"clock": self.clock}
+
+    def load_state_dict(self, state: dict) -> None:
+        clock = state.get("clock", 0.0)
+        if not isinstance(clock, float) or not math.isfinite(clock) or clock < 0:
+            raise ValueError(f"devices clock {clock!r}: a finite number of seconds >= 0")
+        self.clock = clock
+
+
+PROFILE_COLUMNS = ("client", "speed", "up", "down")
+
+
+class Traced(Profiled):
+    """``devices=trace``: the clients' profiles from a file, one row per client: ``client`` (ids 0 .. n - 1, each
+    once), ``speed`` (seconds per sample-pass), ``up`` and ``down`` (megabytes per second), all finite and > 0.
+    CSV, or Parquet by its ``.parquet`` suffix. ``scripts/fedscale_profiles.py`` writes one from FedScale's device
+    capacities. A run with more clients than the file has rows is refused; with fewer, the first ids are used.
+
+    Args:
+        profiles: The file's path (relative to the folder fedrun was started in).
+    """
+
+    kind = "trace"
+
+    def __init__(self, profiles: str):
+        super().__init__()
+        check(isinstance(profiles, str) and profiles != "", "profiles", profiles, "a CSV or Parquet file's path")
+        self.path = profiles
+        self.table = read_table(Path(profiles))  # checked when the run is built, before the dataset is read
+
+    def profiles(self, num_clients: int):
+        return for_clients(Path(self.path), *self.table, num_clients)
+
+    def __getstate__(self) -> dict:  # to a worker process: no table (only the server times a round)
+        return {**self.__dict__, "table": None, "speed": None, "up": None, "down": None}
+
+
+def read_profiles(path: Path, num_clients: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(speed, up, down) of clients 0 .. num_clients - 1 from a profiles file (``Traced``); anything else is one
+    ConfigError naming the file, the row or column and what is allowed."""
+    return for_clients(path, *read_table(path), num_clients)
+
+
+def read_table(path: Path) -> tuple[np.ndarray, ...]:
+    """A profiles file's (client, speed, up, down) columns, each value checked (one ConfigError otherwise)."""
+    import pandas as pd
+
+    key = "devices.profiles"
+    if not path.is_file():
+        raise ConfigError(key, str(path), "a CSV or Parquet file of client, speed, up, down (none there)")
+    try:
+        table = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    except Exception as exc:  # a file pandas cannot parse: its own message, in one line
+        raise ConfigError(key, str(path), f"a CSV or Parquet file pandas reads ({type(exc).__name__}: {exc})") from None
+    missing = [c for c in PROFILE_COLUMNS if c not in table.columns]
+    check(not missing, key, str(path), f"columns {', '.join(PROFILE_COLUMNS)} (missing: {', '.join(missing)})")
+    values = {}
+    for column in PROFILE_COLUMNS:
+        numbers = pd.to_numeric(table[column], errors="coerce").to_numpy(dtype=np.float64)
+        bad = np.flatnonzero(~np.isfinite(numbers) | (numbers <= 0 if column != "client" else numbers < 0))
+        if len(bad):
+            allowed = "an integer client id >= 0" if column == "client" else "a finite number > 0"
+            value = table[column].iloc[bad[0]]
+            raise ConfigError(
+                f"{key} {path} row {bad[0] + 2} {column}", getattr(value, "item", lambda: value)(), allowed
+            )
+        values[column] = numbers
+    ids = values["client"]
+    whole = ids == np.round(ids)
+    check(bool(whole.all()), f"{key} {path} client", ids[~whole][:1].tolist(), "integer client ids")
+    ids = ids.astype(np.int64)
+    unique, counts = np.unique(ids, return_counts=True)
+    check(bool((counts == 1).all()), f"{key} {path} client", unique[counts > 1][:3].tolist(), "each id once")
+    return ids, values["speed"], values["up"], values["down"]
+
+
+def for_clients(path: Path, ids, speed, up, down, num_clients: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The profiles of clients 0 .. num_clients - 1 (every one of them in the file: one ConfigError otherwise)."""
+    key, unique = "devices.profiles", np.sort(ids)
+    check(
+        len(unique) >= num_clients and unique[num_clients - 1] == num_clients - 1 if num_clients else True,
+        key,
+        str(path),
+        f"a row for each of the run's {num_clients} clients, ids 0 to {num_clients - 1} ({len(unique)} rows, ids "
+        f"{unique[:1].tolist()}..{unique[-1:].tolist()})",
+    )
+    order = np.argsort(ids)[:num_clients]
+    return speed[order], up[order], down[order]
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """An unpickler that builds plain containers and numbers only: any class or function a pickle names (the way a
+    pickle runs code) is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"a trace names {module}.{name}: only dicts, lists, tuples, strings and numbers")
+
+
+def read_fedscale(path: Path) -> dict:
+    """FedScale's ``client_device_capacity`` (a pickled {client id: {"computation": ms per sample of inference,
+    "communication": kbps}}), read by an unpickler that allows only plain containers and numbers. Returns the dict."""
+    try:
+        with open(path, "rb") as f:
+            content = _PlainUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        raise ConfigError("fedscale trace", str(path), f"a pickle of plain dicts and numbers ({exc})") from None
+    check(isinstance(content, dict), "fedscale trace", str(path), "a dict of client id -> {computation, communication}")
+    for client, capacity in content.items():
+        ok = isinstance(capacity, dict) and all(
+            isinstance(capacity.get(k), (int, float)) and not isinstance(capacity.get(k), bool)
+            for k in ("computation", "communication")
+        )
+        check(ok, f"fedscale trace {path} client {client!r}", capacity, "{computation: ms, communication: kbps}")
+    return content
+
+
+FEDSCALE_PASS = 3.0  # FedScale's augmentation_factor: a training sample-pass costs 3 inferences (backward ~ 2x)
+
+
+def fedscale_profiles(capacity: dict) -> "pd.DataFrame":  # noqa: F821
+    """FedScale's device capacities as ``Traced``'s profiles, clients renumbered 0 .. n - 1 in FedScale's id
+    order: speed = 3 x computation / 1000 (seconds per training sample-pass, FedScale's own completion time), up =
+    down = communication / 8000 (kbps to megabytes per second: FedScale gives one bandwidth for both directions)."""
+    import pandas as pd
+
+    ids = sorted(capacity, key=lambda c: (str(type(c)), c))
+    computation = np.array([capacity[c]["computation"] for c in ids], dtype=np.float64)
+    communication = np.array([capacity[c]["communication"] for c in ids], dtype=np.float64)
+    bandwidth = communication / 8000.0
+    return pd.DataFrame(
+        {
+            "client": np.arange(len(ids)),
+            "speed": FEDSCALE_PASS * computation / 1000.0,
+            "up": bandwidth,
+            "down": bandwidth,
+            "fedscale_id": [str(c) for c in ids],
+        }
+    )

@@ -1,0 +1,166 @@
+"""Clients as devices (fedrun/devices.py): a round's virtual time by hand, the profiles file's refusals, FedScale's
+capacities read without running code, and devices=none leaving a run as it was."""
+
+import functools
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import TINY_CLIENTS as CLIENTS
+from conftest import TINY_DATA as DATA
+
+from fedrun.aggregators import FedAvg
+from fedrun.backends import Device
+from fedrun.compression import TopK
+from fedrun.devices import Traced, Unmodelled, fedscale_profiles, read_fedscale, read_profiles
+from fedrun.engine import run
+from fedrun.errors import ConfigError
+from fedrun.models import Logistic
+from fedrun.parts import Parts
+from fedrun.pipeline import Pipeline
+from fedrun.rounds import Schedule
+
+
+def profiles_file(tmp_path, rows, name="profiles.csv"):
+    path = tmp_path / name
+    table = pd.DataFrame(rows, columns=["client", "speed", "up", "down"])
+    table.to_parquet(path) if name.endswith(".parquet") else table.to_csv(path, index=False)
+    return str(path)
+
+
+def test_a_three_client_rounds_time_by_hand(tmp_path):
+    # client 0: 0.01 s a pass, up 1 MB/s, down 2 MB/s; client 1: 0.002 s, 0.5, 4; client 2: 0.02 s, 10, 10
+    path = profiles_file(tmp_path, [(2, 0.02, 10, 10), (0, 0.01, 1, 2), (1, 0.002, 0.5, 4)])  # any row order
+    devices = Traced(path)
+    devices.bind(SimpleNamespace(sizes=np.array([30, 50, 20])))
+    # 1.5 MB down, 0.25 MB up; passes 30, 100, 40:
+    # 0: 1.5/2 + 30 * 0.01 + 0.25/1 = 0.75 + 0.3 + 0.25 = 1.3
+    # 1: 1.5/4 + 100 * 0.002 + 0.25/0.5 = 0.375 + 0.2 + 0.5 = 1.075
+    # 2: 1.5/10 + 40 * 0.02 + 0.25/10 = 0.15 + 0.8 + 0.025 = 0.975
+    times = devices.times(np.array([0, 1, 2]), [30, 100, 40], 1.5, 0.25)
+    np.testing.assert_allclose(times, [1.3, 1.075, 0.975], rtol=1e-12)
+    first = devices.columns(np.array([0, 1, 2]), [30, 100, 40], 1.5, 0.25)
+    assert first == pytest.approx({"round_virtual_s": 1.3, "virtual_time": 1.3})  # the slowest client
+    second = devices.columns(np.array([2, 1]), [40, 100], 1.5, 0.25)  # client 0 not drawn: client 1's 1.075
+    assert second == pytest.approx({"round_virtual_s": 1.075, "virtual_time": 2.375})
+    assert devices.columns(np.array([], dtype=int), [], 1.5, 0.25) == {"round_virtual_s": 0.0, "virtual_time": 2.375}
+    resumed = Traced(path)  # the clock is the checkpoint's
+    resumed.load_state_dict(devices.state_dict())
+    resumed.bind(SimpleNamespace(sizes=np.array([30, 50, 20])))
+    assert resumed.columns(np.array([1]), [100], 1.5, 0.25)["virtual_time"] == pytest.approx(3.45)
+    with pytest.raises(ValueError, match="devices clock"):
+        resumed.load_state_dict({"clock": -1.0})
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ([(0, 0.01, 1, 2), (1, 0.0, 1, 2)], r"row 3 speed=0\.0 is invalid: allowed is a finite number > 0"),
+        ([(0, 0.01, 1, 2), (1, 0.01, float("inf"), 2)], r"row 3 up=inf is invalid"),
+        ([(0, 0.01, 1, 2), (0, 0.01, 1, 2)], r"client=\[0\] is invalid: allowed is each id once"),
+        ([(0, 0.01, 1, 2), (2, 0.01, 1, 2)], r"a row for each of the run's 2 clients, ids 0 to 1"),
+        ([(0, 0.01, 1, 2)], r"a row for each of the run's 2 clients"),
+        ([(0.5, 0.01, 1, 2), (1, 0.01, 1, 2)], r"integer client ids"),
+        ([(-1, 0.01, 1, 2), (0, 0.01, 1, 2)], r"row 2 client=-1 is invalid: allowed is an integer client id >= 0"),
+    ],
+)
+def test_a_bad_profiles_file_is_refused_in_one_line(tmp_path, rows, match):
+    with pytest.raises(ConfigError, match=match):
+        read_profiles(Path(profiles_file(tmp_path, rows)), 2)
+
+
+def test_a_profiles_file_that_is_not_one_is_refused_in_one_line(tmp_path):
+    (tmp_path / "cols.csv").write_text("client,speed\n0,1\n")
+    with pytest.raises(ConfigError, match=r"columns client, speed, up, down \(missing: up, down\)"):
+        read_profiles(tmp_path / "cols.csv", 1)
+    (tmp_path / "text.csv").write_text("client,speed,up,down\n0,fast,1,1\n")
+    with pytest.raises(ConfigError, match=r"row 2 speed='fast' is invalid"):
+        read_profiles(tmp_path / "text.csv", 1)
+    with pytest.raises(ConfigError, match="none there"):
+        read_profiles(tmp_path / "missing.csv", 1)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ConfigError, match="a CSV or Parquet file pandas reads"):
+        read_profiles(tmp_path / "bad.parquet", 1)
+    parquet = Path(profiles_file(tmp_path, [(1, 0.2, 3, 4), (0, 0.1, 1, 2), (2, 9, 9, 9)], "p.parquet"))
+    speed, up, down = read_profiles(parquet, 2)  # ids in order; the extra client 2 unused
+    assert speed.tolist() == [0.1, 0.2] and up.tolist() == [1, 3] and down.tolist() == [2, 4]
+
+
+def test_fedscale_capacities_are_read_without_running_code_and_converted(tmp_path):
+    good = tmp_path / "capacity"
+    good.write_bytes(
+        pickle.dumps({7: {"computation": 50.0, "communication": 8000}, 3: {"computation": 10, "communication": 800.0}})
+    )
+    table = fedscale_profiles(read_fedscale(good))
+    # FedScale's completion time: 3 x ms-per-sample inference / 1000 per training sample; kbps / 8000 = MB/s
+    assert table["client"].tolist() == [0, 1] and table["fedscale_id"].tolist() == ["3", "7"]
+    assert table["speed"].tolist() == pytest.approx([0.03, 0.15]) and table["up"].tolist() == pytest.approx([0.1, 1.0])
+    assert (table["up"] == table["down"]).all()
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("a trace ran code",))
+
+    evil = tmp_path / "evil"
+    evil.write_bytes(pickle.dumps({0: Payload()}))
+    with pytest.raises(ConfigError, match=r"a trace names builtins\.print: only dicts, lists"):
+        read_fedscale(evil)
+    odd = tmp_path / "odd"
+    odd.write_bytes(pickle.dumps({0: {"computation": "fast", "communication": 1}}))
+    with pytest.raises(ConfigError, match=r"client 0=.* allowed is \{computation: ms, communication: kbps\}"):
+        read_fedscale(odd)
+    (tmp_path / "cut").write_bytes(pickle.dumps({0: 1})[:5])
+    with pytest.raises(ConfigError, match="a pickle of plain dicts and numbers"):
+        read_fedscale(tmp_path / "cut")
+
+
+def untimed(row: dict) -> dict:
+    """A row without its wall-clock columns (they differ between any two runs) nor the cohort (an array)."""
+    return {k: v for k, v in row.items() if not k.endswith("_wall_s") and k != "cohort"}
+
+
+def train(devices=None, rows=None, stages=()):
+    torch.manual_seed(0)
+    return run(
+        Logistic((4,), 3).double(),
+        DATA,
+        CLIENTS,
+        Parts(FedAvg(), pipeline=Pipeline(list(stages)), devices=devices),
+        functools.partial(torch.optim.SGD, lr=0.5),
+        Schedule(rounds=3, local_steps=2, batch_size=4, clients_per_round=0.5),
+        Device("cpu", "contiguous", "loop"),
+        0,
+        on_round=lambda row, per_client: (
+            rows.append({**row, "cohort": np.flatnonzero(per_client["selected"])}) if rows is not None else None
+        ),
+    )
+
+
+def test_devices_add_their_clock_and_change_nothing_else(tmp_path):
+    plain, none, traced = [], [], []
+    first = train(rows=plain)
+    assert torch.equal(train(Unmodelled(), rows=none).params, first.params)  # devices=none: the run as it was
+    assert [untimed(r) for r in none] == [untimed(r) for r in plain]
+    path = profiles_file(tmp_path, [(c, 0.01 * (c + 1), 1.0, 2.0) for c in range(6)])
+    assert torch.equal(train(Traced(path), rows=traced).params, first.params)  # the same model, the same rows
+    for before, after in zip(plain, traced):
+        assert {k: v for k, v in untimed(after).items() if k not in ("round_virtual_s", "virtual_time")} == untimed(
+            before
+        )
+    # 3 of 6 clients a round, 2 steps of 4 samples each: 8 passes; 15 float64 parameters = 120 bytes each way;
+    # client c computes at 0.01 (c + 1) s a pass, uploads at 1 MB/s, downloads at 2: the slowest of the cohort.
+    mb, clock = 15 * 8 / 1e6, 0.0
+    for row in traced:
+        assert len(row["cohort"]) == 3
+        assert row["round_virtual_s"] == pytest.approx(
+            max(mb / 2.0 + 8 * 0.01 * (c + 1) + mb / 1.0 for c in row["cohort"])
+        )
+        clock += row["round_virtual_s"]
+        assert row["virtual_time"] == pytest.approx(clock)
+    compressed = []
+    train(Traced(path), rows=compressed, stages=[TopK(k=0.25)])  # the compressed message is what goes up
+    assert all(c["round_virtual_s"] < t["round_virtual_s"] for c, t in zip(compressed, traced))
