@@ -88,6 +88,11 @@ def private(p: Parts) -> str:
     return f"privacy={p.privacy.mechanism}"
 
 
+def dropping_key(p: Parts) -> str:
+    """The devices' key that drops clients after the draw: its deadline, else its cap on the reports kept."""
+    return "devices.deadline" if p.devices.deadline is not None else "devices.reports"
+
+
 def crossing_stage(p: Parts) -> int | None:
     """The first stage of the pipeline that crosses clients, or None."""
     return next((i for i, stage in enumerate(p.pipeline.stages) if stage.crosses_clients()), None)
@@ -150,6 +155,13 @@ RULES = [
         lambda p: (
             f"partial with sampler={p.sampler.name} (clients dropping out after the draw would bias its estimate)"
         ),
+    ),
+    Rule(
+        ("engine", "sampler", "devices"),
+        lambda p: synchronous(p) and p.sampler.gives_weights and p.devices.drops_clients,
+        lambda p: dropping_key(p),
+        lambda p: getattr(p.devices, dropping_key(p).split(".")[1]),
+        lambda p: f"null with sampler={p.sampler.name} (clients dropped after the draw would bias its estimate)",
     ),
     Rule(
         ("engine", "aggregator", "pipeline"),
@@ -329,6 +341,13 @@ RULES = [
             f"none with {private(p)} (stragglers that drop out change the sampling that is accounted; the other "
             "options are not checked against the accounting yet)"
         ),
+    ),
+    Rule(
+        ("privacy", "devices"),
+        lambda p: bool(p.privacy) and p.devices.drops_clients,
+        lambda p: dropping_key(p),
+        lambda p: getattr(p.devices, dropping_key(p).split(".")[1]),
+        lambda p: f"null with {private(p)} (clients dropped after the draw change the sampling that is accounted)",
     ),
     Rule(
         ("privacy", "pipeline"),

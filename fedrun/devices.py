@@ -28,12 +28,12 @@ from fedrun.errors import ConfigError, check
 class Unmodelled:
     """``devices=none``: clients are not devices; rounds take no virtual time (nothing is logged)."""
 
-    clocked, kind = False, "none"
+    clocked, drops_clients, kind = False, False, "none"
 
     def bind(self, context) -> None:
         pass
 
-    def columns(self, cohort, passes, download_mb, upload_mb) -> dict:
+    def columns(self) -> dict:
         return {}
 
     def state_dict(self) -> dict:
@@ -44,13 +44,44 @@ class Unmodelled:
 
 
 class Profiled(Unmodelled):
-    """Each client's ``speed``, ``up`` and ``down`` (arrays indexed by client id), and the run's virtual clock."""
+    """Each client's ``speed``, ``up`` and ``down`` (arrays indexed by client id), the run's virtual clock, and
+    what the server does with late clients (Bonawitz et al. 2019, "Towards Federated Learning at Scale", sec. 2:
+    the server selects more devices than it needs, keeps the first reports and abandons a round with too few).
+
+    Args:
+        deadline: Virtual seconds the server waits for reports; a client whose time is longer is dropped (null:
+            it waits for every client).
+        reports: Reports the server keeps, the first to arrive (null: all that arrive in time); draw more clients
+            than this (``schedule.cohort``) to over-select, as Bonawitz et al.'s 130%.
+        min_reports: A round with fewer reports in time fails: nothing is aggregated (an empty round's zero
+            update), ``round_failed`` is 1, and it lasts until the deadline.
+    """
 
     clocked = True
 
-    def __init__(self):
+    def __init__(self, deadline: float | None = None, reports: int | None = None, min_reports: int = 1):
+        check(
+            deadline is None or (isinstance(deadline, (int, float)) and not isinstance(deadline, bool) and deadline > 0
+                                 and math.isfinite(deadline)),
+            "deadline", deadline, "null or virtual seconds > 0",
+        )  # fmt: skip
+        check(
+            reports is None or (isinstance(reports, int) and reports >= 1),
+            "reports",
+            reports,
+            "null or an integer >= 1",
+        )
+        check(isinstance(min_reports, int) and min_reports >= 1, "min_reports", min_reports, "an integer >= 1")
+        check(reports is None or min_reports <= reports, "min_reports", min_reports, f"at most reports={reports}")
+        self.deadline, self.reports, self.min_reports = deadline, reports, min_reports
         self.speed = self.up = self.down = None
         self.clock = 0.0  # virtual seconds since the run began: the sum of the rounds' durations
+        self.last: dict = {}  # the last round's columns
+
+    @property
+    def drops_clients(self) -> bool:
+        """Whether some drawn clients may not report (a deadline, or a cap on the reports kept)."""
+        return self.deadline is not None or self.reports is not None
 
     def profiles(self, num_clients: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(speed, up, down) of clients 0 .. num_clients - 1."""
@@ -59,7 +90,7 @@ class Profiled(Unmodelled):
     def bind(self, context) -> None:
         self.speed, self.up, self.down = self.profiles(len(context.sizes))
 
-    def times(self, cohort: np.ndarray, passes: np.ndarray, download_mb: float, upload_mb: float) -> np.ndarray:
+    def times(self, cohort: np.ndarray, passes, download_mb: float, upload_mb: float) -> np.ndarray:
         """Each cohort client's seconds this round: download + compute + upload (the module's formula)."""
         cohort = np.asarray(cohort, dtype=np.int64)
         return (
@@ -68,13 +99,40 @@ class Profiled(Unmodelled):
             + upload_mb / self.up[cohort]
         )
 
-    def columns(self, cohort, passes, download_mb, upload_mb) -> dict:
-        """The round's ``round_virtual_s`` (its slowest client's time; 0 for an empty cohort) and ``virtual_time``
-        (the clock after it)."""
+    def round(self, cohort: np.ndarray, passes, download_mb: float, upload_mb: float) -> np.ndarray:
+        """Which cohort clients report (a bool mask in cohort order), and the round's duration on the clock.
+
+        In time order (ties in cohort order), the clients within ``deadline`` report until ``reports`` have; a round
+        with fewer than ``min_reports`` fails (no client reports). The round lasts until its last kept report when
+        it kept ``reports`` before the deadline, until the deadline when a client missed it or the round failed,
+        else until its slowest client's report (0 for a round that drew nobody)."""
         times = self.times(cohort, passes, download_mb, upload_mb)
-        duration = float(times.max()) if len(times) else 0.0
+        order = np.argsort(times, kind="stable")
+        in_time = times[order] <= (self.deadline if self.deadline is not None else math.inf)
+        kept = np.zeros(len(times), dtype=bool)
+        count = int(in_time.sum()) if self.reports is None else min(int(in_time.sum()), self.reports)
+        kept[order[:count]] = True
+        failed = len(times) > 0 and count < self.min_reports
+        if failed:
+            kept[:] = False
+        if not len(times):
+            duration = 0.0
+        elif not failed and self.reports is not None and count == self.reports:
+            duration = float(times[order[count - 1]])  # the last report it needed
+        elif failed or not in_time.all():
+            duration = float(self.deadline) if self.deadline is not None else float(times.max())
+        else:
+            duration = float(times.max())
         self.clock += duration
-        return {"round_virtual_s": duration, "virtual_time": self.clock}
+        self.last = {"round_virtual_s": duration, "virtual_time": self.clock}
+        if self.drops_clients:
+            self.last |= {"devices_dropped": int(len(times) - kept.sum()), "round_failed": float(failed)}
+        return kept
+
+    def columns(self) -> dict:
+        """The last round's ``round_virtual_s`` and ``virtual_time`` (with a deadline or a cap on reports, also
+        ``devices_dropped`` and ``round_failed``)."""
+        return dict(self.last)
 
     def state_dict(self) -> dict:
         return {"clock": self.clock}
@@ -101,8 +159,8 @@ class Traced(Profiled):
 
     kind = "trace"
 
-    def __init__(self, profiles: str):
-        super().__init__()
+    def __init__(self, profiles: str, deadline: float | None = None, reports: int | None = None, min_reports: int = 1):
+        super().__init__(deadline, reports, min_reports)
         check(isinstance(profiles, str) and profiles != "", "profiles", profiles, "a CSV or Parquet file's path")
         self.path = profiles
         self.table = read_table(Path(profiles))  # checked when the run is built, before the dataset is read

@@ -125,7 +125,7 @@ def run(
             probe = Probe(trainer, loop.params, clients, schedule.batch_size, parts.attack, t)
             with timer("selection_wall_s"):  # Power-of-Choice's loss pass over its candidates (they may lie)
                 selection = parts.sampler.draw(loop.rng, probe)
-            selection, works, selected = who_trains(parts, selection, t, sizes, schedule, seed, len(clients))
+            selection, works, selected = who_trains(parts, selection, t, sizes, schedule, seed, len(clients), bits)
             cohort, lr, lying = selection.cohort, schedule.lr(first_lr, t), parts.attack.malicious(t, selection.cohort)
             own = parts.client_state.data(cohort, [clients[i] for i in cohort])
             trained_on = parts.attack.data(t, cohort, own, lying)  # a data-poisoning attack's clients train on theirs
@@ -145,9 +145,8 @@ def run(
                 parts.sampler.observe(cohort, sent)
                 loop.previous, loop.params = loop.params, parts.step(loop.params, update, sent, cohort)
             diverged = not torch.isfinite(loop.params).all()
-            clock = parts.devices.clocked and (parts.devices, [passes(int(sizes[c]), w) for c, w in zip(cohort, works)])
-            row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule, clock)
-            row.update(local, **diagnostics)
+            row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule)
+            row.update(local, **diagnostics, **parts.devices.columns())
             row.update(selection.spread or {}, **stage_diagnostics, **timings(timer, view))
             row.update(effect.columns(update, alpha, loop.previous, sent, view))
             per_client = {"alpha": spread_over(alpha, cohort, len(clients)), "selected": selected}
@@ -225,15 +224,22 @@ def server_calibration(model: nn.Module, x: torch.Tensor, clients) -> tuple | No
     return x, None if pooled is None else torch.as_tensor(np.unique(pooled), device=x.device)
 
 
-def who_trains(parts: Parts, selection, t: int, sizes, schedule: Schedule, seed: int, num_clients: int):
-    """The round's selection after its stragglers dropped out, each client's work, and who was picked (before
-    they dropped out: ``selected``, the draws of each client)."""
+def who_trains(parts: Parts, selection, t: int, sizes, schedule: Schedule, seed: int, num_clients: int, bits=None):
+    """The round's selection after its stragglers dropped out and, with devices, after the clients too late to
+    report did (``fedrun.devices``: each client's time from its work and the messages of ``bits``), each client's
+    work, and who was picked (before they dropped out: ``selected``, the draws of each client)."""
     selected = np.zeros(num_clients, dtype=np.int64)
     selected[selection.cohort] = selection.counts
     cohort = selection.cohort
     plan = parts.heterogeneity.plan(t, cohort, sizes[cohort], schedule.work, seed, counts=selection.counts)
     works = [work for work in plan if work is not None]
-    return selection.keep(np.array([work is not None for work in plan], dtype=bool)), works, selected
+    selection = selection.keep(np.array([work is not None for work in plan], dtype=bool))
+    if parts.devices.clocked:  # the messages every cohort client exchanges: the model (and a program's extra ones)
+        down, up = (1 + bits.extra_down) * bits.dense_mb, bits.upload_mb + bits.extra_up * bits.dense_mb
+        work_passes = [passes(int(sizes[c]), work) for c, work in zip(selection.cohort, works)]
+        reported = parts.devices.round(selection.cohort, work_passes, down, up)
+        selection, works = selection.keep(reported), [work for work, kept in zip(works, reported) if kept]
+    return selection, works, selected
 
 
 def round_view(trainer, loop: Loop, selection, trained, data, works, lr, t, fstar, tensors, sizes, probe) -> RoundView:
@@ -296,11 +302,9 @@ class Probe:
         return self.attack.report(self.round, cohort, honest, self.attack.malicious(self.round, cohort), drawn)
 
 
-def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule, clock=None) -> dict:
+def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule) -> dict:
     """The round's row before its stages', aggregator's and timing columns (every row has every column, NaN when
-    not evaluated, so that metrics.csv can be appended to). ``clock``: the run's devices and each cohort client's
-    sample-passes this round: the round's virtual time (``fedrun.devices``), from what each client downloads and
-    uploads."""
+    not evaluated, so that metrics.csv can be appended to)."""
     cohort = selection.cohort
     # Read while aggregating, they have their own columns ("losses", as reported, is read through "true_losses").
     view.signals_s = sum(seconds for name, seconds in view.wall_s.items() if name != "losses")
@@ -311,19 +315,16 @@ def metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, div
             raise DivergenceError(f"non-finite training loss of the global model at round {t} (lr={lr:g})")
         train_loss = float(np.average(view.true_losses.mean, weights=view.true_sizes))
     unkept = max(selection.probed - int(np.count_nonzero(selected)), 0)  # candidates probed, not kept
-    up, down = bits.upload_mb + (models - 1 + bits.extra_up) * bits.dense_mb, (models + bits.extra_down) * bits.dense_mb
     row = {
         "round": t,
         "train_loss": train_loss,
         "lr": lr,
-        "upload_mb": len(cohort) * up + selection.probed * LOSS_BYTES / 1e6,
-        "download_mb": len(cohort) * down + unkept * bits.dense_mb,
+        "upload_mb": len(cohort) * (bits.upload_mb + (models - 1 + bits.extra_up) * bits.dense_mb)
+        + selection.probed * LOSS_BYTES / 1e6,
+        "download_mb": ((models + bits.extra_down) * len(cohort) + unkept) * bits.dense_mb,
         "local_steps_mean": float(trained.steps.mean()) if len(cohort) else 0.0,
         "cohort_size": len(cohort),
     }
-    if clock:  # each client's time: what it downloads, its passes, what it uploads (a client's own)
-        devices, client_passes = clock
-        row.update(devices.columns(cohort, client_passes, down, up))
     return row | dict.fromkeys(tensors.columns, math.nan)
 
 

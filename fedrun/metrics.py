@@ -304,6 +304,9 @@ def summarise(
         values["final_test_accuracy"], values["best_test_accuracy"] = float(accuracy.iloc[-1]), float(accuracy.max())
     if "epsilon" in metrics and metrics["epsilon"].notna().any():  # what the run spent, in the summary a reader opens
         values["final_epsilon"] = float(metrics["epsilon"].dropna().iloc[-1])
+    for column, name in (("devices_dropped", "devices_dropped_total"), ("round_failed", "rounds_failed")):
+        if column in metrics:  # devices with a deadline: clients too late to report, rounds with too few reports
+            values[name] = float(metrics[column].sum())
     for column in ("attack/weight_share", "attack/cohort_share", "attack/deviation"):  # means over the rounds run
         if column in metrics and metrics[column].notna().any():
             values[column + "_mean"] = float(metrics[column].mean())

@@ -122,6 +122,8 @@ def found(values: dict, tags: dict, planned: int, status: str, why: str | None =
         parts.append(f"the worst tenth of the clients {values['tail_fairness_worst10']:.4f}")
     if "final_epsilon" in values:
         parts.append(f"epsilon {values['final_epsilon']:.3g} spent")
+    if values.get("rounds_failed"):  # devices with a deadline: rounds that aggregated nothing
+        parts.append(f"{int(values['rounds_failed'])} rounds failed (fewer than devices.min_reports reports in time)")
     ran = int(values.get("rounds_run", 0))
     line = f"fedrun: {status.lower()} after {ran} of {planned} rounds" + (": " + "; ".join(parts) if parts else "")
     stop = tags.get("stopped_by") or why

@@ -2,6 +2,7 @@
 
 import ast
 import inspect
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +39,9 @@ class Keeping(ClientState):
     keeps = True
 
 
+PROFILES = str(Path(__file__).parents[1] / "data" / "devices" / "profiles.csv")  # 100 clients
+
+
 def central():
     return Privacy(mechanism="central", noise_multiplier=1.0)
 
@@ -67,6 +71,11 @@ CASES = [
         lambda: {"engine": SyncEngine(), "sampler": Importance(), "heterogeneity": Stragglers(mode="drop")},
         "heterogeneity.mode='drop' is invalid: allowed is partial with sampler=importance (clients dropping out "
         "after the draw would bias its estimate)",
+    ),
+    (
+        lambda: {"engine": SyncEngine(), "sampler": Importance(), "devices": Traced(PROFILES, deadline=5.0)},
+        "devices.deadline=5.0 is invalid: allowed is null with sampler=importance (clients dropped after the draw "
+        "would bias its estimate)",
     ),
     (
         lambda: {"engine": SyncEngine(), "aggregator": MVR(), "pipeline": Pipeline([Clip(1.0)])},
@@ -115,7 +124,7 @@ CASES = [
         "engine='async' is invalid: allowed is sync for FedAvg, a synchronous aggregator",
     ),
     (
-        lambda: {"engine": asynchronous(), "devices": Traced("profiles.csv")},
+        lambda: {"engine": asynchronous(), "devices": Traced(PROFILES)},
         "devices='trace' is invalid: allowed is none with engine=async (its speed groups time its clients; device "
         "profiles time synchronous rounds)",
     ),
@@ -161,6 +170,11 @@ CASES = [
         lambda: {"privacy": central(), "heterogeneity": Stragglers()},
         "heterogeneity='Stragglers' is invalid: allowed is none with privacy=central (stragglers that drop out change "
         "the sampling that is accounted; the other options are not checked against the accounting yet)",
+    ),
+    (
+        lambda: {"privacy": central(), "devices": Traced(PROFILES, reports=10)},
+        "devices.reports=10 is invalid: allowed is null with privacy=central (clients dropped after the draw change "
+        "the sampling that is accounted)",
     ),
     (
         lambda: {"privacy": central(), "pipeline": Pipeline([Stage(), Crossing()])},
@@ -249,7 +263,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "client_state": Keeping(),  # a personal part runs on the synchronous engine
             "attack": SignFlip(fraction=0.1),  # so does an attack, private or not
             "client": LocalSGD(),
-            "devices": Traced("profiles.csv"),  # device profiles time a synchronous round
+            "devices": Traced(PROFILES),  # device profiles time a synchronous round
         },
         lambda: {
             "privacy": Privacy(),

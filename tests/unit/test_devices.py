@@ -32,28 +32,72 @@ def profiles_file(tmp_path, rows, name="profiles.csv"):
     return str(path)
 
 
-def test_a_three_client_rounds_time_by_hand(tmp_path):
+def three(tmp_path, **server):
     # client 0: 0.01 s a pass, up 1 MB/s, down 2 MB/s; client 1: 0.002 s, 0.5, 4; client 2: 0.02 s, 10, 10
     path = profiles_file(tmp_path, [(2, 0.02, 10, 10), (0, 0.01, 1, 2), (1, 0.002, 0.5, 4)])  # any row order
-    devices = Traced(path)
+    devices = Traced(path, **server)
     devices.bind(SimpleNamespace(sizes=np.array([30, 50, 20])))
-    # 1.5 MB down, 0.25 MB up; passes 30, 100, 40:
-    # 0: 1.5/2 + 30 * 0.01 + 0.25/1 = 0.75 + 0.3 + 0.25 = 1.3
-    # 1: 1.5/4 + 100 * 0.002 + 0.25/0.5 = 0.375 + 0.2 + 0.5 = 1.075
-    # 2: 1.5/10 + 40 * 0.02 + 0.25/10 = 0.15 + 0.8 + 0.025 = 0.975
-    times = devices.times(np.array([0, 1, 2]), [30, 100, 40], 1.5, 0.25)
-    np.testing.assert_allclose(times, [1.3, 1.075, 0.975], rtol=1e-12)
-    first = devices.columns(np.array([0, 1, 2]), [30, 100, 40], 1.5, 0.25)
-    assert first == pytest.approx({"round_virtual_s": 1.3, "virtual_time": 1.3})  # the slowest client
-    second = devices.columns(np.array([2, 1]), [40, 100], 1.5, 0.25)  # client 0 not drawn: client 1's 1.075
-    assert second == pytest.approx({"round_virtual_s": 1.075, "virtual_time": 2.375})
-    assert devices.columns(np.array([], dtype=int), [], 1.5, 0.25) == {"round_virtual_s": 0.0, "virtual_time": 2.375}
-    resumed = Traced(path)  # the clock is the checkpoint's
+    return devices
+
+
+# 1.5 MB down, 0.25 MB up; passes 30, 100, 40:
+# 0: 1.5/2 + 30 * 0.01 + 0.25/1 = 0.75 + 0.3 + 0.25 = 1.3
+# 1: 1.5/4 + 100 * 0.002 + 0.25/0.5 = 0.375 + 0.2 + 0.5 = 1.075
+# 2: 1.5/10 + 40 * 0.02 + 0.25/10 = 0.15 + 0.8 + 0.025 = 0.975
+ROUND = (np.array([0, 1, 2]), [30, 100, 40], 1.5, 0.25)
+
+
+def test_a_three_client_rounds_time_by_hand(tmp_path):
+    devices = three(tmp_path)
+    np.testing.assert_allclose(devices.times(*ROUND), [1.3, 1.075, 0.975], rtol=1e-12)
+    assert devices.round(*ROUND).all()  # no deadline: every client reports, the round waits for the slowest
+    assert devices.columns() == pytest.approx({"round_virtual_s": 1.3, "virtual_time": 1.3})
+    assert devices.round(np.array([2, 1]), [40, 100], 1.5, 0.25).all()  # client 0 not drawn: client 1's 1.075
+    assert devices.columns() == pytest.approx({"round_virtual_s": 1.075, "virtual_time": 2.375})
+    assert not len(devices.round(np.array([], dtype=int), [], 1.5, 0.25))  # a round that drew nobody: no time
+    assert devices.columns() == {"round_virtual_s": 0.0, "virtual_time": 2.375}
+    resumed = Traced(devices.path)  # the clock is the checkpoint's
     resumed.load_state_dict(devices.state_dict())
     resumed.bind(SimpleNamespace(sizes=np.array([30, 50, 20])))
-    assert resumed.columns(np.array([1]), [100], 1.5, 0.25)["virtual_time"] == pytest.approx(3.45)
+    resumed.round(np.array([1]), [100], 1.5, 0.25)
+    assert resumed.columns()["virtual_time"] == pytest.approx(3.45)
     with pytest.raises(ValueError, match="devices clock"):
         resumed.load_state_dict({"clock": -1.0})
+
+
+def test_a_deadline_the_first_reports_and_a_failed_round_by_hand(tmp_path):
+    # Times 1.3, 1.075, 0.975 (above). A deadline of 1.2 s drops client 0; the round lasts until the deadline.
+    late = three(tmp_path, deadline=1.2)
+    assert late.round(*ROUND).tolist() == [False, True, True]
+    assert late.columns() == pytest.approx(
+        {"round_virtual_s": 1.2, "virtual_time": 1.2, "devices_dropped": 1, "round_failed": 0.0}
+    )
+    # Over-selection: 3 drawn, the first 2 reports kept (clients 2 then 1): the round ends at the second, 1.075 s.
+    first = three(tmp_path, reports=2)
+    assert first.round(*ROUND).tolist() == [False, True, True]
+    assert first.columns()["round_virtual_s"] == pytest.approx(1.075) and first.columns()["devices_dropped"] == 1
+    # A deadline every client meets: no one dropped, the round waits for the slowest (1.3), not for the deadline.
+    met = three(tmp_path, deadline=5.0)
+    assert met.round(*ROUND).all() and met.columns()["round_virtual_s"] == pytest.approx(1.3)
+    # Too few in time: 1 report by 1.0 s (client 2's 0.975) against min_reports 2: the round fails at the deadline.
+    failed = three(tmp_path, deadline=1.0, min_reports=2)
+    assert not failed.round(*ROUND).any()
+    assert failed.columns() == pytest.approx(
+        {"round_virtual_s": 1.0, "virtual_time": 1.0, "devices_dropped": 3, "round_failed": 1.0}
+    )
+    # Reports and a deadline together: 2 wanted, only client 2 in time by 1.0: it reports, the round ends at 1.0.
+    both = three(tmp_path, deadline=1.0, reports=2)
+    assert both.round(*ROUND).tolist() == [False, False, True] and both.columns()["round_virtual_s"] == 1.0
+    # Equal times keep the cohort's order: with two of the same profile, the first drawn reports.
+    tie = three(tmp_path, reports=1)
+    assert tie.round(np.array([1, 1]), [100, 100], 1.5, 0.25).tolist() == [True, False]
+    for bad, match in (
+        (dict(deadline=0), r"deadline=0 is invalid: allowed is null or virtual seconds > 0"),
+        (dict(reports=0), r"reports=0 is invalid"),
+        (dict(reports=2, min_reports=3), r"min_reports=3 is invalid: allowed is at most reports=2"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            three(tmp_path, **bad)
 
 
 @pytest.mark.parametrize(
@@ -161,6 +205,15 @@ def test_devices_add_their_clock_and_change_nothing_else(tmp_path):
         )
         clock += row["round_virtual_s"]
         assert row["virtual_time"] == pytest.approx(clock)
+    # A deadline between client 2's time and client 3's: the drawn clients 3-5 drop, the round lasts until it.
+    late, deadline = [], mb / 2 + 8 * 0.035 + mb
+    train(Traced(path, deadline=deadline), rows=late)
+    for row in late:  # "cohort" here is who was drawn (per_client["selected"]), before the late ones dropped
+        assert row["cohort_size"] == (row["cohort"] <= 2).sum() and row["devices_dropped"] == (row["cohort"] > 2).sum()
+        assert row["round_virtual_s"] == pytest.approx(
+            deadline if (row["cohort"] > 2).any() else max(mb / 2.0 + 8 * 0.01 * (c + 1) + mb for c in row["cohort"])
+        )
+    assert sum(r["devices_dropped"] for r in late) > 0 and not any(r["round_failed"] for r in late)
     compressed = []
     train(Traced(path), rows=compressed, stages=[TopK(k=0.25)])  # the compressed message is what goes up
     assert all(c["round_virtual_s"] < t["round_virtual_s"] for c, t in zip(compressed, traced))
