@@ -87,7 +87,8 @@ CASES = {
         "device.backend=processes",
         "device.workers=2",
     ],
-    # ... and a stateful stage of the update pipeline (the adaptive clip norm moves every round)
+    # ... and a stateful stage of the update pipeline (the adaptive clip norm moves every round), and the devices'
+    # virtual clock with a deadline that drops the slower clients
     "hybrid_fstar": [
         "aggregator=hybrid",
         "+aggregator.phases.0.aggregator.fstar=estimate",
@@ -96,6 +97,9 @@ CASES = {
         "partition.num_clients=6",
         "schedule.clients_per_round=0.5",
         *ADAPTIVE_CLIP,
+        "devices=trace",
+        f"devices.profiles={Path(__file__).parents[1] / 'data' / 'devices' / 'profiles.csv'}",
+        "devices.deadline=8",  # clients 0, 1 and 4 (0.008-0.012 s a pass) report in time, 2, 3 and 5 do not
     ],
     # the asynchronous event heap, buffer, pulled versions and FedStaleWeight's staleness windows, and the adaptive clip norm
     "async": [
