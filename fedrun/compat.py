@@ -164,6 +164,13 @@ RULES = [
         lambda p: f"null with sampler={p.sampler.name} (clients dropped after the draw would bias its estimate)",
     ),
     Rule(
+        ("sampler", "devices"),
+        lambda p: p.devices.windows is not None and not p.sampler.draws_available,
+        "devices.availability",
+        lambda p: p.devices.windows.path,
+        lambda p: f"null with sampler={p.sampler.name} (it draws from every client; uniform draws among those online)",
+    ),
+    Rule(
         ("engine", "aggregator", "pipeline"),
         lambda p: synchronous(p) and bool(p.pipeline) and p.aggregator.reads_second_update,
         "pipeline",

@@ -29,9 +29,14 @@ class Unmodelled:
     """``devices=none``: clients are not devices; rounds take no virtual time (nothing is logged)."""
 
     clocked, drops_clients, kind = False, False, "none"
+    windows = None  # availability windows (``Traced``): who is online when
 
     def bind(self, context) -> None:
         pass
+
+    def available(self) -> np.ndarray | None:
+        """The clients online at the round's start (a bool mask over the population), or None: all of them."""
+        return None
 
     def columns(self) -> dict:
         return {}
@@ -77,6 +82,8 @@ class Profiled(Unmodelled):
         self.speed = self.up = self.down = None
         self.clock = 0.0  # virtual seconds since the run began: the sum of the rounds' durations
         self.last: dict = {}  # the last round's columns
+        self.waited = 0.0  # this round's wait for a client to come online (nobody was, at the round's start)
+        self.online = math.nan  # the share of the population online at this round's start
 
     @property
     def drops_clients(self) -> bool:
@@ -89,6 +96,21 @@ class Profiled(Unmodelled):
 
     def bind(self, context) -> None:
         self.speed, self.up, self.down = self.profiles(len(context.sizes))
+        self.population = len(context.sizes)
+
+    def available(self) -> np.ndarray | None:
+        """The clients online at the round's start (``windows``): when nobody is, the round starts when the first
+        window opens, and waits until then (``round_virtual_s`` counts the wait). None without windows."""
+        self.waited = 0.0
+        if self.windows is None:
+            return None
+        mask = self.windows.online(self.clock, self.population)
+        if not mask.any():
+            opens = self.windows.next_opening(self.clock)
+            self.waited, self.clock = opens - self.clock, opens
+            mask = self.windows.online(self.clock, self.population)
+        self.online = float(mask.mean())
+        return mask
 
     def times(self, cohort: np.ndarray, passes, download_mb: float, upload_mb: float) -> np.ndarray:
         """Each cohort client's seconds this round: download + compute + upload (the module's formula)."""
@@ -124,9 +146,11 @@ class Profiled(Unmodelled):
         else:
             duration = float(times.max())
         self.clock += duration
-        self.last = {"round_virtual_s": duration, "virtual_time": self.clock}
+        self.last = {"round_virtual_s": self.waited + duration, "virtual_time": self.clock}
         if self.drops_clients:
             self.last |= {"devices_dropped": int(len(times) - kept.sum()), "round_failed": float(failed)}
+        if self.windows is not None:
+            self.last["devices_online"] = self.online
         return kept
 
     def columns(self) -> dict:
@@ -159,13 +183,32 @@ class Traced(Profiled):
 
     kind = "trace"
 
-    def __init__(self, profiles: str, deadline: float | None = None, reports: int | None = None, min_reports: int = 1):
+    def __init__(
+        self,
+        profiles: str,
+        deadline: float | None = None,
+        reports: int | None = None,
+        min_reports: int = 1,
+        availability: str | None = None,
+        period: float | None = None,
+    ):
         super().__init__(deadline, reports, min_reports)
         check(isinstance(profiles, str) and profiles != "", "profiles", profiles, "a CSV or Parquet file's path")
+        check(availability is None or (isinstance(availability, str) and availability != ""), "availability",
+              availability, "null or a CSV or Parquet file's path")  # fmt: skip
+        check(
+            period is None or (isinstance(period, (int, float)) and not isinstance(period, bool) and period > 0
+                               and math.isfinite(period)),
+            "period", period, "null or virtual seconds > 0",
+        )  # fmt: skip
+        check(period is None or availability is not None, "period", period, "null without devices.availability")
         self.path = profiles
         self.table = read_table(Path(profiles))  # checked when the run is built, before the dataset is read
+        self.windows = None if availability is None else Windows.read(Path(availability), period)
 
     def profiles(self, num_clients: int):
+        if self.windows is not None:
+            self.windows.check_clients(num_clients)
         return for_clients(Path(self.path), *self.table, num_clients)
 
     def __getstate__(self) -> dict:  # to a worker process: no table (only the server times a round)
@@ -223,6 +266,71 @@ def for_clients(path: Path, ids, speed, up, down, num_clients: int) -> tuple[np.
     )
     order = np.argsort(ids)[:num_clients]
     return speed[order], up[order], down[order]
+
+
+class Windows:
+    """Availability windows: client ``client`` is online in [``start``, ``end``) virtual seconds, each row one
+    window (a client may have several); with ``period``, times repeat every ``period`` seconds (a diurnal trace:
+    86400), as FedScale's availability traces repeat over their ``finish_time``. A client with no window is always
+    online (FedScale's rule for a client without a trace)."""
+
+    def __init__(self, client: np.ndarray, start: np.ndarray, end: np.ndarray, period: float | None, path: str):
+        self.client, self.start, self.end, self.period, self.path = client, start, end, period, path
+
+    @classmethod
+    def read(cls, path: Path, period: float | None) -> "Windows":
+        """The windows of a CSV or Parquet file (client, start, end); one ConfigError for anything else."""
+        import pandas as pd
+
+        key = "devices.availability"
+        if not path.is_file():
+            raise ConfigError(key, str(path), "a CSV or Parquet file of client, start, end (none there)")
+        try:
+            table = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+        except Exception as exc:
+            raise ConfigError(
+                key, str(path), f"a CSV or Parquet file pandas reads ({type(exc).__name__}: {exc})"
+            ) from None
+        missing = [c for c in ("client", "start", "end") if c not in table.columns]
+        check(not missing, key, str(path), f"columns client, start, end (missing: {', '.join(missing)})")
+        values = {
+            c: pd.to_numeric(table[c], errors="coerce").to_numpy(dtype=np.float64) for c in ("client", "start", "end")
+        }
+        limit = period if period is not None else math.inf
+        bad = ~np.isfinite(values["client"]) | (values["client"] < 0) | (values["client"] != np.round(values["client"]))
+        bad |= ~np.isfinite(values["start"]) | (values["start"] < 0) | ~(values["end"] > values["start"])
+        bad |= np.isnan(values["end"]) | (values["end"] > limit)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            allowed = "a client id >= 0 and 0 <= start < end" + (f" <= period {period:g}" if period else "")
+            raise ConfigError(f"{key} {path} row {row + 2}", table.iloc[row].to_dict(), allowed)
+        return cls(values["client"].astype(np.int64), values["start"], values["end"], period, str(path))
+
+    def check_clients(self, num_clients: int) -> None:
+        """Refuse windows of clients the run does not have."""
+        outside = self.client[self.client >= num_clients]
+        check(not len(outside), f"devices.availability {self.path} client", int(outside[0]) if len(outside) else None,
+              f"an id of the run's {num_clients} clients (0 to {num_clients - 1})")  # fmt: skip
+
+    def online(self, t: float, num_clients: int) -> np.ndarray:
+        """Who is online at virtual time ``t``: a bool mask over the population."""
+        now = t % self.period if self.period is not None else t
+        mask = np.ones(num_clients, dtype=bool)
+        mask[np.unique(self.client)] = False  # a client with windows is online only in them
+        inside = (self.start <= now) & (now < self.end)
+        mask[self.client[inside]] = True
+        return mask
+
+    def next_opening(self, t: float) -> float:
+        """The first time after ``t`` at which a window opens (the next period's first one when none is left in
+        this period; ``t`` itself when none ever opens after it: nobody is online again, every later round is
+        empty)."""
+        if self.period is None:
+            later = self.start[self.start > t]
+            return float(later.min()) if len(later) else t
+        base, now = t - t % self.period, t % self.period
+        later = self.start[self.start > now]
+        return float(base + later.min()) if len(later) else float(base + self.period + self.start.min())
 
 
 class _PlainUnpickler(pickle.Unpickler):

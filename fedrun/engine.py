@@ -124,7 +124,7 @@ def run(
             started, timer = time.perf_counter(), Timer()
             probe = Probe(trainer, loop.params, clients, schedule.batch_size, parts.attack, t)
             with timer("selection_wall_s"):  # Power-of-Choice's loss pass over its candidates (they may lie)
-                selection = parts.sampler.draw(loop.rng, probe)
+                selection = parts.sampler.draw(loop.rng, probe, parts.devices.available())
             selection, works, selected = who_trains(parts, selection, t, sizes, schedule, seed, len(clients), bits)
             cohort, lr, lying = selection.cohort, schedule.lr(first_lr, t), parts.attack.malicious(t, selection.cohort)
             own = parts.client_state.data(cohort, [clients[i] for i in cohort])

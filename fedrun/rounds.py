@@ -167,11 +167,18 @@ class Schedule:
             return self.cohort  # at most the population: checked when the sampler is bound
         return max(1, int(round(self.clients_per_round * num_clients)))
 
-    def draw(self, sampler: np.random.Generator, num_clients: int) -> np.ndarray:
-        """A round's cohort, sorted client ids (see ``sampling``); with ``poisson`` it may be empty."""
+    def draw(self, sampler: np.random.Generator, num_clients: int, available: np.ndarray | None = None) -> np.ndarray:
+        """A round's cohort, sorted client ids (see ``sampling``); with ``poisson`` it may be empty. ``available``: the
+        clients that can be drawn (a bool mask; None: all): ``fixed`` draws its count among them (all of them when
+        fewer), ``poisson`` flips every client's coin as always and keeps the available ones."""
         if self.sampling == "poisson":
-            return np.flatnonzero(sampler.random(num_clients) < self.clients_per_round)
-        return np.sort(sampler.choice(num_clients, size=self.cohort_size(num_clients), replace=False))
+            drawn = sampler.random(num_clients) < self.clients_per_round
+            return np.flatnonzero(drawn if available is None else drawn & available)
+        if available is None:
+            return np.sort(sampler.choice(num_clients, size=self.cohort_size(num_clients), replace=False))
+        ids = np.flatnonzero(available)
+        take = min(self.cohort_size(num_clients), len(ids))
+        return np.sort(ids[sampler.choice(len(ids), size=take, replace=False)])
 
 
 @dataclass

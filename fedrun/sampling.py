@@ -121,6 +121,7 @@ class Sampler(Stateful):
     # Capabilities (fedrun.compat): the schedule's draw, every client alike, with no weights of its own.
     gives_weights = False
     draws_uniformly = True
+    draws_available = True  # whether it can draw among the clients online only (``_draw_available``)
     alpha_informative = False  # whether the weights it gives (``Selection``) follow what the clients sent
 
     def __init__(self):
@@ -142,14 +143,23 @@ class Sampler(Stateful):
     def cohort_size(self) -> int:
         return self.schedule.cohort_size(len(self.sizes))
 
-    def draw(self, rng: np.random.Generator, probe: Callable[[np.ndarray], ClientLosses]) -> Selection:
-        """The round's selection; ``probe(ids)`` measures those clients' losses at the round's global model."""
-        selection = self._draw(rng, probe)
+    def draw(
+        self, rng: np.random.Generator, probe: Callable[[np.ndarray], ClientLosses], available: np.ndarray | None = None
+    ) -> Selection:
+        """The round's selection; ``probe(ids)`` measures those clients' losses at the round's global model.
+        ``available``: the clients online now (``fedrun.devices``; None: all), for a sampler that ``draws_available``."""
+        selection = self._draw(rng, probe) if available is None else self._draw_available(rng, probe, available)
         np.add.at(self.selected, selection.cohort, selection.counts)
         return selection
 
     def _draw(self, rng: np.random.Generator, probe) -> Selection:
         cohort = self.schedule.draw(rng, len(self.sizes))
+        return Selection(cohort, np.ones(len(cohort), dtype=np.int64), spread=uniform_spread(len(self.sizes)))
+
+    def _draw_available(self, rng: np.random.Generator, probe, available: np.ndarray) -> Selection:
+        """The schedule's draw among the clients online (``draws_available``; a sampler with its own draw has none:
+        ``fedrun.compat`` refuses devices with availability for it)."""
+        cohort = self.schedule.draw(rng, len(self.sizes), available)
         return Selection(cohort, np.ones(len(cohort), dtype=np.int64), spread=uniform_spread(len(self.sizes)))
 
     def observe(self, cohort: np.ndarray, sent: torch.Tensor) -> None:
@@ -179,7 +189,7 @@ class PowerOfChoice(Sampler):
     """
 
     name = "power_of_choice"
-    draws_uniformly = False  # the candidates with the largest losses
+    draws_uniformly = draws_available = False  # the candidates with the largest losses
 
     def __init__(self, candidates: int | None = None, candidates_by: str = "samples"):
         super().__init__()
@@ -243,7 +253,7 @@ class Importance(Sampler):
 
     name = "importance"
     gives_weights = True  # q_k / (m p_k), FedAvg's alpha
-    draws_uniformly = False
+    draws_uniformly = draws_available = False
     STATE = ("selected", "norms")
 
     def __init__(self, signal: str = "update_norm", uniform_mix: float = 0.1):

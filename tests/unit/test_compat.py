@@ -40,6 +40,7 @@ class Keeping(ClientState):
 
 
 PROFILES = str(Path(__file__).parents[1] / "data" / "devices" / "profiles.csv")  # 100 clients
+WINDOWS = str(Path(__file__).parents[1] / "data" / "devices" / "availability.csv")  # their daily windows
 
 
 def central():
@@ -76,6 +77,11 @@ CASES = [
         lambda: {"engine": SyncEngine(), "sampler": Importance(), "devices": Traced(PROFILES, deadline=5.0)},
         "devices.deadline=5.0 is invalid: allowed is null with sampler=importance (clients dropped after the draw "
         "would bias its estimate)",
+    ),
+    (
+        lambda: {"sampler": PowerOfChoice(), "devices": Traced(PROFILES, availability=WINDOWS)},
+        f"devices.availability='{WINDOWS}' is invalid: allowed is null with sampler=power_of_choice (it draws from "
+        "every client; uniform draws among those online)",
     ),
     (
         lambda: {"engine": SyncEngine(), "aggregator": MVR(), "pipeline": Pipeline([Clip(1.0)])},

@@ -217,3 +217,62 @@ def test_devices_add_their_clock_and_change_nothing_else(tmp_path):
     compressed = []
     train(Traced(path), rows=compressed, stages=[TopK(k=0.25)])  # the compressed message is what goes up
     assert all(c["round_virtual_s"] < t["round_virtual_s"] for c, t in zip(compressed, traced))
+
+
+def test_availability_windows_by_hand(tmp_path):
+    from fedrun.devices import Windows
+
+    path = tmp_path / "windows.csv"
+    # client 0: [0, 10) and [20, 30); client 1: [5, 25); client 2: no window (always online); client 3: [40, 50)
+    path.write_text("client,start,end\n0,0,10\n1,5,25\n0,20,30\n3,40,50\n")
+    windows = Windows.read(path, None)
+    assert windows.online(0, 4).tolist() == [True, False, True, False]
+    assert windows.online(5, 4).tolist() == [True, True, True, False]  # a window's start is in it
+    assert windows.online(10, 4).tolist() == [False, True, True, False]  # its end is not
+    assert windows.online(45, 4).tolist() == [False, False, True, True]
+    assert windows.next_opening(10) == 20 and windows.next_opening(45) == 45  # none opens after 40: no wait
+    daily = Windows.read(path, 50.0)  # every 50 s: at 62 it is 12
+    assert daily.online(62, 4).tolist() == [False, True, True, False]
+    assert daily.next_opening(62) == 70 and daily.next_opening(95) == 100  # the next period's first window (0)
+    for text, match in (
+        ("client,start,end\n0,5,5\n", r"row 2=.* allowed is a client id >= 0 and 0 <= start < end"),
+        ("client,start,end\n-1,0,5\n", r"row 2="),
+        ("client,start\n0,0\n", r"columns client, start, end \(missing: end\)"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            Windows.read(path, None)
+    path.write_text("client,start,end\n0,0,60\n")
+    with pytest.raises(ConfigError, match=r"<= period 50"):
+        Windows.read(path, 50.0)
+
+
+def test_a_round_draws_among_the_clients_online_and_waits_when_none_is(tmp_path):
+    from fedrun.rounds import Schedule
+
+    rng = np.random.default_rng(0)
+    available = np.array([False, True, True, False, True, False])
+    fixed = Schedule(clients_per_round=0.5)  # 3 of 6
+    for _ in range(20):
+        cohort = fixed.draw(rng, 6, available)
+        assert len(cohort) == 3 and available[cohort].all()
+    assert len(fixed.draw(rng, 6, np.array([True, False, False, False, False, True]))) == 2  # fewer online: all
+    # Poisson flips every client's coin as without availability (the same stream), then keeps the online ones.
+    poisson = Schedule(sampling="poisson", clients_per_round=0.5)
+    plain = poisson.draw(np.random.default_rng(1), 6)
+    assert poisson.draw(np.random.default_rng(1), 6, available).tolist() == [c for c in plain if available[c]]
+    # Nobody online at the round's start: it starts when the first window opens and counts the wait.
+    (tmp_path / "w.csv").write_text("client,start,end\n0,3,4\n1,3,4\n2,10,20\n")
+    devices = Traced(
+        profiles_file(tmp_path, [(0, 0.01, 1, 1), (1, 0.01, 1, 1), (2, 0.01, 1, 1)]),
+        availability=str(tmp_path / "w.csv"),
+    )
+    devices.bind(SimpleNamespace(sizes=np.array([10, 10, 10])))
+    assert devices.available().tolist() == [True, True, False] and devices.clock == 3.0  # waited 3 s for 0 and 1
+    devices.round(np.array([0, 1]), [10, 10], 0.5, 0.5)  # 0.5 + 0.1 + 0.5 = 1.1 s each
+    assert devices.columns() == pytest.approx({"round_virtual_s": 4.1, "virtual_time": 4.1, "devices_online": 2 / 3})
+    assert devices.available().tolist() == [False, False, True] and devices.clock == 10.0  # client 2's window
+    devices.round(np.array([2]), [10], 0.5, 0.5)
+    assert devices.columns()["round_virtual_s"] == pytest.approx(5.9 + 1.1)  # 4.1 -> 10 waiting, then 1.1
+    devices.clock = 25.0  # past every window: nobody is online again, no wait, an empty round
+    assert not devices.available().any() and devices.clock == 25.0
