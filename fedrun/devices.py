@@ -276,6 +276,7 @@ class Windows:
 
     def __init__(self, client: np.ndarray, start: np.ndarray, end: np.ndarray, period: float | None, path: str):
         self.client, self.start, self.end, self.period, self.path = client, start, end, period, path
+        self.windowed = np.unique(client)  # the clients online only in their windows
 
     @classmethod
     def read(cls, path: Path, period: float | None) -> "Windows":
@@ -316,7 +317,7 @@ class Windows:
         """Who is online at virtual time ``t``: a bool mask over the population."""
         now = t % self.period if self.period is not None else t
         mask = np.ones(num_clients, dtype=bool)
-        mask[np.unique(self.client)] = False  # a client with windows is online only in them
+        mask[self.windowed] = False  # a client with windows is online only in them
         inside = (self.start <= now) & (now < self.end)
         mask[self.client[inside]] = True
         return mask
