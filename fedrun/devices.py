@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from fedrun.errors import ConfigError, check
+from fedrun.seeding import numpy_rng
 
 
 class Unmodelled:
@@ -213,6 +214,52 @@ class Traced(Profiled):
 
     def __getstate__(self) -> dict:  # to a worker process: no table (only the server times a round)
         return {**self.__dict__, "table": None, "speed": None, "up": None, "down": None}
+
+
+class Generated(Profiled):
+    """``devices=generated``: each client's speed drawn once from the run's seed, ``seconds_per_sample`` x
+    LogNormal(``mu``, ``sigma``) seconds per sample-pass, FedScale's lognormal device model
+    (``ClientMetadata.get_completion_time_lognormal``: 0.005 s a sample, mu 1, sigma 0.6, after the on-device
+    measurements of PAPAYA, Huba et al. 2022): a median of 0.0136 s and a long tail of slow devices. FedScale draws
+    a new speed for each task; here a device keeps its speed. Bandwidths are the user's (``up``, ``down``): no
+    published distribution of them is shipped.
+
+    Args:
+        up, down: Every client's uplink and downlink, megabytes per second.
+        seconds_per_sample, mu, sigma: The speed's scale and log-normal parameters.
+    """
+
+    kind = "generated"
+
+    def __init__(
+        self,
+        up: float,
+        down: float,
+        seconds_per_sample: float = 0.005,
+        mu: float = 1.0,
+        sigma: float = 0.6,
+        deadline: float | None = None,
+        reports: int | None = None,
+        min_reports: int = 1,
+    ):
+        super().__init__(deadline, reports, min_reports)
+        for key, value in (("up", up), ("down", down), ("seconds_per_sample", seconds_per_sample)):
+            check(_positive(value), key, value, "a number > 0")
+        check(isinstance(mu, (int, float)) and math.isfinite(mu), "mu", mu, "a finite number")
+        check(_positive(sigma) or sigma == 0, "sigma", sigma, "a number >= 0")
+        self.bandwidth, self.scale, self.mu, self.sigma = (float(up), float(down)), seconds_per_sample, mu, sigma
+
+    def bind(self, context) -> None:
+        self.seed = context.seed
+        super().bind(context)
+
+    def profiles(self, num_clients: int):
+        speed = self.scale * numpy_rng(self.seed, "devices").lognormal(self.mu, self.sigma, num_clients)
+        return speed, np.full(num_clients, self.bandwidth[0]), np.full(num_clients, self.bandwidth[1])
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def read_profiles(path: Path, num_clients: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

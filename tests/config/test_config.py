@@ -31,7 +31,10 @@ def test_groups_are_found():
 
 # Options with a value the user must give (``???``), and one that composes (the constructor does not read the file).
 PROFILES = Path(__file__).parents[1] / "data" / "devices" / "profiles.csv"  # 100 clients' speeds and bandwidths
-GIVEN = {("devices", "trace"): [f"devices.profiles={PROFILES}"]}
+GIVEN = {
+    ("devices", "trace"): [f"devices.profiles={PROFILES}"],
+    ("devices", "generated"): ["devices.up=1", "devices.down=5"],
+}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])

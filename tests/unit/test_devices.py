@@ -2,6 +2,7 @@
 capacities read without running code, and devices=none leaving a run as it was."""
 
 import functools
+import math
 import pickle
 from pathlib import Path
 from types import SimpleNamespace
@@ -276,3 +277,23 @@ def test_a_round_draws_among_the_clients_online_and_waits_when_none_is(tmp_path)
     assert devices.columns()["round_virtual_s"] == pytest.approx(5.9 + 1.1)  # 4.1 -> 10 waiting, then 1.1
     devices.clock = 25.0  # past every window: nobody is online again, no wait, an empty round
     assert not devices.available().any() and devices.clock == 25.0
+
+
+def test_generated_speeds_follow_fedscales_lognormal_from_the_seed():
+    from fedrun.devices import Generated
+
+    def speeds(seed, n=20000):
+        devices = Generated(up=1.0, down=5.0)
+        devices.bind(SimpleNamespace(sizes=np.ones(n), seed=seed))
+        return devices
+
+    drawn = speeds(0)
+    # 0.005 x LogNormal(1, 0.6): median 0.005 e = 0.01359, mean 0.005 e^(1 + 0.18) = 0.01627
+    assert np.median(drawn.speed) == pytest.approx(0.005 * math.e, rel=0.02)
+    assert drawn.speed.mean() == pytest.approx(0.005 * math.exp(1.18), rel=0.02)
+    assert (drawn.up == 1.0).all() and (drawn.down == 5.0).all()
+    assert np.array_equal(speeds(0).speed, drawn.speed) and not np.array_equal(speeds(1).speed, drawn.speed)
+    assert np.array_equal(speeds(0, 10).speed, drawn.speed[:10])  # a client's speed does not depend on the population
+    for bad, match in ((dict(up=0, down=1), "up=0 is invalid"), (dict(up=1, down=1, sigma=-1), "sigma=-1")):
+        with pytest.raises(ConfigError, match=match):
+            Generated(**bad)
