@@ -121,7 +121,6 @@ class Sampler(Stateful):
     # Capabilities (fedrun.compat): the schedule's draw, every client alike, with no weights of its own.
     gives_weights = False
     draws_uniformly = True
-    draws_available = True  # whether it can draw among the clients online only (``_draw_available``)
     alpha_informative = False  # whether the weights it gives (``Selection``) follow what the clients sent
 
     def __init__(self):
@@ -138,6 +137,13 @@ class Sampler(Stateful):
         self.selected = np.zeros(len(sizes), dtype=np.int64)
         if schedule.cohort is not None and schedule.cohort > len(sizes):
             raise ConfigError("schedule.cohort", schedule.cohort, f"at most the {len(sizes)} clients")
+
+    @property
+    def draws_available(self) -> bool:
+        """Capability (fedrun.compat): whether it can draw among the clients online only: it draws as the schedule
+        does (no ``_draw`` of its own), or has a ``_draw_available`` of its own. A sampler of one's own with its own
+        ``_draw`` is not handed availability it would ignore."""
+        return type(self)._draw is Sampler._draw or type(self)._draw_available is not Sampler._draw_available
 
     @property
     def cohort_size(self) -> int:
@@ -189,7 +195,7 @@ class PowerOfChoice(Sampler):
     """
 
     name = "power_of_choice"
-    draws_uniformly = draws_available = False  # the candidates with the largest losses
+    draws_uniformly = False  # the candidates with the largest losses
 
     def __init__(self, candidates: int | None = None, candidates_by: str = "samples"):
         super().__init__()
@@ -253,7 +259,7 @@ class Importance(Sampler):
 
     name = "importance"
     gives_weights = True  # q_k / (m p_k), FedAvg's alpha
-    draws_uniformly = draws_available = False
+    draws_uniformly = False
     STATE = ("selected", "norms")
 
     def __init__(self, signal: str = "update_norm", uniform_mix: float = 0.1):

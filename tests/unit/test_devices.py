@@ -297,3 +297,19 @@ def test_generated_speeds_follow_fedscales_lognormal_from_the_seed():
     for bad, match in ((dict(up=0, down=1), "up=0 is invalid"), (dict(up=1, down=1, sigma=-1), "sigma=-1")):
         with pytest.raises(ConfigError, match=match):
             Generated(**bad)
+
+
+def test_a_sampler_of_ones_own_is_not_handed_availability_it_would_ignore(tmp_path):
+    from fedrun import compat
+    from fedrun.sampling import Uniform
+
+    class Mine(Uniform):  # a draw of its own (the extend-sampler guide's shape): it knows nothing of availability
+        def _draw(self, rng, probe):
+            return super()._draw(rng, probe)
+
+    (tmp_path / "w.csv").write_text("client,start,end\n0,0,5\n")
+    devices = Traced(profiles_file(tmp_path, [(0, 0.01, 1, 1)]), availability=str(tmp_path / "w.csv"))
+    assert Uniform().draws_available and not Mine().draws_available
+    with pytest.raises(ConfigError, match=r"devices.availability=.* allowed is null with sampler=uniform"):
+        compat.check({"sampler": Mine(), "devices": devices})
+    compat.check({"sampler": Uniform(), "devices": devices})
