@@ -317,17 +317,18 @@ def for_clients(path: Path, ids, speed, up, down, num_clients: int) -> tuple[np.
 
 class Windows:
     """Availability windows: client ``client`` is online in [``start``, ``end``) virtual seconds, each row one
-    window (a client may have several); with ``period``, times repeat every ``period`` seconds (a diurnal trace:
-    86400), as FedScale's availability traces repeat over their ``finish_time``. A client with no window is always
-    online (FedScale's rule for a client without a trace)."""
+    window (a client may have several); a window with a period repeats every ``period`` seconds (a diurnal trace:
+    86400), as FedScale's availability traces repeat, each client's over its own ``finish_time``. A client with no
+    window is always online (FedScale's rule for a client without a trace)."""
 
-    def __init__(self, client: np.ndarray, start: np.ndarray, end: np.ndarray, period: float | None, path: str):
+    def __init__(self, client: np.ndarray, start: np.ndarray, end: np.ndarray, period: np.ndarray, path: str):
         self.client, self.start, self.end, self.period, self.path = client, start, end, period, path
         self.windowed = np.unique(client)  # the clients online only in their windows
 
     @classmethod
     def read(cls, path: Path, period: float | None) -> "Windows":
-        """The windows of a CSV or Parquet file (client, start, end); one ConfigError for anything else."""
+        """The windows of a CSV or Parquet file (client, start, end, and optionally each window's own ``period``,
+        else ``period`` for all: None, they do not repeat); one ConfigError for anything else."""
         import pandas as pd
 
         key = "devices.availability"
@@ -341,18 +342,19 @@ class Windows:
             ) from None
         missing = [c for c in ("client", "start", "end") if c not in table.columns]
         check(not missing, key, str(path), f"columns client, start, end (missing: {', '.join(missing)})")
-        values = {
-            c: pd.to_numeric(table[c], errors="coerce").to_numpy(dtype=np.float64) for c in ("client", "start", "end")
-        }
-        limit = period if period is not None else math.inf
+        columns = ("client", "start", "end") + (("period",) if "period" in table.columns else ())
+        values = {c: pd.to_numeric(table[c], errors="coerce").to_numpy(dtype=np.float64) for c in columns}
+        own = values.get("period", np.full(len(table), np.nan))
+        given = math.inf if period is None else float(period)
+        repeat = np.where(np.isnan(own), given, own)  # a row's own period, else the run's
         bad = ~np.isfinite(values["client"]) | (values["client"] < 0) | (values["client"] != np.round(values["client"]))
         bad |= ~np.isfinite(values["start"]) | (values["start"] < 0) | ~(values["end"] > values["start"])
-        bad |= np.isnan(values["end"]) | (values["end"] > limit)
+        bad |= np.isnan(values["end"]) | (values["end"] > repeat) | ~(repeat > 0)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            allowed = "a client id >= 0 and 0 <= start < end" + (f" <= period {period:g}" if period else "")
+            allowed = "a client id >= 0 and 0 <= start < end <= its period (the row's, or devices.period)"
             raise ConfigError(f"{key} {path} row {row + 2}", table.iloc[row].to_dict(), allowed)
-        return cls(values["client"].astype(np.int64), values["start"], values["end"], period, str(path))
+        return cls(values["client"].astype(np.int64), values["start"], values["end"], repeat, str(path))
 
     def check_clients(self, num_clients: int) -> None:
         """Refuse windows of clients the run does not have."""
@@ -362,7 +364,7 @@ class Windows:
 
     def online(self, t: float, num_clients: int) -> np.ndarray:
         """Who is online at virtual time ``t``: a bool mask over the population."""
-        now = t % self.period if self.period is not None else t
+        now = np.remainder(t, self.period)  # t itself for a window that does not repeat (an infinite period)
         mask = np.ones(num_clients, dtype=bool)
         mask[self.windowed] = False  # a client with windows is online only in them
         inside = (self.start <= now) & (now < self.end)
@@ -370,15 +372,14 @@ class Windows:
         return mask
 
     def next_opening(self, t: float) -> float:
-        """The first time after ``t`` at which a window opens (the next period's first one when none is left in
-        this period; ``t`` itself when none ever opens after it: nobody is online again, every later round is
+        """The first time after ``t`` at which a window opens (a repeating one's next period when its start is
+        past in this one; ``t`` itself when none ever opens after it: nobody is online again, every later round is
         empty)."""
-        if self.period is None:
-            later = self.start[self.start > t]
-            return float(later.min()) if len(later) else t
-        base, now = t - t % self.period, t % self.period
-        later = self.start[self.start > now]
-        return float(base + later.min()) if len(later) else float(base + self.period + self.start.min())
+        now = np.remainder(t, self.period)
+        base = np.where(np.isinf(self.period), 0.0, t - now)
+        opens = np.where(self.start > now, base + self.start, base + self.period + self.start)
+        soonest = float(opens.min()) if len(opens) else math.inf
+        return soonest if math.isfinite(soonest) else t
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -389,22 +390,75 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"a trace names {module}.{name}: only dicts, lists, tuples, strings and numbers")
 
 
+def read_plain_pickle(path: Path, what: str):
+    """A pickle read by an unpickler that builds plain containers and numbers only (one ConfigError otherwise)."""
+    try:
+        with open(path, "rb") as f:
+            return _PlainUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        raise ConfigError(what, str(path), f"a pickle of plain dicts and numbers ({exc})") from None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def read_fedscale(path: Path) -> dict:
     """FedScale's ``client_device_capacity`` (a pickled {client id: {"computation": ms per sample of inference,
     "communication": kbps}}), read by an unpickler that allows only plain containers and numbers. Returns the dict."""
-    try:
-        with open(path, "rb") as f:
-            content = _PlainUnpickler(f).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
-        raise ConfigError("fedscale trace", str(path), f"a pickle of plain dicts and numbers ({exc})") from None
+    content = read_plain_pickle(path, "fedscale trace")
     check(isinstance(content, dict), "fedscale trace", str(path), "a dict of client id -> {computation, communication}")
     for client, capacity in content.items():
-        ok = isinstance(capacity, dict) and all(
-            isinstance(capacity.get(k), (int, float)) and not isinstance(capacity.get(k), bool)
-            for k in ("computation", "communication")
-        )
+        ok = isinstance(capacity, dict) and all(_number(capacity.get(k)) for k in ("computation", "communication"))
         check(ok, f"fedscale trace {path} client {client!r}", capacity, "{computation: ms, communication: kbps}")
     return content
+
+
+def read_fedscale_behaviour(path: Path) -> dict:
+    """FedScale's ``client_behave_trace`` (a pickled {client id: {"active": [s, ...], "inactive": [s, ...],
+    "finish_time": s, ...}}: client online from each active time to the inactive one, the whole repeating over its
+    finish_time), read as ``read_fedscale`` reads. Returns the dict."""
+    content = read_plain_pickle(path, "fedscale behaviour trace")
+    check(isinstance(content, dict), "fedscale behaviour trace", str(path), "a dict of client id -> its trace")
+    for client, trace in content.items():
+        ok = (
+            isinstance(trace, dict)
+            and _number(trace.get("finish_time"))
+            and trace["finish_time"] > 0
+            and all(
+                isinstance(trace.get(k), (list, tuple)) and all(_number(v) for v in trace[k])
+                for k in ("active", "inactive")
+            )
+            and len(trace["active"]) == len(trace["inactive"])
+        )
+        check(ok, f"fedscale behaviour trace {path} client {client!r}", "...",
+              "{active: [seconds], inactive: [seconds] as many, finish_time: seconds > 0}")  # fmt: skip
+    return content
+
+
+def fedscale_windows(behaviour: dict, ids: list) -> "pd.DataFrame":  # noqa: F821
+    """FedScale's behaviour traces as availability windows (``Windows``): each (active, inactive) pair of a client a
+    window, cut to its finish_time, repeating with the client's finish_time as its period. Client ``ids[i]`` (the
+    capacity file's order, ``fedscale_profiles``) becomes client i; a client without a trace gets no window (always
+    online, as in FedScale). FedScale counts both ends of a window in; here the end is out ([start, end))."""
+    import pandas as pd
+
+    rows = []
+    for index, fedscale_id in enumerate(ids):
+        trace = behaviour.get(fedscale_id)
+        if trace is None:
+            continue
+        finish = float(trace["finish_time"])
+        for start, end in zip(trace["active"], trace["inactive"]):
+            start, end = max(0.0, float(start)), min(float(end), finish)
+            if end > start:
+                rows.append((index, start, end, finish))
+    return pd.DataFrame(rows, columns=["client", "start", "end", "period"])
+
+
+def fedscale_ids(capacity: dict) -> list:
+    """FedScale's client ids in the order fedrun numbers them 0 .. n - 1 (numbers before strings, each sorted)."""
+    return sorted(capacity, key=lambda c: (str(type(c)), c))
 
 
 FEDSCALE_PASS = 3.0  # FedScale's augmentation_factor: a training sample-pass costs 3 inferences (backward ~ 2x)
@@ -416,7 +470,7 @@ def fedscale_profiles(capacity: dict) -> "pd.DataFrame":  # noqa: F821
     down = communication / 8000 (kbps to megabytes per second: FedScale gives one bandwidth for both directions)."""
     import pandas as pd
 
-    ids = sorted(capacity, key=lambda c: (str(type(c)), c))
+    ids = fedscale_ids(capacity)
     computation = np.array([capacity[c]["computation"] for c in ids], dtype=np.float64)
     communication = np.array([capacity[c]["communication"] for c in ids], dtype=np.float64)
     bandwidth = communication / 8000.0

@@ -244,8 +244,13 @@ def test_availability_windows_by_hand(tmp_path):
         with pytest.raises(ConfigError, match=match):
             Windows.read(path, None)
     path.write_text("client,start,end\n0,0,60\n")
-    with pytest.raises(ConfigError, match=r"<= period 50"):
+    with pytest.raises(ConfigError, match=r"0 <= start < end <= its period"):
         Windows.read(path, 50.0)
+    # each window its own period (FedScale's traces repeat per client): client 0 every 10 s, client 1 never
+    path.write_text("client,start,end,period\n0,2,4,10\n1,30,40,\n")
+    own = Windows.read(path, None)
+    assert own.online(13, 2).tolist() == [True, False] and own.online(35, 2).tolist() == [False, True]
+    assert own.next_opening(5) == 12 and own.next_opening(44) == 52  # client 1's window never opens again
 
 
 def test_a_round_draws_among_the_clients_online_and_waits_when_none_is(tmp_path):
@@ -313,3 +318,23 @@ def test_a_sampler_of_ones_own_is_not_handed_availability_it_would_ignore(tmp_pa
     with pytest.raises(ConfigError, match=r"devices.availability=.* allowed is null with sampler=uniform"):
         compat.check({"sampler": Mine(), "devices": devices})
     compat.check({"sampler": Uniform(), "devices": devices})
+
+
+def test_fedscales_behaviour_traces_become_windows_repeating_over_each_clients_finish_time(tmp_path):
+    from fedrun.devices import Windows, fedscale_windows, read_fedscale_behaviour
+
+    trace = {
+        7: {"active": [0, 50], "inactive": [20, 120], "finish_time": 100, "model": "Pixel 2"},  # 50-120 cut at 100
+        3: {"active": [10], "inactive": [30], "finish_time": 60},
+    }
+    (tmp_path / "behave").write_bytes(pickle.dumps(trace))
+    windows = fedscale_windows(read_fedscale_behaviour(tmp_path / "behave"), [3, 5, 7])  # client 5: no trace
+    assert windows.values.tolist() == [[0, 10, 30, 60], [2, 0, 20, 100], [2, 50, 100, 100]]
+    windows.to_csv(tmp_path / "w.csv", index=False)
+    read = Windows.read(tmp_path / "w.csv", None)
+    assert read.online(75, 3).tolist() == [True, True, True]  # 75 mod 60 = 15: in 10-30; 5 always; 75 in 50-100
+    assert read.online(125, 3).tolist() == [False, True, False]  # 125 mod 60 = 5; 125 mod 100 = 25: in neither
+    assert read.online(160, 3).tolist() == [False, True, True]  # 160 mod 60 = 40: out; 160 mod 100 = 60: in 50-100
+    (tmp_path / "bad").write_bytes(pickle.dumps({1: {"active": [0, 5], "inactive": [3], "finish_time": 9}}))
+    with pytest.raises(ConfigError, match=r"client 1=.* as many, finish_time"):
+        read_fedscale_behaviour(tmp_path / "bad")
