@@ -194,11 +194,9 @@ class AsyncEngine:
         tx, ty = parts.attack.training_data(x, y)  # a data attack's poisoned copy of the labels, appended once
         trainer = device.trainer(model, tx, ty, optimizer, passes(int(sizes.mean()), schedule.work), together=1)
         first_lr, w = base_lr(optimizer), flat_parameters(model)
-        loop, result, bits = (
-            self._start_all(w, seed, group_of),
-            RunResult(w),
-            Bits.of(parts.stages, w, parts.client_state),
-        )
+        bits = Bits.of(parts.stages, w, parts.client_state)
+        clock = self._clock(parts, sizes, schedule, bits)
+        loop, result = self._start_all(w, seed, group_of, clock), RunResult(w)
         if (saved := parts.restore(checkpoint, w)) is not None:  # the simulation after the instant of saved["round"]
             loop = AsyncLoop.of(saved["loop"], seed)
             result = RunResult(loop.params, rows=saved["rows"])
@@ -236,7 +234,7 @@ class AsyncEngine:
                 # clients themselves, or as many clients drawn among those not training.
                 for c in self._next(arrived, loop.pulled, len(clients), loop.rng):
                     loop.pulled[c] = (loop.version, loop.params)
-                    self._start(loop.events, c, now, loop.speed_rng, group_of)
+                    self._start(loop.events, c, now, loop.speed_rng, group_of, clock)
                 if checkpoint and result.rows and result.rows[-1]["round"] > checkpoint.saved_round:  # aggregated now
                     state = lambda: snapshot("async", loop.version, done, parts, loop.state(), result.rows)  # noqa: E731
                     checkpoint.after_round(loop.version, result.rows[-1]["round_wall_s"], done, state)
@@ -251,13 +249,22 @@ class AsyncEngine:
             result.tables["malicious.csv"] = malicious_table(parts.attack, [int(r["round"]) for r in result.rows])
         return result
 
-    def _start_all(self, w: torch.Tensor, seed: int, group_of: np.ndarray) -> "AsyncLoop":
+    def _start_all(self, w: torch.Tensor, seed: int, group_of: np.ndarray, clock=None) -> "AsyncLoop":
         """The simulation at time 0: the first clients training from w_0, their arrivals on the heap."""
         loop = AsyncLoop(w, numpy_rng(seed, "concurrency"), _Streams(seed, "speed"), len(group_of))
         for c in self._first(len(group_of), loop.rng):
             loop.pulled[c] = (0, w)
-            self._start(loop.events, c, 0.0, loop.speed_rng, group_of)
+            self._start(loop.events, c, 0.0, loop.speed_rng, group_of, clock)
         return loop
+
+    @staticmethod
+    def _clock(parts: Parts, sizes, schedule, bits: Bits):
+        """With devices (``fedrun.devices``), when a job of client c started at ``now`` arrives: when c is next online,
+        plus its download, its passes and its upload; None without (the speed groups draw the jobs' times)."""
+        if not parts.devices.clocked:
+            return None
+        devices, down, up = parts.devices, bits.dense_mb, bits.upload_mb
+        return lambda c, now: devices.arrival(c, now, passes(int(sizes[c]), schedule.work), down, up)
 
     def _aggregate(self, loop: "AsyncLoop", parts: Parts, sizes, now: float, lr: float, bits: Bits, label_sets):
         """Aggregate the full buffer and step the server: the aggregation's row (before evaluation) and the
@@ -337,7 +344,10 @@ class AsyncEngine:
         shifted = training - np.arange(len(training))
         return sorted(int(p + np.searchsorted(shifted, p, side="right")) for p in positions)
 
-    def _start(self, events: list, c: int, now: float, speed_rng, group_of) -> None:
+    def _start(self, events: list, c: int, now: float, speed_rng, group_of, clock=None) -> None:
+        if clock is not None:  # the devices time the job (the groups only name the clients for the metrics)
+            heapq.heappush(events, (clock(c, now), c))
+            return
         group = self.groups[group_of[c]]
         begin = group.online_at(now)
         heapq.heappush(events, (group.online_at(begin + group.draw(speed_rng[c])), c))

@@ -253,10 +253,10 @@ RULES = [
     ),
     Rule(
         ("engine", "devices"),
-        lambda p: p.engine.asynchronous and p.devices.clocked,
-        "devices",
-        lambda p: p.devices.kind,
-        "none with engine=async (its speed groups time its clients; device profiles time synchronous rounds)",
+        lambda p: p.engine.asynchronous and p.devices.drops_clients,
+        lambda p: dropping_key(p),
+        lambda p: getattr(p.devices, dropping_key(p).split(".")[1]),
+        "null with engine=async (a deadline and the reports kept end a synchronous round; the buffer decides there)",
     ),
     Rule(
         ("engine", "heterogeneity"),

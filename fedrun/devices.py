@@ -122,6 +122,12 @@ class Profiled(Unmodelled):
             + upload_mb / self.up[cohort]
         )
 
+    def arrival(self, client: int, now: float, passes: int, download_mb: float, upload_mb: float) -> float:
+        """When a job of ``client`` started at ``now`` arrives, on the asynchronous engine: when the client is next
+        online (``now`` if it is), plus its time (a client that goes offline mid-job still delivers)."""
+        begin = now if self.windows is None else self.windows.next_online(client, now)
+        return begin + float(self.times(np.array([client]), [passes], download_mb, upload_mb)[0])
+
     def round(self, cohort: np.ndarray, passes, download_mb: float, upload_mb: float) -> np.ndarray:
         """Which cohort clients report (a bool mask in cohort order), and the round's duration on the clock.
 
@@ -209,7 +215,7 @@ class Traced(Profiled):
 
     def profiles(self, num_clients: int):
         if self.windows is not None:
-            self.windows.check_clients(num_clients)
+            self.windows.keep_clients(num_clients)
         return for_clients(Path(self.path), *self.table, num_clients)
 
     def __getstate__(self) -> dict:  # to a worker process: no table (only the server times a round)
@@ -356,11 +362,14 @@ class Windows:
             raise ConfigError(f"{key} {path} row {row + 2}", table.iloc[row].to_dict(), allowed)
         return cls(values["client"].astype(np.int64), values["start"], values["end"], repeat, str(path))
 
-    def check_clients(self, num_clients: int) -> None:
-        """Refuse windows of clients the run does not have."""
-        outside = self.client[self.client >= num_clients]
-        check(not len(outside), f"devices.availability {self.path} client", int(outside[0]) if len(outside) else None,
-              f"an id of the run's {num_clients} clients (0 to {num_clients - 1})")  # fmt: skip
+    def keep_clients(self, num_clients: int) -> None:
+        """Keep the windows of the run's clients 0 .. num_clients - 1 (a file for more clients serves a smaller run,
+        its first ids, as a profiles file does)."""
+        rows = self.client < num_clients
+        self.client, self.start, self.end, self.period = (
+            a[rows] for a in (self.client, self.start, self.end, self.period)
+        )
+        self.windowed = np.unique(self.client)
 
     def online(self, t: float, num_clients: int) -> np.ndarray:
         """Who is online at virtual time ``t``: a bool mask over the population."""
@@ -370,6 +379,21 @@ class Windows:
         inside = (self.start <= now) & (now < self.end)
         mask[self.client[inside]] = True
         return mask
+
+    def next_online(self, client: int, t: float) -> float:
+        """The first time >= ``t`` at which ``client`` is online (``t`` itself for a client without windows, or one
+        that is online then; ``t`` too when its windows never open again)."""
+        rows = self.client == client
+        if not rows.any():
+            return t
+        period, start, end = self.period[rows], self.start[rows], self.end[rows]
+        now = np.remainder(t, period)
+        if ((start <= now) & (now < end)).any():
+            return t
+        base = np.where(np.isinf(period), 0.0, t - now)
+        opens = np.where(start > now, base + start, base + period + start)
+        soonest = float(opens.min())
+        return soonest if math.isfinite(soonest) else t
 
     def next_opening(self, t: float) -> float:
         """The first time after ``t`` at which a window opens (a repeating one's next period when its start is

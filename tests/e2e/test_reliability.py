@@ -101,13 +101,18 @@ CASES = {
         f"devices.profiles={Path(__file__).parents[1] / 'data' / 'devices' / 'profiles.csv'}",
         "devices.deadline=8",  # clients 0, 1 and 4 (0.008-0.012 s a pass) report in time, 2, 3 and 5 do not
     ],
-    # the asynchronous event heap, buffer, pulled versions and FedStaleWeight's staleness windows, and the adaptive clip norm
+    # the asynchronous event heap, buffer, pulled versions and FedStaleWeight's staleness windows, and the adaptive clip
+    # norm, the jobs timed by devices that are online in daily windows
     "async": [
         "aggregator=fedstaleweight",
         "engine.concurrency=3",
         "schedule.rounds=8",
         "partition.num_clients=6",
         *ADAPTIVE_CLIP,
+        "devices=trace",
+        f"devices.profiles={Path(__file__).parents[1] / 'data' / 'devices' / 'profiles.csv'}",
+        f"devices.availability={Path(__file__).parents[1] / 'data' / 'devices' / 'availability.csv'}",
+        "devices.period=86400",
     ],
     # the privacy ledger (epsilon goes on from the checkpoint's rounds), Poisson sampling, the noise streams and
     # adaptive clipping's clip norm

@@ -510,3 +510,40 @@ def test_a_buffer_too_small_for_the_rules_f_is_refused_before_the_first_event():
     with pytest.raises(ConfigError, match=r"^aggregator\.buffer_size=3 is invalid: allowed is a buffer the rule"):
         BufferedRobust(Krum(f=1), buffer_size=3).bind(Context(Schedule(), np.ones(3, dtype=int), 0, "uniform"))
     BufferedRobust(Krum(f=1), buffer_size=5).bind(Context(Schedule(), np.ones(3, dtype=int), 0, "uniform"))  # 5 > 4
+
+
+def test_devices_time_the_asynchronous_jobs_as_speed_groups_of_the_same_times_do(tmp_path):
+    from fedrun.devices import Traced
+
+    # Logistic regression: 15 float32 parameters, 6e-5 MB each way; at 1.2e-4 MB/s that is 0.5 s down and 0.5 s up.
+    # One step of 5 samples: 5 passes at 0.2, 0.4, 0.6 s -> jobs of 2, 3 and 4 s, as constant speed groups of 2, 3, 4.
+    (tmp_path / "p.csv").write_text(
+        "client,speed,up,down\n0,0.2,1.2e-4,1.2e-4\n1,0.4,1.2e-4,1.2e-4\n2,0.6,1.2e-4,1.2e-4\n"
+    )
+    outcome = {}
+    for name, devices in (("groups", None), ("devices", Traced(str(tmp_path / "p.csv")))):
+        agg, rows = Recording(buffer_size=2), []
+        AsyncEngine(constant(2.0, 3.0, 4.0) if devices is None else constant(9.0, 9.0, 9.0))(  # ignored with devices
+            model(),
+            DATA,
+            CLIENTS,
+            Parts(agg, devices=devices),
+            SGD,
+            Schedule(rounds=5, local_steps=1, batch_size=5),
+            torch.device("cpu"),
+            0,
+            on_round=lambda row, alpha: rows.append(row),
+        )
+        outcome[name] = agg.seen, [r["virtual_time"] for r in rows], [r["test_accuracy"] for r in rows]
+    assert outcome["devices"][0] == outcome["groups"][0]  # the same buffers, in the same order
+    assert_allclose(outcome["devices"][1], outcome["groups"][1], rtol=1e-12)
+    assert outcome["devices"][2] == outcome["groups"][2]
+    # Windows delay a job's start: client 1 offline until t = 10 starts its first job then.
+    (tmp_path / "w.csv").write_text("client,start,end\n1,10,100\n")
+    windowed = Traced(str(tmp_path / "p.csv"), availability=str(tmp_path / "w.csv"))
+    windowed.bind(type("C", (), {"sizes": np.ones(3)})())
+    assert windowed.arrival(1, 0.0, 5, 6e-5, 6e-5) == pytest.approx(13.0)
+    assert (
+        windowed.arrival(1, 50.0, 5, 6e-5, 6e-5) == pytest.approx(53.0)
+        and windowed.arrival(0, 0.0, 5, 6e-5, 6e-5) == 2.0
+    )

@@ -13,7 +13,7 @@ from fedrun.aggregators import MVR, FedAvg, FedBuff, FedNova, FedSoftMax, RoundV
 from fedrun.async_engine import AsyncEngine
 from fedrun.attacks import ALIE, Attack, LossLie, SignFlip
 from fedrun.datasets import Dataset
-from fedrun.devices import Traced, Unmodelled
+from fedrun.devices import Traced
 from fedrun.engine import SyncEngine
 from fedrun.errors import ConfigError
 from fedrun.heterogeneity import EqualWork, RandomSteps, Stragglers
@@ -130,9 +130,9 @@ CASES = [
         "engine='async' is invalid: allowed is sync for FedAvg, a synchronous aggregator",
     ),
     (
-        lambda: {"engine": asynchronous(), "devices": Traced(PROFILES)},
-        "devices='trace' is invalid: allowed is none with engine=async (its speed groups time its clients; device "
-        "profiles time synchronous rounds)",
+        lambda: {"engine": asynchronous(), "devices": Traced(PROFILES, deadline=5.0)},
+        "devices.deadline=5.0 is invalid: allowed is null with engine=async (a deadline and the reports kept end a "
+        "synchronous round; the buffer decides there)",
     ),
     (
         lambda: {"engine": asynchronous(), "heterogeneity": RandomSteps()},
@@ -284,7 +284,7 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
             "client_state": ClientState(),  # the default keeps nothing
             "attack": Attack(),  # attack=none
             "client": LocalSGD(),
-            "devices": Unmodelled(),  # devices=none
+            "devices": Traced(PROFILES, availability=WINDOWS),  # devices time the jobs, windows delay them
         },
     ],
     ids=["sync-private", "async"],
