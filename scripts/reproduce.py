@@ -513,6 +513,30 @@ PAPERS = {
         report_extra=("--personal",),
         paired="personalization=none",
     ),
+    # issue 54's results page (docs/results/devices.md, to come): synchronous FedAvg waiting for its slowest device,
+    # FedAvg over-selecting 13 for the first 10 reports (Bonawitz et al.), and FedBuff and FedStaleWeight keeping 10
+    # clients training, on FedScale's log-normal devices: the virtual seconds to 60% and 70% (R60_time, R70_time).
+    "devices": Paper(
+        "FedAvg, FedAvg over-selecting, FedBuff and FedStaleWeight on devices (Fashion-MNIST shards, 100 clients)",
+        (
+            Part("fedavg", ("experiment=devices_fmnist", "seed={seeds}")),
+            Part(
+                "overselect", ("experiment=devices_fmnist", "schedule.cohort=13", "devices.reports=10", "seed={seeds}")
+            ),
+            Part(
+                "buffered",
+                (
+                    "experiment=devices_fmnist",
+                    "aggregator=fedbuff,fedstaleweight",
+                    "engine.concurrency=10",
+                    "aggregator.buffer_size=10",
+                    "seed={seeds}",
+                ),
+            ),
+        ),
+        report_by=("aggregator", "schedule.cohort", "devices.reports"),
+        paired="aggregator=fedavg",
+    ),
 }
 TINY = ("schedule.rounds=2", "schedule.stop_at_accuracy=null")
 
