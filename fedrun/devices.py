@@ -274,19 +274,29 @@ def read_profiles(path: Path, num_clients: int) -> tuple[np.ndarray, np.ndarray,
     return for_clients(path, *read_table(path), num_clients)
 
 
+def read_frame(path: Path, key: str, columns: tuple[str, ...]) -> "pd.DataFrame":  # noqa: F821
+    """A CSV or Parquet file (by its ``.parquet`` suffix) with at least ``columns``; one ConfigError for ``key``
+    otherwise: no file there, a file pandas cannot read, a column missing."""
+    import pandas as pd
+
+    names = ", ".join(columns)
+    if not path.is_file():
+        raise ConfigError(key, str(path), f"a CSV or Parquet file of {names} (none there)")
+    try:
+        table = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    except Exception as exc:  # a file pandas cannot parse: its own message, in one line
+        raise ConfigError(key, str(path), f"a CSV or Parquet file pandas reads ({type(exc).__name__}: {exc})") from None
+    missing = [c for c in columns if c not in table.columns]
+    check(not missing, key, str(path), f"columns {names} (missing: {', '.join(missing)})")
+    return table
+
+
 def read_table(path: Path) -> tuple[np.ndarray, ...]:
     """A profiles file's (client, speed, up, down) columns, each value checked (one ConfigError otherwise)."""
     import pandas as pd
 
     key = "devices.profiles"
-    if not path.is_file():
-        raise ConfigError(key, str(path), "a CSV or Parquet file of client, speed, up, down (none there)")
-    try:
-        table = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    except Exception as exc:  # a file pandas cannot parse: its own message, in one line
-        raise ConfigError(key, str(path), f"a CSV or Parquet file pandas reads ({type(exc).__name__}: {exc})") from None
-    missing = [c for c in PROFILE_COLUMNS if c not in table.columns]
-    check(not missing, key, str(path), f"columns {', '.join(PROFILE_COLUMNS)} (missing: {', '.join(missing)})")
+    table = read_frame(path, key, PROFILE_COLUMNS)
     values = {}
     for column in PROFILE_COLUMNS:
         numbers = pd.to_numeric(table[column], errors="coerce").to_numpy(dtype=np.float64)
@@ -338,16 +348,7 @@ class Windows:
         import pandas as pd
 
         key = "devices.availability"
-        if not path.is_file():
-            raise ConfigError(key, str(path), "a CSV or Parquet file of client, start, end (none there)")
-        try:
-            table = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-        except Exception as exc:
-            raise ConfigError(
-                key, str(path), f"a CSV or Parquet file pandas reads ({type(exc).__name__}: {exc})"
-            ) from None
-        missing = [c for c in ("client", "start", "end") if c not in table.columns]
-        check(not missing, key, str(path), f"columns client, start, end (missing: {', '.join(missing)})")
+        table = read_frame(path, key, ("client", "start", "end"))
         columns = ("client", "start", "end") + (("period",) if "period" in table.columns else ())
         values = {c: pd.to_numeric(table[c], errors="coerce").to_numpy(dtype=np.float64) for c in columns}
         own = values.get("period", np.full(len(table), np.nan))
@@ -384,26 +385,26 @@ class Windows:
         """The first time >= ``t`` at which ``client`` is online (``t`` itself for a client without windows, or one
         that is online then; ``t`` too when its windows never open again)."""
         rows = self.client == client
-        if not rows.any():
+        now = np.remainder(t, self.period[rows])
+        if not rows.any() or ((self.start[rows] <= now) & (now < self.end[rows])).any():
             return t
-        period, start, end = self.period[rows], self.start[rows], self.end[rows]
-        now = np.remainder(t, period)
-        if ((start <= now) & (now < end)).any():
-            return t
-        base = np.where(np.isinf(period), 0.0, t - now)
-        opens = np.where(start > now, base + start, base + period + start)
-        soonest = float(opens.min())
-        return soonest if math.isfinite(soonest) else t
+        return _soonest(self.start[rows], self.period[rows], t)
 
     def next_opening(self, t: float) -> float:
         """The first time after ``t`` at which a window opens (a repeating one's next period when its start is
         past in this one; ``t`` itself when none ever opens after it: nobody is online again, every later round is
         empty)."""
-        now = np.remainder(t, self.period)
-        base = np.where(np.isinf(self.period), 0.0, t - now)
-        opens = np.where(self.start > now, base + self.start, base + self.period + self.start)
-        soonest = float(opens.min()) if len(opens) else math.inf
-        return soonest if math.isfinite(soonest) else t
+        return _soonest(self.start, self.period, t)
+
+
+def _soonest(start: np.ndarray, period: np.ndarray, t: float) -> float:
+    """The first time after ``t`` at which one of these windows opens (a repeating one's next period when its start
+    is past in this one), or ``t`` when none ever opens again."""
+    now = np.remainder(t, period)
+    base = np.where(np.isinf(period), 0.0, t - now)
+    opens = np.where(start > now, base + start, base + period + start)
+    soonest = float(opens.min()) if len(opens) else math.inf
+    return soonest if math.isfinite(soonest) else t
 
 
 class _PlainUnpickler(pickle.Unpickler):
