@@ -81,6 +81,7 @@ ADDED_GROUPS = {
     "attack": {"_target_": "fedrun.attacks.Attack"},  # before attacks: every client honest
     "personalization": {"_target_": "fedrun.parts.ClientState"},  # before personalisation: the global model for all
     "client": {"_target_": "fedrun.programs.LocalSGD", "memory_mb": 1024},  # before client programs: local SGD
+    "devices": {"_target_": "fedrun.devices.Unmodelled"},  # before devices: no virtual clock
 }
 
 

@@ -1,6 +1,8 @@
 """Checkpoints (fedrun/checkpoint.py): a lock file that is a symbolic link is never written through, a torn write
 leaves the previous checkpoint, when one is due."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -57,3 +59,19 @@ def test_checkpoints_are_due_every_n_rounds_at_the_end_and_on_a_stop(tmp_path):
     assert Checkpoint(tmp_path, every=3).due(4, 0.1, last=True)
     assert saved_at(Checkpoint(tmp_path), range(1, 21)) == [10, 20]
     assert saved_at(Checkpoint(tmp_path), range(1, 4), round_wall_s=11.0) == [1, 2, 3]  # slow rounds: every round
+
+
+@pytest.mark.parametrize("case", ["sync", "async"])
+def test_an_old_run_dirs_config_gains_every_group_added_since_as_the_run_ran_without_it(case):
+    from omegaconf import OmegaConf
+
+    from fedrun.tracking import CONFIG_GROUPS
+    from fedrun.upgrade import migrate_config
+
+    saved = OmegaConf.load(Path(__file__).parents[1] / "data" / "ckpt_968a63f" / case / "config.yaml")
+    presets = {"method", "defence", "experiment"}  # they set other groups' keys: no node of their own
+    missing = [g for g in CONFIG_GROUPS if g not in presets and g not in saved]
+    assert missing, "the old config predates some groups: the test would check nothing"
+    migrated = migrate_config(saved)
+    assert [g for g in CONFIG_GROUPS if g not in presets and g not in migrated] == []
+    assert OmegaConf.select(migrated, "devices._target_") == "fedrun.devices.Unmodelled"  # the newest: no clock
