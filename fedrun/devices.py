@@ -9,9 +9,11 @@ computation plus communication), written per direction:
 with ``passes`` the sample-passes (forward and backward) of its local work this round (``fedrun.backends.passes``),
 ``download_mb`` the messages it receives (the model, and a client program's extra ones: SCAFFOLD's variate) and
 ``upload_mb`` what it sends through the stages (a compressed message counts its real size, ``fedrun.rounds.Bits``).
-The round lasts as long as its slowest client (the server waits for the cohort); ``virtual_time`` is the sum of
-the rounds' durations, and the summary's ``R<target>_time`` the virtual time at which test accuracy first reached
-the target. ``devices=none`` models no device: no clock, today's runs bit for bit.
+The round lasts as long as its slowest client (the server waits for the cohort), or until a deadline or its last
+report kept (``Profiled``: Bonawitz et al.'s over-selection); ``virtual_time`` is the sum of the rounds' durations,
+and the summary's ``R<target>_time`` the virtual time at which test accuracy first reached the target. Availability
+windows (``Windows``) say who can be drawn when. On the asynchronous engine the same time is each job's, from when its
+client is next online (``Profiled.arrival``). ``devices=none`` models no device: no clock, today's runs bit for bit.
 
 Units: ``speed`` in seconds per sample-pass, ``up`` and ``down`` in megabytes per second (1 MB = 1e6 bytes).
 """
