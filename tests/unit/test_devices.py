@@ -168,7 +168,7 @@ def untimed(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.endswith("_wall_s") and k != "cohort"}
 
 
-def train(devices=None, rows=None, stages=()):
+def train(devices=None, rows=None, stages=(), backend="loop"):
     torch.manual_seed(0)
     return run(
         Logistic((4,), 3).double(),
@@ -177,7 +177,7 @@ def train(devices=None, rows=None, stages=()):
         Parts(FedAvg(), pipeline=Pipeline(list(stages)), devices=devices),
         functools.partial(torch.optim.SGD, lr=0.5),
         Schedule(rounds=3, local_steps=2, batch_size=4, clients_per_round=0.5),
-        Device("cpu", "contiguous", "loop"),
+        Device("cpu", "contiguous", backend, workers=2),
         0,
         on_round=lambda row, per_client: (
             rows.append({**row, "cohort": np.flatnonzero(per_client["selected"])}) if rows is not None else None
@@ -338,3 +338,16 @@ def test_fedscales_behaviour_traces_become_windows_repeating_over_each_clients_f
     (tmp_path / "bad").write_bytes(pickle.dumps({1: {"active": [0, 5], "inactive": [3], "finish_time": 9}}))
     with pytest.raises(ConfigError, match=r"client 1=.* as many, finish_time"):
         read_fedscale_behaviour(tmp_path / "bad")
+
+
+def test_a_deadline_drops_the_same_clients_and_gives_the_same_numbers_on_worker_processes(tmp_path):
+    path = profiles_file(tmp_path, [(c, 0.01 * (c + 1), 1.0, 2.0) for c in range(6)])
+    deadline = 15 * 8 / 1e6 * 1.5 + 8 * 0.035  # clients 0-2 in time, 3-5 late (as above)
+    loop, forked = [], []
+    first = train(Traced(path, deadline=deadline), rows=loop)
+    again = train(Traced(path, deadline=deadline), rows=forked, backend="processes")
+    torch.testing.assert_close(again.params, first.params, rtol=1e-12, atol=1e-14)  # the loop's, to float noise
+    for a, b in zip(loop, forked):
+        assert a["cohort"].tolist() == b["cohort"].tolist() and a["devices_dropped"] == b["devices_dropped"]
+        assert a["virtual_time"] == b["virtual_time"] and a["cohort_size"] == b["cohort_size"]
+    assert sum(r["devices_dropped"] for r in loop) > 0
