@@ -142,10 +142,13 @@ def explain(exc: BaseException, overrides: list[str]) -> ConfigError:
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         if exc.options is not None and group:
+            # an option of another group (device=trace for devices=trace): say which, after the near misses
+            elsewhere = [g for g in _groups() if g != group and option in _options(g)] if "/" not in group else []
+            hint = f"; {option} is an option of {' and '.join(elsewhere)}" if 0 < len(elsewhere) <= 2 else ""
             return ConfigError(
                 group,
                 option,
-                f"an option of {group}: {', '.join(sorted(exc.options))}{did_you_mean(option, exc.options)}",
+                f"an option of {group}: {', '.join(sorted(exc.options))}{did_you_mean(option, exc.options)}{hint}",
             )
         return ConfigError("config", exc.missing_cfg_file, f"a config of fedrun ({message.splitlines()[0]})")
     if found := re.match(r"Could not override '([^']+)'", message):

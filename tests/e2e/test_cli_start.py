@@ -42,6 +42,10 @@ def answer(tmp_path, *args) -> tuple[int, list[str], set[str]]:
         (["agregator/x=fedavg"], "allowed is a config group: aggregator, attack"),
         (["+agregator/x=fedavg"], "; did you mean aggregator?"),  # a new key no part reads: once ran FedAvg silently
         (["+mykey=3"], "mykey=3 is invalid: allowed is a key of the config (engine, dataset,"),
+        (
+            ["device=trace"],
+            "device='trace' is invalid: allowed is an option of device: auto, cpu, cuda; trace is an option of devices",
+        ),
         (["metrics.r_targets=[2]"], "metrics.r_targets=[2] is invalid: allowed is a list of accuracies in (0, 1]"),
         (["optimizer.lr=nan"], "optimizer.lr=nan is invalid: allowed is a finite number"),
         (["seed=[1,2]"], "seed=[1, 2] is invalid"),  # a list where a number goes: composition
