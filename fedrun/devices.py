@@ -68,11 +68,7 @@ class Profiled(Unmodelled):
     clocked = True
 
     def __init__(self, deadline: float | None = None, reports: int | None = None, min_reports: int = 1):
-        check(
-            deadline is None or (isinstance(deadline, (int, float)) and not isinstance(deadline, bool) and deadline > 0
-                                 and math.isfinite(deadline)),
-            "deadline", deadline, "null or virtual seconds > 0",
-        )  # fmt: skip
+        check(deadline is None or _positive(deadline), "deadline", deadline, "null or virtual seconds > 0")
         check(
             reports is None or (isinstance(reports, int) and reports >= 1),
             "reports",
@@ -205,11 +201,7 @@ class Traced(Profiled):
         check(isinstance(profiles, str) and profiles != "", "profiles", profiles, "a CSV or Parquet file's path")
         check(availability is None or (isinstance(availability, str) and availability != ""), "availability",
               availability, "null or a CSV or Parquet file's path")  # fmt: skip
-        check(
-            period is None or (isinstance(period, (int, float)) and not isinstance(period, bool) and period > 0
-                               and math.isfinite(period)),
-            "period", period, "null or virtual seconds > 0",
-        )  # fmt: skip
+        check(period is None or _positive(period), "period", period, "null or virtual seconds > 0")
         check(period is None or availability is not None, "period", period, "null without devices.availability")
         self.path = profiles
         self.table = read_table(Path(profiles))  # checked when the run is built, before the dataset is read
@@ -267,7 +259,8 @@ class Generated(Profiled):
 
 
 def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    """A finite number > 0 (not a bool)."""
+    return _number(value) and value > 0
 
 
 def read_profiles(path: Path, num_clients: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
