@@ -6,7 +6,8 @@ from, its own state kept from earlier rounds and what the server broadcasts besi
 batch)`` takes one mini-batch step; ``finish(local)`` gives its ``Finished`` record (the update it uploads, the
 state it keeps, its report: losses, steps, FedNova's norm). ``train_cohort`` runs one program over a cohort, and is
 what every backend calls (the loop here, the worker processes and the distributed ranks on their blocks of clients;
-vmap trains plain local SGD batched and hands any other program to the loop).
+vmap maps a program's step over the cohort where the program writes it as a function, ``LocalSGD.batched``, and
+hands any other program to the loop).
 
 The options:
 
@@ -137,10 +138,13 @@ class LocalSGD:
         phases), and an ``objective`` or ``closure`` that ``batch_loss`` also writes as a function (MOON's term,
         sample-level TERM's tilt). A program that changes anything else (its start, step, an objective without
         ``batch_loss``, ``corrected`` itself) runs on the loop there, with the loop's numbers; ``kept`` is called per
-        client with the loop's arguments."""
+        client with the loop's arguments. A ``before`` that ``batch_before`` also writes (APFL's personal step) is
+        mapped too, its state carried through the steps."""
         steps_as_sgd = ("start", "step", "before", "closure", "objective", "corrected", "finish")
         if type(self).batch_loss is not LocalSGD.batch_loss:  # its objective has a functional form: vmap maps that
             steps_as_sgd = tuple(n for n in steps_as_sgd if n not in ("closure", "objective"))
+        if self.carries:  # its ``before`` (and the start of what it carries) has a functional form: vmap maps that
+            steps_as_sgd = tuple(n for n in steps_as_sgd if n not in ("start", "before"))
         return all(getattr(type(self), name) is getattr(LocalSGD, name) for name in steps_as_sgd)
 
     def __getstate__(self) -> dict:  # to a worker process: the program without the server's state
@@ -219,6 +223,23 @@ class LocalSGD:
         the loop under vmap. Default: the mean cross-entropy, both."""
         data = masked_mean(cross_entropy(functional_call(model, params, (x,)), y, reduction="none"), mask, count)
         return data, data
+
+    @property
+    def carries(self) -> bool:
+        """Whether ``before`` has a functional form (``batch_before``) that vmap maps over the cohort."""
+        return type(self).batch_before is not LocalSGD.batch_before
+
+    def batch_before(self, model: nn.Module, params: dict, carried: torch.Tensor, x, y, mask, count, lr: float):
+        """``before`` as a function, for the vmap backend: one client's carried state after the mini-batch, from its
+        ``params`` before they step ({name: tensor}), its batch padded as in ``batch_loss`` and the round's ``lr``.
+        The carried state starts as the client's own state (its row) and ends in ``batch_kept``. A program that
+        writes it declares that its ``start`` only sets up that state (``Mixed``). Default: none is carried."""
+        return carried
+
+    def batch_kept(self, own: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
+        """The state a client keeps, for the vmap backend, from its own state and its carried state after its last
+        step (a program that writes ``batch_before`` writes this as its ``kept``)."""
+        return carried
 
     @property
     def corrects(self) -> bool:
@@ -407,6 +428,27 @@ class Mixed(LocalSGD):
         v0, v, alpha = local.personal
         moved = v0 + (v - v0)
         return torch.cat([moved, moved.new_tensor([alpha])])
+
+    def batch_before(self, model, params, carried, x, y, mask, count, lr):  # ``apfl_step`` as a function of tensors
+        v, alpha = carried[:-1], carried[-1]
+        w = torch.cat([p.reshape(-1) for p in params.values()])
+
+        def loss(flat):
+            views, offset = {}, 0
+            for name, p in params.items():
+                views[name] = flat[offset : offset + p.numel()].reshape(p.shape)
+                offset += p.numel()
+            return masked_mean(cross_entropy(functional_call(model, views, (x,)), y, reduction="none"), mask, count)
+
+        g = torch.func.grad(loss)(alpha * v + (1 - alpha) * w)
+        stepped = v - (lr * alpha) * g  # both from the step's (w, v, alpha)
+        if self.alpha_lr:
+            alpha = torch.clamp(alpha - self.alpha_lr * torch.dot(v - w, g), 0.0, 1.0)
+        return torch.cat([stepped, alpha.reshape(1)])
+
+    def batch_kept(self, own, carried):
+        v0, v = own[:-1], carried[:-1]
+        return torch.cat([v0 + (v - v0), carried[-1:]])
 
 
 class Scaffold(LocalSGD):

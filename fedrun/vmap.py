@@ -142,8 +142,8 @@ class VmapTrainer(Trainer):
     ) -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
         if program is not None and not program.program.batched:
-            # a program that changes more than vmap maps (APFL's mixture, an objective without its batch_loss): the
-            # loop's, with the loop's numbers
+            # a program that changes more than vmap maps (an objective without its batch_loss, ``corrected`` itself):
+            # the loop's, with the loop's numbers
             return train_cohort(
                 self.model, global_params, self.x, self.y, parts, client_ids, self.make_optimizer, lr, works, seed,
                 round_, stream, program,
@@ -216,11 +216,21 @@ class VmapTrainer(Trainer):
             )
             starts, own_states = dict(zip(self.names, anchor)), (dict(zip(self.names, owns)) if owned else None)
             step_grad = lambda params, xb, yb, m, c: batched(params, xb, yb, m, c, starts, own_states)  # noqa: E731
+        carries = program is not None and program.program.carries
+        if carries:  # a state carried through the steps (APFL's (v, alpha)), from each client's own state
+            carried = program.owns.to(global_params)
+            before = vmap(
+                lambda params, c, xb, yb, m, n: program.program.batch_before(
+                    self.model, params, c, xb, yb, m, n, rule.lr
+                )
+            )
         for k in range(most):
             chosen = index[:, k]
-            grads, losses[:, k] = step_grad(
-                dict(zip(self.names, params)), self.x[chosen], self.y[chosen], mask[:, k], counts[:, k]
-            )
+            named = dict(zip(self.names, params))
+            if carries:  # from the step's params, before they move
+                new = before(named, carried, self.x[chosen], self.y[chosen], mask[:, k], counts[:, k])
+                carried = _where(active[:, k], new, carried)
+            grads, losses[:, k] = step_grad(named, self.x[chosen], self.y[chosen], mask[:, k], counts[:, k])
             grads = [grads[n] for n in self.names]
             if pull is not None:  # the gradient of (lambda / 2) ||w - anchor||^2, added to the data term's
                 grads = [g + pull[0] * (p - a) for g, p, a in zip(grads, params, pull[1])]
@@ -242,7 +252,9 @@ class VmapTrainer(Trainer):
         norms = np.array([rule.coefficient_norm(int(s)) for s in steps])
         deltas = flat - global_params
         kept = None
-        if program is not None and program.program.keeps:
+        if carries:
+            kept = vmap(program.program.batch_kept)(program.owns.to(global_params), carried)
+        elif program is not None and program.program.keeps:
             calls = cohort_calls(
                 self.model, self.x, self.y, parts, client_ids, works, rule.lr, self.make_optimizer, round_, seed, stream
             )

@@ -158,9 +158,12 @@ def test_worker_processes_train_apfls_personal_models_and_alphas_as_the_loop_doe
     loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64, program=program)
     forked = cohort_update(Device("cpu", "contiguous", "processes", workers=2), make, torch.float64, program=program)
     vmapped = cohort_update(Device("cpu", "contiguous", "vmap"), make, torch.float64, program=program)
-    for other in (forked, vmapped):  # vmap hands the program to the loop
+    chunked = cohort_update(Device("cpu", "contiguous", "vmap", chunk=2), make, torch.float64, program=program)
+    assert program.program.batched  # vmap steps (v, alpha) for the whole cohort, carried through the steps
+    for other in (forked, vmapped, chunked):
         torch.testing.assert_close(other.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(other.kept, loop.kept, rtol=1e-10, atol=1e-12)  # each client's (v_i, alpha_i)
+        np.testing.assert_allclose(other.local_losses.mean, loop.local_losses.mean, rtol=1e-10)
     assert (loop.kept[:, :-1] - rows[:, :-1]).abs().sum() > 0 and not np.allclose(loop.kept[:, -1], [0.2, 0.5, 0.9])
 
 
