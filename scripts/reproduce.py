@@ -668,9 +668,15 @@ def reproduce(
     # The views (e.g. 000's very non-IID split alone: a plot with four lines, not ten) once every table part has run.
     table_ran = all(p in chosen or started(out, paper, p) for p in spec.parts if not p.side)
     for view in spec.views if table_ran else ():
-        against = ("--paired", view.paired) if view.paired else paired
-        extra = spec.report_extra + view.extra + against + ("--filter", view.where)
-        run(report(paper, out, group_by=view.group_by or spec.report_by, extra=extra, view=view.name), dry_run)
+        run(view_report(paper, out, view, paired), dry_run)
+
+
+def view_report(paper: str, out: Path, view: View, paired: tuple[str, ...] = ()) -> list[str]:
+    """The report of the runs ``view`` selects, paired as the view says or as the table (``paired``)."""
+    spec = PAPERS[paper]
+    against = ("--paired", view.paired) if view.paired else paired
+    extra = spec.report_extra + view.extra + against + ("--filter", view.where)
+    return report(paper, out, group_by=view.group_by or spec.report_by, extra=extra, view=view.name)
 
 
 def started(out: Path, paper: str, part: Part) -> bool:
