@@ -129,33 +129,43 @@ class Profiled(Unmodelled):
     def round(self, cohort: np.ndarray, passes, download_mb: float, upload_mb: float) -> np.ndarray:
         """Which cohort clients report (a bool mask in cohort order), and the round's duration on the clock.
 
-        In time order (ties in cohort order), the clients within ``deadline`` report until ``reports`` have; a round
-        with fewer than ``min_reports`` fails (no client reports). The round lasts until its last kept report when
-        it kept ``reports`` before the deadline, until the deadline when a client missed it or the round failed,
-        else until its slowest client's report (0 for a round that drew nobody)."""
+        A client offline when its report would arrive is lost (FedScale's rule, ``Aggregator.tictak_client_tasks``:
+        "if the client is not active by the time of collection, we consider it is lost in this round",
+        ``isClientActive(client, virtual clock + its completion time)``). In time order (ties in cohort order), the
+        clients not lost and within ``deadline`` report until ``reports`` have; a round with fewer than
+        ``min_reports`` fails (no client reports). The round lasts until its last kept report when it kept
+        ``reports``, until the deadline when a client missed it, was lost or the round failed, else until its
+        slowest report (FedScale's, without a deadline: a lost client is not waited for; its slowest drawn client's
+        time for a round that failed, 0 for a round that drew nobody)."""
         times = self.times(cohort, passes, download_mb, upload_mb)
         order = np.argsort(times, kind="stable")
-        in_time = times[order] <= (self.deadline if self.deadline is not None else math.inf)
+        lost = np.zeros(len(times), dtype=bool)
+        if self.windows is not None:
+            lost = ~self.windows.online_at(np.asarray(cohort), self.clock + times)
+        in_time = (times[order] <= (self.deadline if self.deadline is not None else math.inf)) & ~lost[order]
+        eligible = order[in_time]  # in time order
         kept = np.zeros(len(times), dtype=bool)
-        count = int(in_time.sum()) if self.reports is None else min(int(in_time.sum()), self.reports)
-        kept[order[:count]] = True
+        count = len(eligible) if self.reports is None else min(len(eligible), self.reports)
+        kept[eligible[:count]] = True
         failed = len(times) > 0 and count < self.min_reports
         if failed:
             kept[:] = False
         if not len(times):
             duration = 0.0
         elif not failed and self.reports is not None and count == self.reports:
-            duration = float(times[order[count - 1]])  # the last report it needed
-        elif failed or not in_time.all():
-            duration = float(self.deadline) if self.deadline is not None else float(times.max())
-        else:
+            duration = float(times[eligible[count - 1]])  # the last report it needed
+        elif self.deadline is not None and (failed or not in_time.all()):
+            duration = float(self.deadline)
+        elif failed:
             duration = float(times.max())
+        else:
+            duration = float(times[kept].max())
         self.clock += duration
         self.last = {"round_virtual_s": self.waited + duration, "virtual_time": self.clock}
-        if self.drops_clients:
+        if self.drops_clients or self.windows is not None:
             self.last |= {"devices_dropped": int(len(times) - kept.sum()), "round_failed": float(failed)}
         if self.windows is not None:
-            self.last["devices_online"] = self.online
+            self.last |= {"devices_online": self.online, "devices_lost": int(lost.sum())}
         return kept
 
     def columns(self) -> dict:
@@ -334,7 +344,17 @@ class Windows:
 
     def __init__(self, client: np.ndarray, start: np.ndarray, end: np.ndarray, period: np.ndarray, path: str):
         self.client, self.start, self.end, self.period, self.path = client, start, end, period, path
-        self.windowed = np.unique(client)  # the clients online only in their windows
+        self._index()
+
+    def _index(self) -> None:
+        self.windowed = np.unique(self.client)  # the clients online only in their windows
+        self._order = np.argsort(self.client, kind="stable")  # a client's rows, found by bisection (a trace of a
+        self._sorted = self.client[self._order]  # million clients: a cohort's lookups cost the cohort, not the file)
+
+    def rows(self, client: int) -> np.ndarray:
+        """The rows of ``client``'s windows (none for a client always online)."""
+        lo, hi = np.searchsorted(self._sorted, [client, client + 1], side="left")
+        return self._order[lo:hi]
 
     @classmethod
     def read(cls, path: Path, period: float | None) -> "Windows":
@@ -365,7 +385,7 @@ class Windows:
         self.client, self.start, self.end, self.period = (
             a[rows] for a in (self.client, self.start, self.end, self.period)
         )
-        self.windowed = np.unique(self.client)
+        self._index()
 
     def online(self, t: float, num_clients: int) -> np.ndarray:
         """Who is online at virtual time ``t``: a bool mask over the population."""
@@ -379,11 +399,21 @@ class Windows:
     def next_online(self, client: int, t: float) -> float:
         """The first time >= ``t`` at which ``client`` is online (``t`` itself for a client without windows, or one
         that is online then; ``t`` too when its windows never open again)."""
-        rows = self.client == client
-        now = np.remainder(t, self.period[rows])
-        if not rows.any() or ((self.start[rows] <= now) & (now < self.end[rows])).any():
+        rows = self.rows(client)
+        if not len(rows) or self._inside(rows, t):
             return t
         return _soonest(self.start[rows], self.period[rows], t)
+
+    def online_at(self, clients: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """Whether each of ``clients`` is online at its own time in ``times`` (a bool per client)."""
+        return np.array(
+            [not len(rows := self.rows(int(c))) or self._inside(rows, float(t)) for c, t in zip(clients, times)],
+            dtype=bool,
+        )
+
+    def _inside(self, rows: np.ndarray, t: float) -> bool:
+        now = np.remainder(t, self.period[rows])
+        return bool(((self.start[rows] <= now) & (now < self.end[rows])).any())
 
     def next_opening(self, t: float) -> float:
         """The first time after ``t`` at which a window opens (a repeating one's next period when its start is

@@ -275,13 +275,55 @@ def test_a_round_draws_among_the_clients_online_and_waits_when_none_is(tmp_path)
     )
     devices.bind(SimpleNamespace(sizes=np.array([10, 10, 10])))
     assert devices.available().tolist() == [True, True, False] and devices.clock == 3.0  # waited 3 s for 0 and 1
-    devices.round(np.array([0, 1]), [10, 10], 0.5, 0.5)  # 0.5 + 0.1 + 0.5 = 1.1 s each
-    assert devices.columns() == pytest.approx({"round_virtual_s": 4.1, "virtual_time": 4.1, "devices_online": 2 / 3})
+    kept = devices.round(np.array([0, 1]), [10, 10], 0.5, 0.5)  # 0.5 + 0.1 + 0.5 = 1.1 s each
+    # both reports would arrive at 4.1, after their window closed at 4: lost, so the round failed; without a deadline
+    # it lasted as long as its slowest drawn client
+    assert not kept.any()
+    assert devices.columns() == pytest.approx(
+        {
+            "round_virtual_s": 4.1,
+            "virtual_time": 4.1,
+            "devices_online": 2 / 3,
+            "devices_lost": 2,
+            "devices_dropped": 2,
+            "round_failed": 1.0,
+        }
+    )
     assert devices.available().tolist() == [False, False, True] and devices.clock == 10.0  # client 2's window
     devices.round(np.array([2]), [10], 0.5, 0.5)
     assert devices.columns()["round_virtual_s"] == pytest.approx(5.9 + 1.1)  # 4.1 -> 10 waiting, then 1.1
     devices.clock = 25.0  # past every window: nobody is online again, no wait, an empty round
     assert not devices.available().any() and devices.clock == 25.0
+
+
+def test_a_client_offline_when_its_report_would_arrive_is_lost_by_hand(tmp_path):
+    # FedScale's rule (Aggregator.tictak_client_tasks): lost when not active at the virtual clock + its time.
+    # Client 0 online in [0, 2), client 1 in [0, 10), client 2 always; times 1.1, 2.1 and 3.1 s from clock 0.5.
+    (tmp_path / "w.csv").write_text("client,start,end\n0,0,2\n1,0,10\n")
+    profiles = profiles_file(tmp_path, [(0, 0.01, 1, 1), (1, 0.11, 1, 1), (2, 0.21, 1, 1)])
+
+    def round_(**server):
+        devices = Traced(profiles, availability=str(tmp_path / "w.csv"), **server)
+        devices.bind(SimpleNamespace(sizes=np.array([10, 10, 10])))
+        devices.clock = 0.5
+        devices.available()
+        kept = devices.round(np.array([0, 1, 2]), [10, 10, 10], 0.5, 0.5)  # 1 s of messages + 10 passes x speed
+        return kept.tolist(), devices.columns()
+
+    # client 0 would arrive at 1.6, inside [0, 2): it reports; nobody is lost
+    kept, columns = round_()
+    assert kept == [True, True, True] and columns["devices_lost"] == 0 and columns["round_virtual_s"] == 3.1
+    profiles = profiles_file(tmp_path, [(0, 0.2, 1, 1), (1, 0.11, 1, 1), (2, 0.21, 1, 1)])  # client 0: 3 s, at 3.5
+    kept, columns = round_()
+    assert kept == [False, True, True]  # its window closed at 2: lost
+    assert columns["devices_lost"] == 1 and columns["devices_dropped"] == 1 and columns["round_failed"] == 0
+    assert columns["round_virtual_s"] == pytest.approx(3.1)  # not waited for: the slowest report
+    kept, columns = round_(deadline=5.0)
+    assert kept == [False, True, True] and columns["round_virtual_s"] == 5.0  # with a deadline, waited for until it
+    kept, columns = round_(reports=1)
+    assert kept == [False, True, False] and columns["round_virtual_s"] == pytest.approx(2.1)  # the first report kept
+    kept, columns = round_(reports=2, min_reports=2, deadline=2.5)  # client 2 too late, client 0 lost: 1 of 2
+    assert kept == [False, False, False] and columns["round_failed"] == 1 and columns["round_virtual_s"] == 2.5
 
 
 def test_generated_speeds_follow_fedscales_lognormal_from_the_seed():
