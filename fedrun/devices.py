@@ -126,8 +126,21 @@ class Profiled(Unmodelled):
         begin = now if self.windows is None else self.windows.next_online(client, now)
         return begin + float(self.times(np.array([client]), [passes], download_mb, upload_mb)[0])
 
-    def round(self, cohort: np.ndarray, passes, download_mb: float, upload_mb: float) -> np.ndarray:
+    def probing(self, probe) -> float:
+        """How long a round's loss probe lasts (``probe``: Power-of-Choice's candidates, their sample counts, the
+        model's and a loss's megabytes): each candidate downloads the model, passes its samples forward once and
+        sends its loss, and the server waits for every candidate before it chooses (Cho et al. 2020). A forward
+        pass costs a third of a training sample-pass (FedScale's factor: its training time is three inferences)."""
+        candidates, samples, download_mb, loss_mb = probe
+        candidates = np.asarray(candidates, dtype=np.int64)
+        times = download_mb / self.down[candidates] + np.asarray(samples) * self.speed[candidates] / 3
+        return float((times + loss_mb / self.up[candidates]).max(initial=0.0))
+
+    def round(self, cohort: np.ndarray, passes, download_mb: float, upload_mb: float, probe=None) -> np.ndarray:
         """Which cohort clients report (a bool mask in cohort order), and the round's duration on the clock.
+
+        With a loss ``probe`` (``probing``) the round first lasts as long as the probe, from whose end the cohort
+        (candidates that already hold the model) trains and reports without a second download.
 
         A client offline when its report would arrive is lost (FedScale's rule, ``Aggregator.tictak_client_tasks``:
         "if the client is not active by the time of collection, we consider it is lost in this round",
@@ -137,11 +150,12 @@ class Profiled(Unmodelled):
         ``reports``, until the deadline when a client missed it, was lost or the round failed, else until its
         slowest report (FedScale's, without a deadline: a lost client is not waited for; its slowest drawn client's
         time for a round that failed, 0 for a round that drew nobody)."""
-        times = self.times(cohort, passes, download_mb, upload_mb)
+        probing = 0.0 if probe is None else self.probing(probe)
+        times = self.times(cohort, passes, download_mb if probe is None else 0.0, upload_mb)
         order = np.argsort(times, kind="stable")
         lost = np.zeros(len(times), dtype=bool)
         if self.windows is not None:
-            lost = ~self.windows.online_at(np.asarray(cohort), self.clock + times)
+            lost = ~self.windows.online_at(np.asarray(cohort), self.clock + probing + times)
         in_time = (times[order] <= (self.deadline if self.deadline is not None else math.inf)) & ~lost[order]
         eligible = order[in_time]  # in time order
         kept = np.zeros(len(times), dtype=bool)
@@ -160,8 +174,11 @@ class Profiled(Unmodelled):
             duration = float(times.max())
         else:
             duration = float(times[kept].max())
+        duration += probing
         self.clock += duration
         self.last = {"round_virtual_s": self.waited + duration, "virtual_time": self.clock}
+        if probe is not None:
+            self.last["probe_virtual_s"] = probing
         if self.drops_clients or self.windows is not None:
             self.last |= {"devices_dropped": int(len(times) - kept.sum()), "round_failed": float(failed)}
         if self.windows is not None:

@@ -73,6 +73,7 @@ class Selection:
         counts: How many times each cohort client was drawn (1 unless drawn with replacement).
         weights: The unbiased estimator's alpha of each cohort client (``importance``), or None: the aggregator's.
         probed: Candidates whose loss at the global model was measured (``power_of_choice``).
+        candidates: Those candidates' ids, sorted (None when none was measured).
         losses: The cohort's F_k(w_t) when the draw measured them (the loss-weighted aggregators read them), or None.
         spread: ``selection_p_min``, ``selection_p_max``, ``selection_p_cv`` of the distribution drawn from.
     """
@@ -83,6 +84,7 @@ class Selection:
     probed: int = 0
     losses: ClientLosses | None = None
     spread: dict | None = None
+    candidates: np.ndarray | None = None
 
     def keep(self, mask: np.ndarray) -> "Selection":
         """The selection restricted to the cohort clients ``mask`` keeps (stragglers drop out after the draw)."""
@@ -93,6 +95,7 @@ class Selection:
             self.probed,
             None if self.losses is None else ClientLosses(self.losses.mean[mask], self.losses.authors[mask]),
             self.spread,
+            self.candidates,
         )
 
 
@@ -246,6 +249,7 @@ class PowerOfChoice(Sampler):
             probed=d,
             losses=ClientLosses(losses.mean[kept], losses.authors[kept]),
             spread=shape,
+            candidates=candidates,
         )
 
 

@@ -66,6 +66,21 @@ def test_a_three_client_rounds_time_by_hand(tmp_path):
         resumed.load_state_dict({"clock": -1.0})
 
 
+def test_power_of_choices_probe_comes_first_and_its_cohort_does_not_download_again_by_hand(tmp_path):
+    devices = three(tmp_path)
+    # every client a candidate (30, 50 and 20 samples): the model down, one forward pass (a third of a training
+    # pass), a float32 loss up:
+    # 0: 1.5/2 + 30 * 0.01 / 3 + 4e-6/1 = 0.850004; 1: 1.5/4 + 50 * 0.002 / 3 + 4e-6/0.5 = 0.408341...;
+    # 2: 1.5/10 + 20 * 0.02 / 3 + 4e-6/10 = 0.283333...: the probe lasts 0.850004
+    probe = (np.array([0, 1, 2]), np.array([30, 50, 20]), 1.5, 4e-6)
+    assert devices.probing(probe) == pytest.approx(0.850004, rel=1e-12)
+    # then clients 1 and 2 train, holding the model already: 100 * 0.002 + 0.25/0.5 = 0.7, 40 * 0.02 + 0.25/10 = 0.825
+    assert devices.round(np.array([1, 2]), [100, 40], 1.5, 0.25, probe).all()
+    assert devices.columns() == pytest.approx(
+        {"round_virtual_s": 0.850004 + 0.825, "virtual_time": 0.850004 + 0.825, "probe_virtual_s": 0.850004}
+    )
+
+
 def test_a_deadline_the_first_reports_and_a_failed_round_by_hand(tmp_path):
     # Times 1.3, 1.075, 0.975 (above). A deadline of 1.2 s drops client 0; the round lasts until the deadline.
     late = three(tmp_path, deadline=1.2)
