@@ -89,8 +89,22 @@ def private(p: Parts) -> str:
 
 
 def dropping_key(p: Parts) -> str:
-    """The devices' key that drops clients after the draw: its deadline, else its cap on the reports kept."""
-    return "devices.deadline" if p.devices.deadline is not None else "devices.reports"
+    """The devices' key that drops clients after the draw: its deadline, else its cap on the reports kept, else its
+    availability windows (a client offline when its report would arrive is lost)."""
+    if p.devices.deadline is not None:
+        return "devices.deadline"
+    return "devices.reports" if p.devices.reports is not None else "devices.availability"
+
+
+def dropped_value(p: Parts):
+    """The value of ``dropping_key``: the deadline, the cap, or the windows' file."""
+    key = dropping_key(p).split(".")[1]
+    return p.devices.windows.path if key == "availability" else getattr(p.devices, key)
+
+
+def drops_after_draw(p: Parts) -> bool:
+    """Whether some drawn clients may not report: dropped by the server (deadline, reports) or lost (windows)."""
+    return p.devices.drops_clients or p.devices.loses_clients
 
 
 def crossing_stage(p: Parts) -> int | None:
@@ -158,9 +172,9 @@ RULES = [
     ),
     Rule(
         ("engine", "sampler", "devices"),
-        lambda p: synchronous(p) and p.sampler.gives_weights and p.devices.drops_clients,
+        lambda p: synchronous(p) and p.sampler.gives_weights and drops_after_draw(p),
         lambda p: dropping_key(p),
-        lambda p: getattr(p.devices, dropping_key(p).split(".")[1]),
+        lambda p: dropped_value(p),
         lambda p: f"null with sampler={p.sampler.name} (clients dropped after the draw would bias its estimate)",
     ),
     Rule(
@@ -255,7 +269,7 @@ RULES = [
         ("engine", "devices"),
         lambda p: p.engine.asynchronous and p.devices.drops_clients,
         lambda p: dropping_key(p),
-        lambda p: getattr(p.devices, dropping_key(p).split(".")[1]),
+        lambda p: dropped_value(p),
         "null with engine=async (a deadline and the reports kept end a synchronous round; the buffer decides there)",
     ),
     Rule(
@@ -351,9 +365,9 @@ RULES = [
     ),
     Rule(
         ("privacy", "devices"),
-        lambda p: bool(p.privacy) and p.devices.drops_clients,
+        lambda p: bool(p.privacy) and drops_after_draw(p),
         lambda p: dropping_key(p),
-        lambda p: getattr(p.devices, dropping_key(p).split(".")[1]),
+        lambda p: dropped_value(p),
         lambda p: f"null with {private(p)} (clients dropped after the draw change the sampling that is accounted)",
     ),
     Rule(

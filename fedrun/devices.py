@@ -31,7 +31,7 @@ from fedrun.seeding import numpy_rng
 class Unmodelled:
     """``devices=none``: clients are not devices; rounds take no virtual time (nothing is logged)."""
 
-    clocked, drops_clients, kind = False, False, "none"
+    clocked, drops_clients, loses_clients, kind = False, False, False, "none"
     windows = None  # availability windows (``Traced``): who is online when
 
     def bind(self, context) -> None:
@@ -89,6 +89,11 @@ class Profiled(Unmodelled):
         """Whether some drawn clients may not report (a deadline, or a cap on the reports kept)."""
         return self.deadline is not None or self.reports is not None
 
+    @property
+    def loses_clients(self) -> bool:
+        """Whether a drawn client may go offline before its report arrives (availability windows: ``round``)."""
+        return self.windows is not None
+
     def profiles(self, num_clients: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(speed, up, down) of clients 0 .. num_clients - 1."""
         raise NotImplementedError
@@ -140,7 +145,8 @@ class Profiled(Unmodelled):
         """Which cohort clients report (a bool mask in cohort order), and the round's duration on the clock.
 
         With a loss ``probe`` (``probing``) the round first lasts as long as the probe, from whose end the cohort
-        (candidates that already hold the model) trains and reports without a second download.
+        (candidates that already hold the model: ``download_mb`` is then only a program's extra messages) trains
+        and reports; the deadline counts from the probe's end (it bounds the reporting phase, as Bonawitz et al.'s).
 
         A client offline when its report would arrive is lost (FedScale's rule, ``Aggregator.tictak_client_tasks``:
         "if the client is not active by the time of collection, we consider it is lost in this round",
@@ -151,7 +157,7 @@ class Profiled(Unmodelled):
         slowest report (FedScale's, without a deadline: a lost client is not waited for; its slowest drawn client's
         time for a round that failed, 0 for a round that drew nobody)."""
         probing = 0.0 if probe is None else self.probing(probe)
-        times = self.times(cohort, passes, download_mb if probe is None else 0.0, upload_mb)
+        times = self.times(cohort, passes, download_mb, upload_mb)
         order = np.argsort(times, kind="stable")
         lost = np.zeros(len(times), dtype=bool)
         if self.windows is not None:
@@ -170,8 +176,8 @@ class Profiled(Unmodelled):
             duration = float(times[eligible[count - 1]])  # the last report it needed
         elif self.deadline is not None and (failed or not in_time.all()):
             duration = float(self.deadline)
-        elif failed:
-            duration = float(times.max())
+        elif failed:  # the clients not lost, as long as the slowest of them (every one, when all were lost)
+            duration = float(times[~lost].max() if (~lost).any() else times.max())
         else:
             duration = float(times[kept].max())
         duration += probing
@@ -179,15 +185,16 @@ class Profiled(Unmodelled):
         self.last = {"round_virtual_s": self.waited + duration, "virtual_time": self.clock}
         if probe is not None:
             self.last["probe_virtual_s"] = probing
-        if self.drops_clients or self.windows is not None:
+        if self.drops_clients or self.loses_clients:
             self.last |= {"devices_dropped": int(len(times) - kept.sum()), "round_failed": float(failed)}
         if self.windows is not None:
             self.last |= {"devices_online": self.online, "devices_lost": int(lost.sum())}
         return kept
 
     def columns(self) -> dict:
-        """The last round's ``round_virtual_s`` and ``virtual_time`` (with a deadline or a cap on reports, also
-        ``devices_dropped`` and ``round_failed``)."""
+        """The last round's ``round_virtual_s`` and ``virtual_time``; with a deadline, a cap on reports or windows
+        also ``devices_dropped`` and ``round_failed``; with windows ``devices_online`` and ``devices_lost``; after a
+        loss probe ``probe_virtual_s``."""
         return dict(self.last)
 
     def state_dict(self) -> dict:

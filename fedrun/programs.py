@@ -139,11 +139,17 @@ class LocalSGD:
         sample-level TERM's tilt). A program that changes anything else (its start, step, an objective without
         ``batch_loss``, ``corrected`` itself) runs on the loop there, with the loop's numbers; ``kept`` is called per
         client with the loop's arguments. A ``before`` that ``batch_before`` also writes (APFL's personal step) is
-        mapped too, its state carried through the steps."""
+        mapped too, its state carried through the steps and kept by ``batch_kept`` instead of ``kept``; a subclass
+        that overrides ``start``, ``before``, ``kept`` or ``batch_kept`` of the class that wrote ``batch_before``
+        runs on the loop."""
         steps_as_sgd = ("start", "step", "before", "closure", "objective", "corrected", "finish")
         if type(self).batch_loss is not LocalSGD.batch_loss:  # its objective has a functional form: vmap maps that
             steps_as_sgd = tuple(n for n in steps_as_sgd if n not in ("closure", "objective"))
-        if self.carries:  # its ``before`` (and the start of what it carries) has a functional form: vmap maps that
+        if self.carries:  # its ``before`` (and the start of what it carries) has a functional form: vmap maps that,
+            # as long as the class that wrote ``batch_before`` also wrote the start, step and state it stands for
+            owner = next(c for c in type(self).__mro__ if "batch_before" in vars(c))
+            if any(getattr(type(self), n) is not getattr(owner, n) for n in ("start", "before", "kept", "batch_kept")):
+                return False
             steps_as_sgd = tuple(n for n in steps_as_sgd if n not in ("start", "before"))
         return all(getattr(type(self), name) is getattr(LocalSGD, name) for name in steps_as_sgd)
 

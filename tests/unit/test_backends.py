@@ -160,6 +160,16 @@ def test_worker_processes_train_apfls_personal_models_and_alphas_as_the_loop_doe
     vmapped = cohort_update(Device("cpu", "contiguous", "vmap"), make, torch.float64, program=program)
     chunked = cohort_update(Device("cpu", "contiguous", "vmap", chunk=2), make, torch.float64, program=program)
     assert program.program.batched  # vmap steps (v, alpha) for the whole cohort, carried through the steps
+
+    class Before(Mixed):  # a step vmap's batch_before (Mixed's) does not stand for: the loop runs it
+        def before(self, local, chosen):
+            super().before(local, chosen)
+
+    class Kept(Mixed):
+        def kept(self, local, delta, steps):
+            return super().kept(local, delta, steps)
+
+    assert not Before().batched and not Kept().batched
     for other in (forked, vmapped, chunked):
         torch.testing.assert_close(other.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(other.kept, loop.kept, rtol=1e-10, atol=1e-12)  # each client's (v_i, alpha_i)

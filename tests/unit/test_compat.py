@@ -253,6 +253,19 @@ def test_each_rule_refuses_its_combination_alone_in_one_line(index):
     assert refused.value.key == line.split("=")[0]
 
 
+def test_windows_that_lose_clients_after_the_draw_are_refused_with_privacy_as_a_deadline_is():
+    # a client offline when its report would arrive is lost (fedrun.devices.Profiled.round): dropped after the draw
+    parts = {"privacy": central(), "devices": Traced(PROFILES, availability=WINDOWS)}
+    [index] = applying(parts)
+    assert CASES[index][0]()["devices"].reports == 10  # the rule of the cap on reports, with its key named
+    with pytest.raises(ConfigError) as refused:
+        compat.check(parts)
+    assert str(refused.value) == (
+        f"devices.availability='{WINDOWS}' is invalid: allowed is null with privacy=central (clients dropped after "
+        "the draw change the sampling that is accounted)"
+    )
+
+
 @pytest.mark.parametrize(
     "parts",
     [

@@ -75,7 +75,7 @@ def test_power_of_choices_probe_comes_first_and_its_cohort_does_not_download_aga
     probe = (np.array([0, 1, 2]), np.array([30, 50, 20]), 1.5, 4e-6)
     assert devices.probing(probe) == pytest.approx(0.850004, rel=1e-12)
     # then clients 1 and 2 train, holding the model already: 100 * 0.002 + 0.25/0.5 = 0.7, 40 * 0.02 + 0.25/10 = 0.825
-    assert devices.round(np.array([1, 2]), [100, 40], 1.5, 0.25, probe).all()
+    assert devices.round(np.array([1, 2]), [100, 40], 0.0, 0.25, probe).all()  # nothing more to download
     assert devices.columns() == pytest.approx(
         {"round_virtual_s": 0.850004 + 0.825, "virtual_time": 0.850004 + 0.825, "probe_virtual_s": 0.850004}
     )
@@ -339,6 +339,12 @@ def test_a_client_offline_when_its_report_would_arrive_is_lost_by_hand(tmp_path)
     assert kept == [False, True, False] and columns["round_virtual_s"] == pytest.approx(2.1)  # the first report kept
     kept, columns = round_(reports=2, min_reports=2, deadline=2.5)  # client 2 too late, client 0 lost: 1 of 2
     assert kept == [False, False, False] and columns["round_failed"] == 1 and columns["round_virtual_s"] == 2.5
+    # a round that fails from its losses alone, without a deadline: it lasts as long as its slowest client not lost
+    # (client 2's 3.1 s; client 0's 3 s never arrive), not waiting for the lost one
+    profiles = profiles_file(tmp_path, [(0, 0.5, 1, 1), (1, 0.11, 1, 1), (2, 0.21, 1, 1)])  # client 0: 6 s, at 6.5
+    kept, columns = round_(min_reports=3)
+    assert kept == [False, False, False] and columns["round_failed"] == 1 and columns["devices_lost"] == 1
+    assert columns["round_virtual_s"] == pytest.approx(3.1)
 
 
 def test_generated_speeds_follow_fedscales_lognormal_from_the_seed():
