@@ -154,8 +154,9 @@ class Profiled(Unmodelled):
         clients not lost and within ``deadline`` report until ``reports`` have; a round with fewer than
         ``min_reports`` fails (no client reports). The round lasts until its last kept report when it kept
         ``reports``, until the deadline when a client missed it, was lost or the round failed, else until its
-        slowest report (FedScale's, without a deadline: a lost client is not waited for; its slowest drawn client's
-        time for a round that failed, 0 for a round that drew nobody)."""
+        slowest report (FedScale's, without a deadline: a lost client is not waited for; for a round that failed,
+        its slowest client not lost, or its slowest client when every one was lost; 0 for a round that drew
+        nobody)."""
         probing = 0.0 if probe is None else self.probing(probe)
         times = self.times(cohort, passes, download_mb, upload_mb)
         order = np.argsort(times, kind="stable")

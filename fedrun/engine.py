@@ -237,10 +237,10 @@ def who_trains(parts: Parts, selection, t: int, sizes, schedule: Schedule, seed:
     if parts.devices.clocked:  # the messages every cohort client exchanges: the model (and a program's extra ones)
         down, up = (1 + bits.extra_down) * bits.dense_mb, bits.upload_mb + bits.extra_up * bits.dense_mb
         work_passes = [passes(int(sizes[c]), work) for c, work in zip(selection.cohort, works)]
-        probed = selection.candidates  # Power-of-Choice's: each downloads the model and sends its loss first, and
-        if probed is not None:  # the cohort, which holds the model then, downloads only a program's extra messages
+        probe, probed = None, selection.candidates  # Power-of-Choice's: each downloads the model, sends its loss
+        if probed is not None:  # first; the cohort, which holds the model then, downloads a program's extra messages
             probe, down = (probed, sizes[probed], bits.dense_mb, LOSS_BYTES / 1e6), bits.extra_down * bits.dense_mb
-        reported = parts.devices.round(selection.cohort, work_passes, down, up, None if probed is None else probe)
+        reported = parts.devices.round(selection.cohort, work_passes, down, up, probe)
         selection, works = selection.keep(reported), [work for work, kept in zip(works, reported) if kept]
     return selection, works, selected
 

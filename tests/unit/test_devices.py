@@ -183,13 +183,13 @@ def untimed(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.endswith("_wall_s") and k != "cohort"}
 
 
-def train(devices=None, rows=None, stages=(), backend="loop"):
+def train(devices=None, rows=None, stages=(), backend="loop", sampler=None):
     torch.manual_seed(0)
     return run(
         Logistic((4,), 3).double(),
         DATA,
         CLIENTS,
-        Parts(FedAvg(), pipeline=Pipeline(list(stages)), devices=devices),
+        Parts(FedAvg(), pipeline=Pipeline(list(stages)), devices=devices, sampler=sampler),
         functools.partial(torch.optim.SGD, lr=0.5),
         Schedule(rounds=3, local_steps=2, batch_size=4, clients_per_round=0.5),
         Device("cpu", "contiguous", backend, workers=2),
@@ -233,6 +233,23 @@ def test_devices_add_their_clock_and_change_nothing_else(tmp_path):
     compressed = []
     train(Traced(path), rows=compressed, stages=[TopK(k=0.25)])  # the compressed message is what goes up
     assert all(c["round_virtual_s"] < t["round_virtual_s"] for c, t in zip(compressed, traced))
+
+
+def test_a_run_with_power_of_choice_times_its_probe_before_its_cohort(tmp_path):
+    from fedrun.sampling import PowerOfChoice
+
+    path = profiles_file(tmp_path, [(c, 0.01 * (c + 1), 1.0, 2.0) for c in range(6)])
+    rows, plain = [], []
+    probed = train(Traced(path), rows=rows, sampler=PowerOfChoice(candidates=6))
+    assert torch.equal(probed.params, train(rows=plain, sampler=PowerOfChoice(candidates=6)).params)  # clock only
+    # every client a candidate: the model down (15 float64 parameters, 120 bytes, at 2 MB/s), its samples forward
+    # at a third of 0.01 (c + 1) s a pass, a 4-byte loss up at 1 MB/s; then the 3 kept train 8 passes and upload
+    mb, sizes = 15 * 8 / 1e6, [len(part) for part in CLIENTS]
+    probe = max(mb / 2.0 + sizes[c] * 0.01 * (c + 1) / 3 + 4e-6 / 1.0 for c in range(6))
+    for row in rows:
+        assert row["probe_virtual_s"] == pytest.approx(probe, rel=1e-12)
+        trained = max(8 * 0.01 * (c + 1) + mb / 1.0 for c in row["cohort"])  # no second download
+        assert row["round_virtual_s"] == pytest.approx(probe + trained, rel=1e-12)
 
 
 def test_availability_windows_by_hand(tmp_path):
