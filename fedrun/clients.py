@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.functional import cross_entropy
 
 from fedrun.cohort import ClientLosses, LocalWork
-from fedrun.models import batch_norms, load_flat
+from fedrun.models import batch_norms, flat_views, load_flat
 from fedrun.optimizers import base_lr, coefficient_norm
 
 # Inference chunks. On a CPU, small enough that the activations stay in cache: for the papers' CNN on 12,500
@@ -328,11 +328,7 @@ def _loss_closure(
 
 def _anchors(model: nn.Module, anchor: torch.Tensor) -> list[torch.Tensor]:
     """A flat anchor as one tensor per parameter of ``model``, in ``flat_parameters`` order."""
-    out, start = [], 0
-    for p in model.parameters():
-        out.append(anchor[start : start + p.numel()].view_as(p))
-        start += p.numel()
-    return out
+    return list(flat_views(anchor, model.named_parameters()).values())
 
 
 def plain_sgd_step(optimizer: torch.optim.Optimizer):
@@ -411,11 +407,7 @@ def apfl_step(
     grad f(w) and adds 0.02 alpha to alpha's gradient; FL-bench mixes the two models' logits instead. Returns
     (v', alpha')."""
     mixed = (alpha * v + (1 - alpha) * w).requires_grad_(True)
-    views, start = {}, 0
-    for name, p in model.named_parameters():
-        views[name] = mixed[start : start + p.numel()].view(p.shape)
-        start += p.numel()
-    loss = cross_entropy(torch.func.functional_call(model, views, (x,)), y)
+    loss = cross_entropy(torch.func.functional_call(model, flat_views(mixed, model.named_parameters()), (x,)), y)
     (g,) = torch.autograd.grad(loss, mixed)
     stepped = v - (lr * alpha) * g  # both from the step's (w, v, alpha)
     if alpha_lr:

@@ -414,11 +414,9 @@ class Windows:
 
     def online(self, t: float, num_clients: int) -> np.ndarray:
         """Who is online at virtual time ``t``: a bool mask over the population."""
-        now = np.remainder(t, self.period)  # t itself for a window that does not repeat (an infinite period)
         mask = np.ones(num_clients, dtype=bool)
         mask[self.windowed] = False  # a client with windows is online only in them
-        inside = (self.start <= now) & (now < self.end)
-        mask[self.client[inside]] = True
+        mask[self.client[self._open(slice(None), t)]] = True
         return mask
 
     def next_online(self, client: int, t: float) -> float:
@@ -437,8 +435,13 @@ class Windows:
         )
 
     def _inside(self, rows: np.ndarray, t: float) -> bool:
+        return bool(self._open(rows, t).any())
+
+    def _open(self, rows, t: float) -> np.ndarray:
+        """Whether each of the windows ``rows`` is open at ``t``: [start, end) within its period (``t`` itself for a
+        window that does not repeat: an infinite period)."""
         now = np.remainder(t, self.period[rows])
-        return bool(((self.start[rows] <= now) & (now < self.end[rows])).any())
+        return (self.start[rows] <= now) & (now < self.end[rows])
 
     def next_opening(self, t: float) -> float:
         """The first time after ``t`` at which a window opens (a repeating one's next period when its start is

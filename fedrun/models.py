@@ -227,6 +227,17 @@ def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
         offset += p.numel()
 
 
+def flat_views(flat: torch.Tensor, named) -> dict[str, torch.Tensor]:
+    """{name: the slice of ``flat`` shaped as that parameter} for the (name, parameter) pairs ``named``, in the flat
+    layout's order (``flat_parameters``): views, not copies, so a gradient in them reaches ``flat`` (under
+    ``torch.func.vmap`` a parameter's shape and size are one client's)."""
+    views, offset = {}, 0
+    for name, p in named:
+        views[name] = flat[offset : offset + p.numel()].reshape(p.shape)
+        offset += p.numel()
+    return views
+
+
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     """A detached copy of the model's parameters as one flat vector."""
     # reshape, not view: parameters in channels_last layout are not contiguous. Logical (NCHW) order always.

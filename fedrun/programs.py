@@ -48,7 +48,7 @@ from fedrun.clients import (
 )
 from fedrun.cohort import CohortUpdate
 from fedrun.errors import check
-from fedrun.models import flat_parameters, load_flat
+from fedrun.models import flat_parameters, flat_views, load_flat
 from fedrun.seeding import torch_generator
 from fedrun.state import Context
 from fedrun.store import PersonalStore
@@ -440,11 +440,8 @@ class Mixed(LocalSGD):
         w = torch.cat([p.reshape(-1) for p in params.values()])
 
         def loss(flat):
-            views, offset = {}, 0
-            for name, p in params.items():
-                views[name] = flat[offset : offset + p.numel()].reshape(p.shape)
-                offset += p.numel()
-            return masked_mean(cross_entropy(functional_call(model, views, (x,)), y, reduction="none"), mask, count)
+            logits = functional_call(model, flat_views(flat, params.items()), (x,))
+            return masked_mean(cross_entropy(logits, y, reduction="none"), mask, count)
 
         g = torch.func.grad(loss)(alpha * v + (1 - alpha) * w)
         stepped = v - (lr * alpha) * g  # both from the step's (w, v, alpha)
