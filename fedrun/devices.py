@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from fedrun.errors import ConfigError, check
-from fedrun.seeding import numpy_rng
+from fedrun.seeding import numpy_rng, stream_key
 
 
 class Unmodelled:
@@ -257,11 +257,13 @@ class Generated(Profiled):
     (``ClientMetadata.get_completion_time_lognormal``: 0.005 s a sample, mu 1, sigma 0.6, after the on-device
     measurements of PAPAYA, Huba et al. 2022): a median of 0.0136 s and a long tail of slow devices. FedScale draws
     a new speed for each task; here a device keeps its speed. Bandwidths are the user's (``up``, ``down``): no
-    published distribution of them is shipped.
+    published distribution of them is shipped. Availability, when asked for, is drawn slot by slot (``Slotted``).
 
     Args:
         up, down: Every client's uplink and downlink, megabytes per second.
         seconds_per_sample, mu, sigma: The speed's scale and log-normal parameters.
+        availability: null (every client always online), ``homogeneous`` or ``lognormal`` (``Slotted``).
+        beta, slot, diurnal: The availability's parameter, its slot in virtual seconds and its daily wave.
     """
 
     kind = "generated"
@@ -276,6 +278,10 @@ class Generated(Profiled):
         deadline: float | None = None,
         reports: int | None = None,
         min_reports: int = 1,
+        availability: str | None = None,
+        beta: float = 0.1,
+        slot: float = 3600.0,
+        diurnal: bool = False,
     ):
         super().__init__(deadline, reports, min_reports)
         for key, value in (("up", up), ("down", down), ("seconds_per_sample", seconds_per_sample)):
@@ -283,14 +289,123 @@ class Generated(Profiled):
         check(isinstance(mu, (int, float)) and math.isfinite(mu), "mu", mu, "a finite number")
         check(_positive(sigma) or sigma == 0, "sigma", sigma, "a number >= 0")
         self.bandwidth, self.scale, self.mu, self.sigma = (float(up), float(down)), seconds_per_sample, mu, sigma
+        self.windows = None if availability is None else Slotted(availability, beta, slot, diurnal)
 
     def bind(self, context) -> None:
         self.seed = context.seed
         super().bind(context)
+        if self.windows is not None:
+            self.windows.bind(self.seed, self.population)
 
     def profiles(self, num_clients: int):
         speed = self.scale * numpy_rng(self.seed, "devices").lognormal(self.mu, self.sigma, num_clients)
         return speed, np.full(num_clients, self.bandwidth[0]), np.full(num_clients, self.bandwidth[1])
+
+
+class Slotted:
+    """Generated availability (``devices=generated devices.availability=...``): virtual time is cut into slots of
+    ``slot`` seconds, and client i is online for the whole of slot k with probability p_i f(k), drawn for each
+    (client, slot) independently, as FLGo's availability modes draw each round's (``flgo/simulator/
+    default_simulator.py``; the slot stands for their round, so a round that outlasts its slot sees the next one):
+
+    - ``homogeneous``: p_i = 1 - ``beta`` for every client (FLGo's ``HOMO``);
+    - ``lognormal``: c_i ~ LogNormal(0, -ln(1 - ``beta``)), p_i = c_i / max_j c_j (FLGo's ``LN``, after Ribero,
+      Vikalo and de Veciana 2022, "Federated learning under intermittent client availability and time-varying
+      communication constraints"); the maximum is the population's, so a larger population lowers every rate a
+      little, as in FLGo;
+    - ``diurnal``: f(k) = 0.4 sin(2 pi k / 24) + 0.5, a day of 24 slots between 0.1 and 0.9 (FLGo's ``SLN``, whose
+      24 points include both ends of the sine, 0 and 2 pi, so its slots 0 and 23 repeat a value; here a true period);
+      without it, f = 1.
+
+    Who is online is a pure function of (seed, client, slot): nothing is stored but the rates (one float a client),
+    a cohort's lookups cost the cohort, and a resumed run sees the same availability. The uniform of each (client,
+    slot) is a counter-based hash (SplitMix64's finaliser applied twice), since NumPy's generators cannot be keyed
+    per element; ``test_devices.py`` checks its frequencies."""
+
+    MODES = ("homogeneous", "lognormal")
+    SCAN = 100_000  # slots looked ahead for the next one online (p_i f(k) >= 0.1 (1 - beta) > 0: never reached)
+
+    def __init__(self, mode: str, beta: float, slot: float, diurnal: bool):
+        check(mode in self.MODES, "availability", mode, "null, homogeneous or lognormal")
+        check(_number(beta) and 0 <= beta < 1, "beta", beta, "a number in [0, 1)")
+        check(_positive(slot), "slot", slot, "virtual seconds > 0")
+        check(isinstance(diurnal, bool), "diurnal", diurnal, "true or false")
+        self.mode, self.beta, self.slot, self.diurnal = mode, float(beta), float(slot), diurnal
+        self.path = mode  # the value of devices.availability, as a trace's path is (``fedrun.compat`` names it)
+        self.rates, self.key = None, 0
+
+    def bind(self, seed: int, num_clients: int) -> None:
+        """Each client's rate p_i, and the hash's key, from the run's seed."""
+        self.key = stream_key(seed, "devices.availability")
+        if self.mode == "homogeneous":
+            self.rates = np.full(num_clients, 1.0 - self.beta)
+        else:
+            c = numpy_rng(seed, "devices.availability.rates").lognormal(0.0, -math.log1p(-self.beta), num_clients)
+            self.rates = c / c.max() if num_clients else c
+
+    def keep_clients(self, num_clients: int) -> None:
+        pass  # drawn for the run's population
+
+    def wave(self, slots: np.ndarray) -> np.ndarray:
+        """f(k) of each slot."""
+        if not self.diurnal:
+            return np.ones(np.shape(slots))
+        return 0.4 * np.sin(2 * math.pi * (np.asarray(slots) % 24) / 24) + 0.5
+
+    def _online(self, clients: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        clients, slots = np.asarray(clients, dtype=np.int64), np.asarray(slots, dtype=np.int64)
+        return _uniform(self.key, clients, slots) < self.rates[clients] * self.wave(slots)
+
+    def _slot(self, t) -> np.ndarray:
+        return np.floor_divide(np.asarray(t, dtype=np.float64), self.slot).astype(np.int64)
+
+    def online(self, t: float, num_clients: int) -> np.ndarray:
+        """Who is online at virtual time ``t``: a bool mask over the population."""
+        clients = np.arange(num_clients)
+        return self._online(clients, np.full(num_clients, self._slot(t)))
+
+    def online_at(self, clients: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """Whether each of ``clients`` is online at its own time in ``times``."""
+        return self._online(clients, self._slot(times))
+
+    def next_online(self, client: int, t: float) -> float:
+        """The first time >= ``t`` at which ``client`` is online: ``t`` when it is, else its next slot's start."""
+        now = int(self._slot(t))
+        for first in range(now, now + self.SCAN, 1024):
+            slots = np.arange(first, first + 1024)
+            hits = np.flatnonzero(self._online(np.full(len(slots), client), slots))
+            if len(hits):
+                return t if slots[hits[0]] == now else float(slots[hits[0]] * self.slot)
+        return t
+
+    def next_opening(self, t: float) -> float:
+        """The start of the first slot after ``t``'s in which some client is online (``t`` when none is within
+        ``SCAN`` slots)."""
+        clients = np.arange(len(self.rates))
+        for slot in range(int(self._slot(t)) + 1, int(self._slot(t)) + 1 + self.SCAN):
+            if self._online(clients, np.full(len(clients), slot)).any():
+                return float(slot * self.slot)
+        return t
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser (Steele, Lea and Flood 2014), on uint64 arrays (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _uniform(key: int, clients: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """A uniform in [0, 1) for each (client, slot) under ``key``: 53 bits of mix(mix(key + client g) + slot g)."""
+    with np.errstate(over="ignore"):
+        x = _mix(np.uint64(key) + clients.astype(np.uint64) * _GOLDEN)
+        x = _mix(x + slots.astype(np.uint64) * _GOLDEN)
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 def _positive(value) -> bool:

@@ -20,6 +20,11 @@ def numpy_rng(seed: int, stream: str, *keys: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence(_entropy(seed, stream, *keys)))
 
 
+def stream_key(seed: int, stream: str, *keys: int) -> int:
+    """A 64-bit integer key for ``stream`` under ``seed`` (a counter-based hash's, ``fedrun.devices.Slotted``)."""
+    return int(np.random.SeedSequence(_entropy(seed, stream, *keys)).generate_state(1, dtype=np.uint64)[0])
+
+
 def torch_seed(seed: int, stream: str, *keys: int) -> int:
     """A 63-bit integer seed for torch generators, derived like ``numpy_rng``."""
     state = np.random.SeedSequence(_entropy(seed, stream, *keys)).generate_state(2, dtype=np.uint32)

@@ -232,7 +232,8 @@ def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report
                 if schedule.stop_at_accuracy is not None
                 else None
             )
-            lines = [unstable_line(values, tags, window), *found(values, tags, schedule.rounds, status, why)]
+            shown = min(window, len(tracker.rows))  # a run shorter than its tail window: all its rounds
+            lines = [unstable_line(values, tags, shown), *found(values, tags, schedule.rounds, status, why)]
             print("\n".join([line for line in lines if line] + [f"fedrun: run folder: {output_dir}"]), file=sys.stderr)
         if tracker.lost:
             print(

@@ -107,6 +107,11 @@ BAD = [
     (["metrics.r_targets=[0.5,nan]"], "metrics.r_targets.1"),
     (["model.norm=batch", "device.backend=vmap"], "device.backend"),  # the trainer refused it in round 1
     (["devices=trace", "devices.profiles=no_such_profiles.csv"], "devices.profiles"),  # before the data is read
+    (["devices=generated", "devices.up=1", "devices.down=1", "devices.availability=diurnal"], "devices.availability"),
+    (
+        ["devices=generated", "devices.up=1", "devices.down=1", "devices.availability=lognormal", "devices.beta=1"],
+        "devices.beta",
+    ),
 ]
 
 

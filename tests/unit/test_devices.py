@@ -431,3 +431,102 @@ def test_a_deadline_drops_the_same_clients_and_gives_the_same_numbers_on_worker_
         assert a["cohort"].tolist() == b["cohort"].tolist() and a["devices_dropped"] == b["devices_dropped"]
         assert a["virtual_time"] == b["virtual_time"] and a["cohort_size"] == b["cohort_size"]
     assert sum(r["devices_dropped"] for r in loop) > 0
+
+
+def slotted(mode="homogeneous", beta=0.1, slot=10.0, diurnal=False, n=6, seed=0):
+    from fedrun.devices import Slotted
+
+    windows = Slotted(mode, beta, slot, diurnal)
+    windows.bind(seed, n)
+    return windows
+
+
+def test_generated_availability_rates_are_flgos_homogeneous_and_lognormal_from_the_seed():
+    assert slotted(beta=0.2, n=10).rates.tolist() == [0.8] * 10  # FLGo's HOMO: 1 - beta
+    # FLGo's LN: c_i ~ LogNormal(0, -ln(1 - beta)), p_i = c_i / max c: the largest rate is 1, the log-rates' spread
+    # is sigma = -ln(0.9) = 0.10536
+    rates = slotted("lognormal", beta=0.1, n=50000).rates
+    assert rates.max() == 1.0 and (rates > 0).all()
+    assert np.log(rates).std() == pytest.approx(-math.log(0.9), rel=0.02)
+    assert np.array_equal(slotted("lognormal", n=50).rates, slotted("lognormal", n=50).rates)
+    assert not np.array_equal(slotted("lognormal", n=50, seed=1).rates, slotted("lognormal", n=50).rates)
+
+
+def test_generated_availability_is_a_fresh_coin_per_client_and_slot_at_the_rate_and_the_daily_wave():
+    windows = slotted(beta=0.3, n=20000)
+    at = [windows.online(10.0 * k + 3.0, 20000) for k in range(4)]
+    assert [m.mean() for m in at] == pytest.approx([0.7] * 4, abs=0.015)  # p = 0.7 in every slot
+    assert (at[0] & at[1]).mean() == pytest.approx(0.49, abs=0.015)  # independent from slot to slot
+    assert np.array_equal(windows.online(0.0, 20000), windows.online(9.999, 20000))  # a whole slot, [0, 10)
+    one = windows.online_at(np.zeros(5000, dtype=np.int64), 10.0 * np.arange(5000))  # client 0 over 5,000 slots
+    assert one.mean() == pytest.approx(0.7, abs=0.02)
+    assert np.array_equal(windows.online_at(np.arange(100), np.full(100, 25.0)), at[2][:100])
+    # the wave f(k) = 0.4 sin(2 pi k / 24) + 0.5: 0.5 at slot 0, 0.9 at 6, 0.5 at 12, 0.1 at 18, 0.9 again at 30
+    wave = slotted(diurnal=True).wave(np.array([0, 6, 12, 18, 30]))
+    assert wave == pytest.approx([0.5, 0.9, 0.5, 0.1, 0.9])
+    daily = slotted(beta=0.0, diurnal=True, n=20000)
+    assert daily.online(6 * 10.0, 20000).mean() == pytest.approx(0.9, abs=0.015)
+    assert daily.online(18 * 10.0, 20000).mean() == pytest.approx(0.1, abs=0.015)
+    assert slotted(beta=0.0, n=100).online(123.0, 100).all()  # beta 0 without the wave: always online
+    # the same (seed, client, slot), the same coin; another seed, others
+    assert np.array_equal(slotted(beta=0.3, n=20000).online(13.0, 20000), at[1])
+    assert not np.array_equal(slotted(beta=0.3, n=20000, seed=1).online(13.0, 20000), at[1])
+
+
+def test_generated_availability_finds_the_next_slot_a_client_or_anyone_is_online():
+    windows = slotted(beta=0.8, n=3)  # p = 0.2: offline in most slots
+    for client in range(3):
+        for t in (0.0, 37.5, 1234.0):
+            found = windows.next_online(client, t)
+            if windows.online_at(np.array([client]), np.array([t]))[0]:
+                assert found == t  # online now: at once
+            else:  # the start of its first slot online, and offline in every slot between
+                assert found > t and found % 10.0 == 0 and windows.online_at(np.array([client]), np.array([found]))[0]
+                between = np.arange(t // 10 + 1, found // 10) * 10.0
+                assert not windows.online_at(np.full(len(between), client), between).any()
+    t = next(float(s) for s in np.arange(0, 1000, 10.0) if not windows.online(s, 3).any())  # a slot with nobody
+    opens = windows.next_opening(t)
+    assert opens > t and windows.online(opens, 3).any()
+    assert not any(windows.online(s, 3).any() for s in np.arange(t + 10.0, opens, 10.0))
+
+
+def test_a_run_with_generated_availability_draws_among_the_clients_online_at_each_round_start():
+    from fedrun.devices import Generated
+
+    rows = []
+    devices = Generated(up=1.0, down=2.0, availability="homogeneous", beta=0.5, slot=0.05)
+    train(devices, rows=rows)
+    # an independent Slotted of the same seed (the run's: 0) says who was online when each round started
+    windows, start = slotted(beta=0.5, slot=0.05), 0.0
+    for row in rows:
+        online = windows.online(start, 6)
+        if not online.any():
+            start = windows.next_opening(start)
+            online = windows.online(start, 6)
+        assert online[row["cohort"]].all() and row["devices_online"] == online.mean()
+        start = row["virtual_time"]
+    assert len(rows) == 3 and min(r["devices_online"] for r in rows) < 1
+
+
+def test_generated_availability_is_refused_where_windows_are_and_bad_values_in_one_line():
+    from fedrun import compat
+    from fedrun.devices import Generated
+    from fedrun.sampling import Uniform
+
+    class Mine(Uniform):  # a draw of its own: it knows nothing of availability
+        def _draw(self, rng, probe):
+            return super()._draw(rng, probe)
+
+    devices = Generated(up=1.0, down=1.0, availability="lognormal", diurnal=True)
+    with pytest.raises(
+        ConfigError, match="devices.availability='lognormal' is invalid: allowed is null with sampler=uniform"
+    ):
+        compat.check({"sampler": Mine(), "devices": devices})
+    for bad, match in (
+        (dict(availability="diurnal"), "availability='diurnal' is invalid: allowed is null, homogeneous or lognormal"),
+        (dict(availability="lognormal", beta=1.0), "beta=1.0 is invalid: allowed is a number in"),
+        (dict(availability="homogeneous", slot=0), "slot=0 is invalid"),
+        (dict(availability="homogeneous", diurnal="yes"), "diurnal='yes' is invalid"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            Generated(up=1.0, down=1.0, **bad)
