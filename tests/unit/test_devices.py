@@ -490,6 +490,21 @@ def test_generated_availability_finds_the_next_slot_a_client_or_anyone_is_online
     assert not any(windows.online(s, 3).any() for s in np.arange(t + 10.0, opens, 10.0))
 
 
+def test_a_slot_start_is_in_its_slot_whatever_the_slots_rounding():
+    # 35 * 0.1 = 3.5000000000000004 is in slot 35, but about half the products k * 0.1 round down into slot k - 1:
+    # the next time online must be in the slot found, or a run waits for nobody forever (the review's case)
+    windows = slotted(beta=0.8, slot=0.1, n=3)
+    assert all(windows._slot(windows.start(k)) == k for k in range(100000))
+    for t in np.arange(300) * 0.1 + 0.05:
+        assert windows.online(windows.next_opening(t), 3).any()
+        for client in range(3):
+            assert windows.online_at(np.array([client]), np.array([windows.next_online(client, t)]))[0]
+    rare = slotted("lognormal", beta=0.9, n=1000)  # rates down to about 1e-6: found by the scan all the same
+    client = int(np.argmin(rare.rates))
+    found = rare.next_online(client, 0.0)
+    assert found > 0 and rare.online_at(np.array([client]), np.array([found]))[0]
+
+
 def test_a_run_with_generated_availability_draws_among_the_clients_online_at_each_round_start():
     from fedrun.devices import Generated
 
@@ -527,6 +542,7 @@ def test_generated_availability_is_refused_where_windows_are_and_bad_values_in_o
         (dict(availability="lognormal", beta=1.0), "beta=1.0 is invalid: allowed is a number in"),
         (dict(availability="homogeneous", slot=0), "slot=0 is invalid"),
         (dict(availability="homogeneous", diurnal="yes"), "diurnal='yes' is invalid"),
+        (dict(diurnal=True), "diurnal=True is invalid: allowed is false without devices.availability"),
     ):
         with pytest.raises(ConfigError, match=match):
             Generated(up=1.0, down=1.0, **bad)
