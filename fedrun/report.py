@@ -457,6 +457,7 @@ def plot_distribution(accuracies: dict[str, np.ndarray], path: Path, title: str)
 
 
 MARKERS = "osD^v<>P*X"  # a group's marker by its tenth (its colour repeats every 10 groups)
+LINESTYLES = ("-", "--", ":")  # a curve's style past the colour cycle (``MARKERS`` for a point's)
 AXIS = {
     "tail_fairness_mean": "the clients' mean accuracy (tail_fairness_mean)",
     "tail_fairness_worst10": "the worst tenth's mean accuracy (tail_fairness_worst10)",
@@ -563,7 +564,7 @@ def plot_bands(
         np.nanmin(f.to_numpy()) >= 0 and np.nanmax(f.to_numpy()) <= 1 for f in groups.values() if f.notna().any().any()
     )
     nonnegative = all(np.nanmin(f.to_numpy()) >= 0 for f in groups.values() if f.notna().any().any())
-    for name, frame in groups.items():
+    for j, (name, frame) in enumerate(groups.items()):
         if frame.empty:  # the group never logged this metric (a non-private run's clip_norm): no line
             continue
         stats = np.array([mean_ci(frame.loc[r].dropna().to_numpy()) for r in frame.index])
@@ -572,8 +573,10 @@ def plot_bands(
             low, high = np.clip(low, 0, 1), np.clip(high, 0, 1)
         elif nonnegative:  # a norm, a count: a band below 0 is the interval's artefact
             low = np.maximum(low, 0)
-        ax.plot(frame.index, stats[:, 0], label=f"{name} (n={frame.shape[1]})")
-        ax.fill_between(frame.index, low, high, alpha=0.2)
+        # past the 10 colours of the cycle, the next ten groups are dashed, then dotted: no two lines look alike
+        color, style = f"C{j % 10}", LINESTYLES[j // 10 % len(LINESTYLES)]
+        ax.plot(frame.index, stats[:, 0], color=color, linestyle=style, label=f"{name} (n={frame.shape[1]})")
+        ax.fill_between(frame.index, low, high, color=color, alpha=0.2)
     ax.set(xlabel=step, ylabel=metric, title=title)
     if log_x:
         ax.set_xscale("log")

@@ -286,6 +286,21 @@ def test_a_band_plot_leaves_out_a_group_that_never_logged_the_metric(tmp_path):
     assert path.stat().st_size > 10_000
 
 
+def test_a_band_plot_of_more_groups_than_colours_draws_no_two_lines_alike(tmp_path, monkeypatch):
+    # 11 groups (the personalisation page's): the 11th took the 1st's colour and style, APFL and FedAvg looked alike
+    from matplotlib.figure import Figure
+
+    from fedrun.report import plot_bands
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (drawn.extend(fig.axes[0].lines), save(fig, *a, **k)))
+    groups = {f"g{i}": pd.DataFrame({"a": [0.1 * i, 0.2], "b": [0.1, 0.3]}, index=[1, 2]) for i in range(11)}
+    plot_bands(groups, tmp_path / "c.png", "eleven")
+    styles = {(line.get_color(), line.get_linestyle()) for line in drawn}
+    assert len(drawn) == 11 and len(styles) == 11
+
+
 def test_accuracy_per_megabyte_is_indexed_by_the_cumulative_upload():
     from fedrun.report import per_megabyte
 
