@@ -528,8 +528,10 @@ PAPERS = {
                 (
                     "experiment=devices_fmnist",
                     "aggregator=fedbuff,fedstaleweight",
-                    "engine.concurrency=10",
-                    "aggregator.buffer_size=10",
+                    # ++: Hydra checks a sweep's other overrides against its defaults (aggregator=fedavg, engine=sync),
+                    # which have neither key; the swept options both have them
+                    "++engine.concurrency=10",
+                    "++aggregator.buffer_size=10",
                     "seed={seeds}",
                 ),
             ),

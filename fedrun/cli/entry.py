@@ -153,7 +153,14 @@ def explain(exc: BaseException, overrides: list[str]) -> ConfigError:
         return ConfigError("config", exc.missing_cfg_file, f"a config of fedrun ({message.splitlines()[0]})")
     if found := re.match(r"Could not override '([^']+)'", message):
         key = found.group(1)
-        return ConfigError(key, given(key), _known_keys(key, [t for t in overrides if parsed[t].key_or_group != key]))
+        allowed = _known_keys(key, [t for t in overrides if parsed[t].key_or_group != key])
+        swept = [o.key_or_group for o in parsed.values() if o.is_sweep_override() and o.key_or_group in _groups()]
+        if swept:  # Hydra composes a sweep's base without its swept groups (Hydra's defaults stand in for them)
+            allowed += (
+                f"; in a sweep over {', '.join(swept)}, Hydra first checks every other override against the "
+                f"defaults, so a key that only the swept options have is set with ++ (++{key}={given(key)})"
+            )
+        return ConfigError(key, given(key), allowed)
     if found := re.match(r"Could not append to config\. An item is already at '([^']+)'", message):
         key = found.group(1)
         return ConfigError(

@@ -49,6 +49,11 @@ def answer(tmp_path, *args) -> tuple[int, list[str], set[str]]:
         (["metrics.r_targets=[2]"], "metrics.r_targets=[2] is invalid: allowed is a list of accuracies in (0, 1]"),
         (["optimizer.lr=nan"], "optimizer.lr=nan is invalid: allowed is a finite number"),
         (["seed=[1,2]"], "seed=[1, 2] is invalid"),  # a list where a number goes: composition
+        (  # a key of the swept options only: Hydra checks it against the defaults first (FedAvg, the sync engine)
+            ["-m", "aggregator=fedbuff,fedstaleweight", "engine.concurrency=10"],
+            "in a sweep over aggregator, Hydra first checks every other override against the defaults, so a key that "
+            "only the swept options have is set with ++ (++engine.concurrency=10)",
+        ),
     ],
 )
 def test_an_error_answers_before_torch_or_mlflow(tmp_path, args, said):
