@@ -544,6 +544,19 @@ def per_megabyte(accuracy: dict[str, pd.DataFrame], uploads: dict[str, pd.DataFr
     return out
 
 
+def per_virtual_time(accuracy: dict[str, pd.DataFrame], clocks: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """Each group's accuracy frame indexed by the virtual seconds at each round or aggregation (the runs' mean
+    ``virtual_time``, logged with ``devices``) instead of the round; a group without a clock has no line."""
+    out = {}
+    for name, frame in accuracy.items():
+        clock = clocks.get(name, pd.DataFrame())
+        if clock.empty:
+            out[name] = pd.DataFrame()
+            continue
+        out[name] = frame.set_axis(clock.reindex(index=frame.index).mean(axis=1).to_numpy(), axis=0)
+    return out
+
+
 def plot_bands(
     groups: dict[str, pd.DataFrame],
     path: Path,
@@ -697,6 +710,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also plot test accuracy against the megabytes uploaded (accuracy_vs_upload_mb.png): compressed runs "
         "against dense ones on communication",
+    )
+    parser.add_argument(
+        "--per-time",
+        action="store_true",
+        help="also plot test accuracy against the virtual seconds of devices (accuracy_vs_virtual_time.png): "
+        "synchronous rounds against asynchronous aggregations on the same clock",
     )
     parser.add_argument(
         "--robustness",
@@ -884,6 +903,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.experiment}: mean test accuracy against megabytes uploaded, 95% CI band",
                 step="megabytes uploaded (mean over the runs)",
                 log_x=True,
+            )
+        )
+    if args.per_time:
+        plots.append(
+            plot_bands(
+                per_virtual_time(curves(client, finished, keys), curves(client, finished, keys, "virtual_time")),
+                out / "accuracy_vs_virtual_time.png",
+                f"{args.experiment}: mean test accuracy against virtual time, 95% CI band",
+                step="virtual seconds (mean over the runs)",
             )
         )
     if args.versus:

@@ -537,6 +537,7 @@ PAPERS = {
             ),
         ),
         report_by=("aggregator", "schedule.cohort", "devices.reports"),
+        report_extra=("--per-time",),
         paired="aggregator=fedavg",
     ),
 }

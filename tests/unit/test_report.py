@@ -311,6 +311,17 @@ def test_accuracy_per_megabyte_is_indexed_by_the_cumulative_upload():
     assert frame.index.tolist() == [3.0, 6.0, 9.0] and frame["b"].tolist() == [0.6, 0.8, 0.9]
 
 
+def test_accuracy_per_virtual_second_is_indexed_by_the_runs_mean_clock():
+    from fedrun.report import per_virtual_time
+
+    accuracy = {"fedbuff": pd.DataFrame({"a": [0.5, 0.7], "b": [0.6, 0.8]}, index=[2, 4]), "none": pd.DataFrame()}
+    # the clocks of every round; accuracy evaluated at rounds 2 and 4: run a at 10 and 30 s, run b at 20 and 50 s
+    clocks = {"fedbuff": pd.DataFrame({"a": [5.0, 10.0, 20.0, 30.0], "b": [8.0, 20.0, 35.0, 50.0]}, index=[1, 2, 3, 4])}
+    frame = per_virtual_time(accuracy, clocks)
+    assert frame["fedbuff"].index.tolist() == [15.0, 40.0] and frame["fedbuff"]["b"].tolist() == [0.6, 0.8]
+    assert frame["none"].empty  # a group without devices has no clock: no line
+
+
 def test_a_run_logged_before_the_tail_summary_gets_it_from_its_history(monkeypatch):
     from types import SimpleNamespace
 
