@@ -191,7 +191,13 @@ def metric_columns(runs: pd.DataFrame, extra: tuple[str, ...] = ()) -> tuple[pd.
     matches = {c: R_INDEX.match(label(c)) for c in runs.columns if c.startswith("metrics.")}
     r_columns = sorted(
         (c for c, m in matches.items() if m),
-        key=lambda c: (bool(matches[c]["client"]), bool(matches[c]["time"]), float(matches[c]["target"])),
+        # the suffix last: R60_mb before R60_time whatever order MLflow returned the columns in
+        key=lambda c: (
+            bool(matches[c]["client"]),
+            bool(matches[c]["time"]),
+            float(matches[c]["target"]),
+            matches[c]["time"] or "",
+        ),
     )
     return runs, r_columns, [f"metrics.{m}" for m in dict.fromkeys(SUMMARY + tuple(extra)) if f"metrics.{m}" in runs]
 
@@ -895,25 +901,21 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.experiment}: the clients' mean accuracy against their worst tenth's (tail means, 95% intervals)",
             )
         )
-    if args.per_mb:
-        plots.append(
-            plot_bands(
-                per_megabyte(curves(client, finished, keys), curves(client, finished, keys, "upload_mb")),
-                out / "accuracy_vs_upload_mb.png",
-                f"{args.experiment}: mean test accuracy against megabytes uploaded, 95% CI band",
-                step="megabytes uploaded (mean over the runs)",
-                log_x=True,
+    against = (  # test accuracy against a running total of the runs instead of the round: (asked, metric, index, ...)
+        (args.per_mb, "upload_mb", per_megabyte, "upload_mb", "megabytes uploaded", "megabytes uploaded", True),
+        (args.per_time, "virtual_time", per_virtual_time, "virtual_time", "virtual time", "virtual seconds", False),
+    )
+    for asked, metric, index, name, what, step, log_x in against:
+        if asked:
+            plots.append(
+                plot_bands(
+                    index(curves(client, finished, keys), curves(client, finished, keys, metric)),
+                    out / f"accuracy_vs_{name}.png",
+                    f"{args.experiment}: mean test accuracy against {what}, 95% CI band",
+                    step=f"{step} (mean over the runs)",
+                    log_x=log_x,
+                )
             )
-        )
-    if args.per_time:
-        plots.append(
-            plot_bands(
-                per_virtual_time(curves(client, finished, keys), curves(client, finished, keys, "virtual_time")),
-                out / "accuracy_vs_virtual_time.png",
-                f"{args.experiment}: mean test accuracy against virtual time, 95% CI band",
-                step="virtual seconds (mean over the runs)",
-            )
-        )
     if args.versus:
         versus = f"params.{args.versus}"
         if versus not in keys:

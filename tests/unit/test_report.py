@@ -311,6 +311,28 @@ def test_accuracy_per_megabyte_is_indexed_by_the_cumulative_upload():
     assert frame.index.tolist() == [3.0, 6.0, 9.0] and frame["b"].tolist() == [0.6, 0.8, 0.9]
 
 
+def test_r_index_columns_come_in_one_order_whatever_order_mlflow_gives_them():
+    # two fedrun-report runs on one store printed R70_time and R70_mb in either order (ties of the sort key)
+    from fedrun.report import metric_columns
+
+    names = ["R70_time", "R60", "client_R90", "R70_mb", "R60_time", "R70", "R60_mb"]
+    orders = []
+    for shift in range(len(names)):
+        turned = names[shift:] + names[:shift]
+        runs = pd.DataFrame({f"metrics.{n}": [1.0] for n in turned})
+        orders.append(metric_columns(runs)[1])
+    assert all(order == orders[0] for order in orders)
+    assert [c.removeprefix("metrics.") for c in orders[0]] == [
+        "R60",
+        "R70",
+        "R60_mb",
+        "R60_time",
+        "R70_mb",
+        "R70_time",
+        "client_R90",
+    ]
+
+
 def test_accuracy_per_virtual_second_is_indexed_by_the_runs_mean_clock():
     from fedrun.report import per_virtual_time
 
