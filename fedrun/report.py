@@ -905,12 +905,12 @@ def main(argv: list[str] | None = None) -> None:
         (args.per_mb, "upload_mb", per_megabyte, "upload_mb", "megabytes uploaded", "megabytes uploaded", True),
         (args.per_time, "virtual_time", per_virtual_time, "virtual_time", "virtual time", "virtual seconds", False),
     )
-    for asked, metric, index, name, what, step, log_x in against:
+    for asked, metric, index, stem, what, step, log_x in against:
         if asked:
             plots.append(
                 plot_bands(
                     index(curves(client, finished, keys), curves(client, finished, keys, metric)),
-                    out / f"accuracy_vs_{name}.png",
+                    out / f"accuracy_vs_{stem}.png",
                     f"{args.experiment}: mean test accuracy against {what}, 95% CI band",
                     step=f"{step} (mean over the runs)",
                     log_x=log_x,
