@@ -540,27 +540,24 @@ def history(client, run_id: str, metric: str) -> list:
     return [merged[step] for step in sorted(merged)]
 
 
-def per_megabyte(accuracy: dict[str, pd.DataFrame], uploads: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
-    """Each group's accuracy frame indexed by the megabytes uploaded until each round (the runs' mean cumulative
-    ``upload_mb``) instead of the round."""
+def per_total(accuracy: dict[str, pd.DataFrame], totals: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """Each group's accuracy frame indexed by a running total of its runs at each evaluated round (their mean: the
+    virtual seconds of ``virtual_time``, the megabytes of ``per_megabyte``) instead of the round; a group without
+    the total has no line."""
     out = {}
     for name, frame in accuracy.items():
-        spent = uploads[name].reindex(index=frame.index).cumsum().mean(axis=1)
-        out[name] = frame.set_axis(spent.to_numpy(), axis=0)
-    return out
-
-
-def per_virtual_time(accuracy: dict[str, pd.DataFrame], clocks: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
-    """Each group's accuracy frame indexed by the virtual seconds at each round or aggregation (the runs' mean
-    ``virtual_time``, logged with ``devices``) instead of the round; a group without a clock has no line."""
-    out = {}
-    for name, frame in accuracy.items():
-        clock = clocks.get(name, pd.DataFrame())
-        if clock.empty:
+        total = totals.get(name, pd.DataFrame())
+        if total.empty:
             out[name] = pd.DataFrame()
             continue
-        out[name] = frame.set_axis(clock.reindex(index=frame.index).mean(axis=1).to_numpy(), axis=0)
+        out[name] = frame.set_axis(total.reindex(index=frame.index).mean(axis=1).to_numpy(), axis=0)
     return out
+
+
+def per_megabyte(accuracy: dict[str, pd.DataFrame], uploads: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """``per_total`` of the megabytes uploaded until each round: every round's ``upload_mb`` summed, the rounds that
+    were not evaluated included."""
+    return per_total(accuracy, {name: frame.cumsum() for name, frame in uploads.items()})
 
 
 def plot_bands(
@@ -903,7 +900,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     against = (  # test accuracy against a running total of the runs instead of the round: (asked, metric, index, ...)
         (args.per_mb, "upload_mb", per_megabyte, "upload_mb", "megabytes uploaded", "megabytes uploaded", True),
-        (args.per_time, "virtual_time", per_virtual_time, "virtual_time", "virtual time", "virtual seconds", False),
+        (args.per_time, "virtual_time", per_total, "virtual_time", "virtual time", "virtual seconds", False),
     )
     for asked, metric, index, stem, what, step, log_x in against:
         if asked:

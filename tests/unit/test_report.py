@@ -309,6 +309,10 @@ def test_accuracy_per_megabyte_is_indexed_by_the_cumulative_upload():
     uploads = {"topk": pd.DataFrame({"a": [2.0, 2.0, 2.0], "b": [4.0, 4.0, 4.0]}, index=[1, 2, 3])}
     frame = per_megabyte(accuracy, uploads)["topk"]
     assert frame.index.tolist() == [3.0, 6.0, 9.0] and frame["b"].tolist() == [0.6, 0.8, 0.9]
+    # evaluated every 2 rounds: the megabytes until round 4 count rounds 1 and 3 too (they were 2 and 4 before)
+    every_other = {"topk": pd.DataFrame({"a": [0.5, 0.7], "b": [0.6, 0.8]}, index=[2, 4])}
+    uploads = {"topk": pd.DataFrame({"a": [2.0] * 4, "b": [4.0] * 4}, index=[1, 2, 3, 4])}
+    assert per_megabyte(every_other, uploads)["topk"].index.tolist() == [6.0, 12.0]
 
 
 def test_r_index_columns_come_in_one_order_whatever_order_mlflow_gives_them():
@@ -334,12 +338,12 @@ def test_r_index_columns_come_in_one_order_whatever_order_mlflow_gives_them():
 
 
 def test_accuracy_per_virtual_second_is_indexed_by_the_runs_mean_clock():
-    from fedrun.report import per_virtual_time
+    from fedrun.report import per_total
 
     accuracy = {"fedbuff": pd.DataFrame({"a": [0.5, 0.7], "b": [0.6, 0.8]}, index=[2, 4]), "none": pd.DataFrame()}
     # the clocks of every round; accuracy evaluated at rounds 2 and 4: run a at 10 and 30 s, run b at 20 and 50 s
     clocks = {"fedbuff": pd.DataFrame({"a": [5.0, 10.0, 20.0, 30.0], "b": [8.0, 20.0, 35.0, 50.0]}, index=[1, 2, 3, 4])}
-    frame = per_virtual_time(accuracy, clocks)
+    frame = per_total(accuracy, clocks)
     assert frame["fedbuff"].index.tolist() == [15.0, 40.0] and frame["fedbuff"]["b"].tolist() == [0.6, 0.8]
     assert frame["none"].empty  # a group without devices has no clock: no line
 
