@@ -350,9 +350,6 @@ class Slotted:
             c = numpy_rng(seed, "devices.availability.rates").lognormal(0.0, -math.log1p(-self.beta), num_clients)
             self.rates = c / c.max() if num_clients else c
 
-    def keep_clients(self, num_clients: int) -> None:
-        pass  # drawn for the run's population
-
     def wave(self, slots: np.ndarray) -> np.ndarray:
         """f(k) of each slot."""
         if not self.diurnal:
@@ -397,8 +394,8 @@ class Slotted:
     def next_opening(self, t: float) -> float:
         """The start of the first slot after ``t``'s in which some client is online (``t`` when none is within
         ``SCAN_POPULATION`` slots)."""
-        clients = np.arange(len(self.rates))
-        for slot in range(int(self._slot(t)) + 1, int(self._slot(t)) + 1 + self.SCAN_POPULATION):
+        clients, after = np.arange(len(self.rates)), int(self._slot(t)) + 1
+        for slot in range(after, after + self.SCAN_POPULATION):
             if self._online(clients, np.full(len(clients), slot)).any():
                 return self.start(slot)
         return t
