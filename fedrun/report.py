@@ -451,8 +451,9 @@ def plot_distribution(accuracies: dict[str, np.ndarray], path: Path, title: str)
     data = [accuracies[name][~np.isnan(accuracies[name])] for name in names]
     ax.boxplot(data, showfliers=False)
     jitter = np.random.default_rng(0)  # the points' horizontal spread only
-    for i, values in enumerate(data, 1):
-        ax.plot(i + jitter.uniform(-0.15, 0.15, len(values)), values, "o", alpha=0.45, markersize=3)
+    for i, values in enumerate(data):  # past the 10 colours of the cycle, the next ten groups take the next marker
+        marker, color = MARKERS[i // 10 % len(MARKERS)], f"C{i % 10}"
+        ax.plot(i + 1 + jitter.uniform(-0.15, 0.15, len(values)), values, marker, color=color, alpha=0.45, markersize=3)
     shown = [n.replace(", ", "\n") for n in names]  # a key a line: long group names side by side stay legible
     ax.set_xticks(range(1, len(names) + 1), [f"{n}\n(n={len(d)})" for n, d in zip(shown, data)], fontsize="small")
     ax.set(ylabel="client's accuracy on its own test split", title=title)

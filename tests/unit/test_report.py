@@ -301,6 +301,21 @@ def test_a_band_plot_of_more_groups_than_colours_draws_no_two_lines_alike(tmp_pa
     assert len(drawn) == 11 and len(styles) == 11
 
 
+def test_a_box_plot_of_more_groups_than_colours_gives_each_its_own_points(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from fedrun.report import plot_distribution
+
+    drawn = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (drawn.extend(fig.axes[0].lines), save(fig, *a, **k)))
+    groups = {f"g{i}": np.array([0.5, 0.6 + 0.01 * i, np.nan]) for i in range(11)}
+    plot_distribution(groups, tmp_path / "box.png", "eleven")
+    points = [line for line in drawn if line.get_linestyle() == "None"]  # the clients' points, not the boxes' lines
+    assert len(points) == 11 and len({(p.get_color(), p.get_marker()) for p in points}) == 11
+    assert [len(p.get_ydata()) for p in points] == [2] * 11  # a NaN (no test split) is not a point
+
+
 def test_accuracy_per_megabyte_is_indexed_by_the_cumulative_upload():
     from fedrun.report import per_megabyte
 
