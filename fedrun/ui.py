@@ -146,6 +146,21 @@ def ready(base: str, process: subprocess.Popen, deadline: float) -> bool:
     return False
 
 
+def catch_stops() -> None:
+    """Ctrl-C (SIGINT), SIGTERM and a closed terminal (SIGHUP) end the UI's wait; the server's group is stopped
+    either way. SIGINT and SIGTERM are caught even where the UI inherited them ignored or blocked (a command started
+    in the background of a script ignores SIGINT, and Python then leaves it so: Ctrl-C and ``kill -INT`` would leave
+    the UI and its server running), as ``fedrun`` catches them during a run. SIGHUP is left ignored where it was
+    (``nohup fedrun-ui``: the UI outlives its terminal, as asked)."""
+    stops = {signal.SIGINT, signal.SIGTERM} | (
+        {signal.SIGHUP} if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN else set()
+    )
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt
+    for sig in stops - {signal.SIGINT}:
+        signal.signal(sig, lambda number, _: sys.exit(128 + number))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedrun-ui",
@@ -175,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if uri.startswith(("http://", "https://")):  # a tracking server: it serves its own UI
         return listed(uri, args.open)
-    # Ctrl-C, SIGTERM and a closed terminal (SIGHUP) end the wait below; the server's group is stopped either way.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda number, _: sys.exit(128 + number))
+    catch_stops()
     base = address(args.host, args.port)
     log = tempfile.TemporaryFile("w+")  # the server's output, shown if it fails; nothing written beside the store
     print(f"fedrun-ui: starting MLflow's UI on {uri}", file=sys.stderr, flush=True)

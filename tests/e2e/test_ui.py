@@ -42,8 +42,15 @@ def test_the_ui_opens_on_the_runs_and_stops_its_workers(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    # Started as a script's background command is (SIGINT ignored: a test runner started so passes that on), which
+    # the UI must override: Ctrl-C stops it and its server all the same.
     ui = subprocess.Popen(
-        [UI, "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [UI, "--port", str(port)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         lines = [ui.stdout.readline().strip() for _ in range(3)]  # blocks until the server answered

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 import fedrun.tracking as tracking
 from fedrun.tracking import Tracker, widest
@@ -203,3 +204,31 @@ def test_a_stores_file_or_folder_is_read_one_way_by_tracking_resume_and_the_ui(t
     assert existing_store("file:runs", tmp_path) is None and existing_store("http://h:1", tmp_path) == "http://h:1"
     (tmp_path / "runs").mkdir()
     assert store_uri("file:runs", tmp_path) == (tmp_path / "runs").resolve().as_uri()
+
+
+UI_SIGNALS = """
+import signal
+from fedrun.ui import catch_stops
+catch_stops()
+blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.SIGINT in blocked,
+      callable(signal.getsignal(signal.SIGTERM)), signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)
+"""
+
+
+@pytest.mark.parametrize("nohup", [False, True])
+def test_the_ui_catches_ctrl_c_inherited_ignored_and_blocked_and_keeps_nohup(nohup):
+    # A command started in the background of a script inherits SIGINT ignored (a test runner started so passes it on
+    # to the UI it starts, which then outlived Ctrl-C); nohup ignores SIGHUP on purpose.
+    import signal
+    import subprocess
+    import sys
+
+    def inherited():
+        for sig in (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if nohup else ()):
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    done = subprocess.run([sys.executable, "-c", UI_SIGNALS], capture_output=True, text=True, preexec_fn=inherited)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False", "True", str(nohup)]
