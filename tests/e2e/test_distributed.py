@@ -45,15 +45,15 @@ def metrics(out: Path) -> pd.DataFrame:
 
 
 CASES = {  # (overrides, ranks)
-    "fedavg": (["aggregator=fedavg", "dataset.client_test_fraction=0.2"], 2),  # the global model on every client
-    "fedsoftmax": (["aggregator=fedsoftmax"], 2),  # per-client losses gathered from both ranks
-    "topk_error_feedback": (["compression=topk"], 2),  # each client's residual follows it, whichever rank trains it
-    "central_dp": (  # the noise drawn once, the same on every rank
+    # per-client losses gathered from both ranks; each client's residual follows it, whichever rank trains it
+    "fedsoftmax_topk_error_feedback": (["aggregator=fedsoftmax", "compression=topk"], 2),
+    "central_dp_client_tests": (  # the noise drawn once, the same on every rank; the global model on every client
         [
             "privacy=central",
             "aggregator.weighting=uniform",
             "schedule.sampling=poisson",
             "schedule.clients_per_round=0.5",
+            "dataset.client_test_fraction=0.2",
         ],
         2,
     ),
@@ -81,13 +81,13 @@ CASES = {  # (overrides, ranks)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_or_four_ranks_give_the_loops_metrics(tmp_path, case):
-    overrides, ranks = CASES[case]
+def test_two_or_four_ranks_give_the_loops_metrics(tmp_path, store, case):
+    overrides, ranks = [*CASES[case][0], f"tracking.uri=sqlite:///{store}"], CASES[case][1]  # the worker's store
     fedrun(tmp_path, tmp_path / "loop", "device.backend=loop", *overrides)
     fedrun(tmp_path, tmp_path / "ranks", *overrides, ranks=ranks)
     pd.testing.assert_frame_equal(metrics(tmp_path / "ranks"), metrics(tmp_path / "loop"), check_exact=True)
     assert (tmp_path / "ranks" / "config.yaml").is_file()  # rank 0 wrote its run dir; the others left nothing
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "outputs", "ranks"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "ranks"]
 
 
 def test_the_trainer_on_two_ranks_gives_the_loops_values_and_a_ranks_error_reaches_both(tmp_path):
