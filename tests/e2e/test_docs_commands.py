@@ -48,26 +48,55 @@ RUNS = [
 ]
 
 
+def as_case(overrides: str) -> str:
+    """A run's overrides as a config of a group of the test's own (``+case=<n>``), as the presets are written: a
+    group's option as a defaults override, every other key set in the global package."""
+    from omegaconf import OmegaConf
+
+    groups, keys = [], []
+    for override in overrides.split():
+        key, value = override.split("=", 1)
+        (groups if (ROOT / "conf" / key).is_dir() else keys).append((key, value))
+    body = OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys])) if keys else ""
+    defaults = "".join(f"  - override /{k}: {v}\n" for k, v in groups)
+    return f"# @package _global_\ndefaults:\n{defaults}" + body
+
+
 @pytest.mark.slow
 def test_every_metric_a_run_logs_is_on_the_metrics_page(tmp_path):
     page = (DOCS / "reference" / "metrics.md").read_text()
     documented = set(re.findall(r"`([^`]+)`", re.sub(r"``.*?``", "", page)))  # single-backtick spans
+    # One sweep, each run one option of a group written here (one process: the runs' start-up paid once), and the
+    # hybrid alone on the command line (a list's entry is set by its index there, which a config cannot say).
+    cases = tmp_path / "cases" / "case"
+    cases.mkdir(parents=True)
+    swept = [r for r in RUNS if "phases.0" not in r]
+    for i, overrides in enumerate(swept):
+        (cases / f"run{i}.yaml").write_text(as_case(overrides))
+    common = ["schedule.rounds=3", "tracking.enabled=false", "partition.num_clients=10", "device=cpu"]
+    fedrun = str(Path(sys.executable).parent / "fedrun")
+    runs = [
+        [
+            fedrun,
+            "-m",
+            "+case=" + ",".join(f"run{i}" for i in range(len(swept))),
+            f"hydra.searchpath=[file://{cases.parent}]",
+        ]
+        + [*common, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        *([fedrun, *r.split(), *common, f"hydra.run.dir={tmp_path / 'alone'}"] for r in RUNS if r not in swept),
+    ]
+    for command in runs:
+        done = subprocess.run(command + ["device.threads=1"], capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+    run_dirs = [tmp_path / "sweep" / str(i) for i in range(len(swept))] + [tmp_path / "alone"]
+    from omegaconf import OmegaConf
+
+    for run_dir, overrides in zip(run_dirs, swept):  # each run took its case's options, not the defaults
+        chosen = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices
+        options = [o.split("=", 1) for o in overrides.split() if (ROOT / "conf" / o.split("=")[0]).is_dir()]
+        assert options and all(chosen[group] == option for group, option in options), (overrides, chosen)
     names = set()
-    for i, overrides in enumerate(RUNS):
-        run_dir = tmp_path / str(i)
-        done = subprocess.run(
-            [
-                str(Path(sys.executable).parent / "fedrun"),
-                *overrides.split(),
-                "schedule.rounds=3",
-                "tracking.enabled=false",
-            ]
-            + ["partition.num_clients=10", "device=cpu", "device.threads=1", f"hydra.run.dir={run_dir}"],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-        )
-        assert done.returncode == 0, (overrides, done.stderr[-2000:])
+    for run_dir in run_dirs:
         names |= set(pd.read_csv(run_dir / "metrics.csv").columns)
         names |= set(pd.read_csv(run_dir / "summary.csv").iloc[:, 0])
     generic = {
