@@ -16,7 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+# The fedrun beside this Python (its virtual environment's, activated or not), as a user's shell would find it.
+FEDRUN = str(Path(sys.executable).parent / "fedrun")
 CASES = {
     "--help": ["--help"],
     "--cfg job": ["--cfg", "job"],
@@ -43,7 +46,7 @@ print("imported:", " ".join(m for m in ("torch", "mlflow", "pandas") if m in sys
 def timed(args: list[str], cwd: str) -> tuple[float, str]:
     """Seconds ``fedrun <args>`` takes in a fresh process, and its last line (the answer or the error)."""
     start = time.perf_counter()
-    done = subprocess.run(["fedrun", *args], cwd=cwd, capture_output=True, text=True)
+    done = subprocess.run([FEDRUN, *args], cwd=cwd, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
     lines = (done.stderr or done.stdout).strip().splitlines()
     return elapsed, lines[-1] if lines else ""
