@@ -224,9 +224,10 @@ def test_the_ui_catches_ctrl_c_inherited_ignored_and_blocked_and_keeps_nohup(noh
     import subprocess
     import sys
 
-    def inherited():
-        for sig in (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if nohup else ()):
+    def inherited():  # SIGHUP set either way: the test itself may run under nohup
+        for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
     done = subprocess.run([sys.executable, "-c", UI_SIGNALS], capture_output=True, text=True, preexec_fn=inherited)
