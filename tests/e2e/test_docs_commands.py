@@ -49,7 +49,7 @@ RUNS = [
 
 
 def as_case(overrides: str) -> str:
-    """A run's overrides as a config of a group of the test's own (``+case=<n>``), as the presets are written: a
+    """A run's overrides as a config of a group of the test's own (``+case=run<n>``), as the presets are written: a
     group's option as a defaults override, every other key set in the global package."""
     from omegaconf import OmegaConf
 
@@ -91,10 +91,14 @@ def test_every_metric_a_run_logs_is_on_the_metrics_page(tmp_path):
     run_dirs = [tmp_path / "sweep" / str(i) for i in range(len(swept))] + [tmp_path / "alone"]
     from omegaconf import OmegaConf
 
-    for run_dir, overrides in zip(run_dirs, swept):  # each run took its case's options, not the defaults
+    for run_dir, overrides in zip(run_dirs, swept):  # each run took its case's options and keys, not the defaults
         chosen = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices
-        options = [o.split("=", 1) for o in overrides.split() if (ROOT / "conf" / o.split("=")[0]).is_dir()]
-        assert options and all(chosen[group] == option for group, option in options), (overrides, chosen)
+        saved = OmegaConf.load(run_dir / "config.yaml")
+        for key, value in (o.split("=", 1) for o in overrides.split()):
+            if (ROOT / "conf" / key).is_dir():
+                assert chosen[key] == value, (overrides, key, chosen[key])
+            else:
+                assert OmegaConf.select(saved, key) == OmegaConf.from_dotlist([f"v={value}"]).v, (overrides, key)
     names = set()
     for run_dir in run_dirs:
         names |= set(pd.read_csv(run_dir / "metrics.csv").columns)

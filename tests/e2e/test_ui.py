@@ -1,6 +1,7 @@
 """``fedrun-ui`` against a real MLflow server: it starts the UI on fedrun's store, prints the experiments page and each
 experiment's runs in model-training mode, answers there, and stops the server and its workers when it is stopped."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -72,7 +73,10 @@ def test_the_ui_opens_on_the_runs_and_stops_its_workers(tmp_path):
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
     finally:
-        if ui.poll() is None:
+        if ui.poll() is None:  # a failed test: the server's session goes with the UI, nothing left running
+            for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and _child_of(int(p), ui.pid)]:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
             ui.kill()
 
 
