@@ -900,15 +900,15 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
     against = (  # test accuracy against a running total of the runs instead of the round: (asked, metric, index, ...)
-        (args.per_mb, "upload_mb", per_megabyte, "upload_mb", "megabytes uploaded", "megabytes uploaded", True),
-        (args.per_time, "virtual_time", per_total, "virtual_time", "virtual time", "virtual seconds", False),
+        (args.per_mb, "upload_mb", per_megabyte, "megabytes uploaded", "megabytes uploaded", True),
+        (args.per_time, "virtual_time", per_total, "virtual time", "virtual seconds", False),
     )
-    for asked, metric, index, stem, what, step, log_x in against:
+    for asked, metric, index, what, step, log_x in against:
         if asked:
             plots.append(
                 plot_bands(
                     index(curves(client, finished, keys), curves(client, finished, keys, metric)),
-                    out / f"accuracy_vs_{stem}.png",
+                    out / f"accuracy_vs_{metric}.png",
                     f"{args.experiment}: mean test accuracy against {what}, 95% CI band",
                     step=f"{step} (mean over the runs)",
                     log_x=log_x,

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import FEDRUN
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
@@ -48,15 +50,19 @@ RUNS = [
 ]
 
 
-def as_case(overrides: str) -> str:
-    """A run's overrides as a config of a group of the test's own (``+case=run<n>``), as the presets are written: a
-    group's option as a defaults override, every other key set in the global package."""
-    from omegaconf import OmegaConf
-
+def split_case(overrides: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """A run's overrides as (group, option) pairs and (key, value) pairs."""
     groups, keys = [], []
     for override in overrides.split():
         key, value = override.split("=", 1)
         (groups if (ROOT / "conf" / key).is_dir() else keys).append((key, value))
+    return groups, keys
+
+
+def as_case(overrides: str) -> str:
+    """A run's overrides as a config of a group of the test's own (``+case=run<n>``), as the presets are written: a
+    group's option as a defaults override, every other key set in the global package."""
+    groups, keys = split_case(overrides)
     body = OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys])) if keys else ""
     defaults = "".join(f"  - override /{k}: {v}\n" for k, v in groups)
     return f"# @package _global_\ndefaults:\n{defaults}" + body
@@ -74,31 +80,28 @@ def test_every_metric_a_run_logs_is_on_the_metrics_page(tmp_path):
     for i, overrides in enumerate(swept):
         (cases / f"run{i}.yaml").write_text(as_case(overrides))
     common = ["schedule.rounds=3", "tracking.enabled=false", "partition.num_clients=10", "device=cpu"]
-    fedrun = str(Path(sys.executable).parent / "fedrun")
     runs = [
         [
-            fedrun,
+            FEDRUN,
             "-m",
             "+case=" + ",".join(f"run{i}" for i in range(len(swept))),
             f"hydra.searchpath=[file://{cases.parent}]",
         ]
         + [*common, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        *([fedrun, *r.split(), *common, f"hydra.run.dir={tmp_path / 'alone'}"] for r in RUNS if r not in swept),
+        *([FEDRUN, *r.split(), *common, f"hydra.run.dir={tmp_path / 'alone'}"] for r in RUNS if r not in swept),
     ]
     for command in runs:
         done = subprocess.run(command + ["device.threads=1"], capture_output=True, text=True, cwd=tmp_path)
         assert done.returncode == 0, (command, done.stderr[-2000:])
     run_dirs = [tmp_path / "sweep" / str(i) for i in range(len(swept))] + [tmp_path / "alone"]
-    from omegaconf import OmegaConf
-
     for run_dir, overrides in zip(run_dirs, swept):  # each run took its case's options and keys, not the defaults
         chosen = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices
         saved = OmegaConf.load(run_dir / "config.yaml")
-        for key, value in (o.split("=", 1) for o in overrides.split()):
-            if (ROOT / "conf" / key).is_dir():
-                assert chosen[key] == value, (overrides, key, chosen[key])
-            else:
-                assert OmegaConf.select(saved, key) == OmegaConf.from_dotlist([f"v={value}"]).v, (overrides, key)
+        groups, keys = split_case(overrides)
+        for group, option in groups:
+            assert chosen[group] == option, (overrides, group, chosen[group])
+        for key, value in keys:
+            assert OmegaConf.select(saved, key) == OmegaConf.from_dotlist([f"v={value}"]).v, (overrides, key)
     names = set()
     for run_dir in run_dirs:
         names |= set(pd.read_csv(run_dir / "metrics.csv").columns)

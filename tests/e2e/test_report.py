@@ -58,11 +58,13 @@ def test_report_command_on_a_real_sweep(fedrun, store, tmp_path):
             "alpha_distance",
             "--plot",
             "alpha_distance",
+            "--per-mb",
         ],
         capture_output=True,
         text=True,
         check=True,
     )
+    assert (out / "accuracy_vs_upload_mb.png").stat().st_size > 10_000  # accuracy against the megabytes uploaded
     table = pd.read_csv(out / "report.csv").set_index("aggregator")
     for aggregator in ("fedavg", "fedsoftmax"):
         last = [r.data.metrics["alpha_distance"] for r in runs if r.data.tags["aggregator"] == aggregator]
