@@ -445,6 +445,9 @@ class Tracker:
         self.experiment_key: str | None = None  # the MLflow experiment's id
         self.lost: str | None = None  # why MLflow stopped taking this run's data mid-run, if it did
         self.rows: list[dict] = []  # the metrics rows so far, those before a resume too (the summary's input)
+        # A reopened run (resumed, or restarted before its first checkpoint): the rounds MLflow already holds, read
+        # at the first round logged (None: not read yet, or a new run, which holds none).
+        self.reopened, self.logged_through = False, None
 
     def start(self, params: dict, tags: dict, run_name: str, run_id: str | None = None) -> None:
         """Open the MLflow run (when enabled) and log the flattened config and tags; with ``run_id``, reopen
@@ -456,7 +459,7 @@ class Tracker:
         mlflow.set_tracking_uri(self.uri)
         if run_id is not None:
             info = retried(lambda: mlflow.start_run(run_id=run_id, log_system_metrics=False)).info
-            self.run_id, self.experiment_key = info.run_id, info.experiment_id
+            self.run_id, self.experiment_key, self.reopened = info.run_id, info.experiment_id, True
             return
         experiment_id = self.experiment_id(self.uri, self.experiment)
         self.run_id = retried(
@@ -564,9 +567,27 @@ class Tracker:
             if self.alpha_series:
                 values.update({f"alpha/client_{i}": float(a) for i, a in enumerate(alpha)})
             try:
-                retried(lambda: mlflow.log_metrics(values, step=int(row["round"])))
+                if not self.holds(int(row["round"]), list(values)):
+                    retried(lambda: mlflow.log_metrics(values, step=int(row["round"])))
             except Exception as exc:  # the store went away: keep training, the files have every round
                 self._lost(exc)
+
+    def holds(self, round_: int, names: list[str]) -> bool:
+        """Whether the reopened MLflow run already holds round ``round_``: a run killed after logging a round and
+        before checkpointing it measures the round again on resume (bit for bit the same numbers, but its wall
+        times), and MLflow's metric history only appends, so logging it again would show the round twice. The
+        rounds held are those of the first and the last metric of the round's batch (``names``: the whole batch
+        when a kill fell between MLflow's chunks of a wide one), read once; its files are rewritten all the same."""
+        if not self.reopened or not names:
+            return False
+        if self.logged_through is None:
+            client = open_client(self.uri)
+            steps = [
+                max((m.step for m in retried(lambda n=n: metric_history(client, self.run_id, n))), default=0)
+                for n in (names[0], names[-1])
+            ]
+            self.logged_through = min(steps)
+        return round_ <= self.logged_through
 
     def _append(self, path: Path, row: dict) -> None:
         columns = self._columns.setdefault(path, [])

@@ -233,3 +233,37 @@ def test_the_ui_catches_ctrl_c_inherited_ignored_and_blocked_and_keeps_nohup(noh
     done = subprocess.run([sys.executable, "-c", UI_SIGNALS], capture_output=True, text=True, preexec_fn=inherited)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "False", "True", str(nohup)]
+
+
+def test_a_reopened_run_logs_each_round_mlflow_already_holds_once_and_the_rest_as_usual(tmp_path):
+    """A run killed after logging a round and before checkpointing it measures the round again on resume: MLflow
+    keeps the first logging of it (one point a step), the files are rewritten, the rounds after it are logged. A
+    round whose batch was cut between MLflow's chunks (its first metric held, its last not) is logged again."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def row(round_, accuracy):
+        return {"round": round_, "test_accuracy": accuracy, "round_wall_s": 0.5}
+
+    first = Tracker(tmp_path / "run", 2, True, uri, "x")
+    first.start({}, {}, "run")
+    for t, accuracy in ((1, 0.1), (2, 0.2), (3, 0.3)):
+        first.log_round(row(t, accuracy), {"alpha": np.array([0.5, 0.5])})
+    mlflow.log_metric(tracking.mlflow_name("test_accuracy"), 0.4, step=4)  # round 4 cut after its first metric
+    mlflow.end_run("KILLED")
+    again = Tracker(tmp_path / "run", 2, True, uri, "x")
+    again.rewind(1)  # the checkpoint was of round 1
+    again.start({}, {}, "", run_id=first.run_id)
+    for t, accuracy in ((2, 0.21), (3, 0.31), (4, 0.41), (5, 0.51)):  # other values, to tell the loggings apart
+        again.log_round(row(t, accuracy), {"alpha": np.array([0.5, 0.5])})
+    mlflow.end_run()
+    client = mlflow.MlflowClient(uri)
+    history = {
+        name: [(m.step, m.value) for m in sorted(client.get_metric_history(first.run_id, name), key=lambda m: m.step)]
+        for name in (tracking.mlflow_name("test_accuracy"), tracking.mlflow_name("round_wall_s"))
+    }
+    accuracy, wall = history.values()
+    assert accuracy == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (4, 0.41), (5, 0.51)]
+    assert [step for step, _ in wall] == [1, 2, 3, 4, 5]
+    assert pd.read_csv(tmp_path / "run" / "metrics.csv")["test_accuracy"].tolist() == [0.1, 0.21, 0.31, 0.41, 0.51]
