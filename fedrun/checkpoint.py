@@ -175,6 +175,7 @@ class Checkpoint:
         self.stop_requested: str | None = None  # the name of the signal that asked for a stop
         self.saved_round = 0
         self.extra: dict = {}  # saved with every state (the CLI keeps the MLflow run id here)
+        self.before_save: list = []  # called before each save (the CLI's Tracker.flush: MLflow has every round saved)
         self._state: dict | None = None
 
     def restored(self) -> dict | None:
@@ -195,6 +196,8 @@ class Checkpoint:
 
     def save(self, state: dict) -> None:
         """Write ``state`` (with its ``round``) atomically."""
+        for call in self.before_save:
+            call()
         plain = encode({**state, "extra": self.extra})  # before any file is opened: an object in it leaves nothing
         with replaced(self.path, "wb") as handle:  # a new file of its own name, renamed over: never through a link
             torch.save(plain, handle)

@@ -143,6 +143,7 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
         params = flatten(OmegaConf.to_container(cfg, resolve=True))
         tracker.start(params, tags, name, run_id=reopened.get("mlflow_run_id"))
     checkpoint.extra.update(mlflow_run_id=tracker.run_id, title=title)
+    checkpoint.before_save.append(tracker.flush)  # the rounds a resume from it will not measure again are in MLflow
     # What a restart before the first checkpoint reopens; written atomically (a kill mid-write leaves the old file).
     runfiles.write_text(output_dir / RUN_FILE, json.dumps(checkpoint.extra) + "\n")
     return tracker, title

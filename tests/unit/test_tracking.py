@@ -250,6 +250,7 @@ def test_a_reopened_run_logs_each_round_mlflow_already_holds_once_and_the_rest_a
     first.start({}, {}, "run")
     for t, accuracy in ((1, 0.1), (2, 0.2), (3, 0.3)):
         first.log_round(row(t, accuracy), {"alpha": np.array([0.5, 0.5])})
+    first.flush()  # as its checkpoint of round 3 would have
     mlflow.log_metric(tracking.mlflow_name("test_accuracy"), 0.4, step=4)  # round 4 cut after its first metric
     mlflow.end_run("KILLED")
     again = Tracker(tmp_path / "run", 2, True, uri, "x")
@@ -257,6 +258,7 @@ def test_a_reopened_run_logs_each_round_mlflow_already_holds_once_and_the_rest_a
     again.start({}, {}, "", run_id=first.run_id)
     for t, accuracy in ((2, 0.21), (3, 0.31), (4, 0.41), (5, 0.51)):  # other values, to tell the loggings apart
         again.log_round(row(t, accuracy), {"alpha": np.array([0.5, 0.5])})
+    again.flush()
     mlflow.end_run()
     client = mlflow.MlflowClient(uri)
     history = {
@@ -267,3 +269,35 @@ def test_a_reopened_run_logs_each_round_mlflow_already_holds_once_and_the_rest_a
     assert accuracy == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (4, 0.41), (5, 0.51)]
     assert [step for step, _ in wall] == [1, 2, 3, 4, 5]
     assert pd.read_csv(tmp_path / "run" / "metrics.csv")["test_accuracy"].tolist() == [0.1, 0.21, 0.31, 0.41, 0.51]
+
+
+def test_rounds_go_to_mlflow_together_at_a_checkpoint_and_at_the_end_each_with_its_own_time(tmp_path, monkeypatch):
+    """One MLflow call (a commit) for the rounds of up to ``FLUSH_S``: none is sent before, a checkpoint's save sends
+    those measured so far (a resume from it measures none of them again), the run's end sends the rest."""
+    import time
+
+    import mlflow
+
+    from fedrun.checkpoint import Checkpoint
+
+    monkeypatch.setattr(tracking, "FLUSH_S", 3600.0)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker, checkpoint = Tracker(tmp_path / "run", 2, True, uri, "x"), Checkpoint(tmp_path / "run", every=2)
+    checkpoint.before_save.append(tracker.flush)
+    tracker.start({}, {}, "run")
+    client, name = mlflow.MlflowClient(uri), tracking.mlflow_name("test_accuracy")
+
+    def steps():
+        return [(m.step, m.timestamp) for m in client.get_metric_history(tracker.run_id, name)]
+
+    for t in (1, 2, 3):
+        tracker.log_round({"round": t, "test_accuracy": t / 10}, {"alpha": np.array([0.5, 0.5])})
+        time.sleep(0.01)  # each round its own millisecond
+        if t == 2:
+            assert steps() == []  # measured, not sent
+            checkpoint.save({"round": 2})
+            sent = steps()
+            assert [s for s, _ in sent] == [1, 2] and sent[0][1] < sent[1][1]
+    tracker.finish("FINISHED")
+    assert [s for s, _ in steps()] == [1, 2, 3] and steps()[:2] == sent
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
