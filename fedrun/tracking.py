@@ -609,7 +609,7 @@ class Tracker:
         if not self.reopened or not names:
             return False
         if self.logged_through is None:
-            client = open_client(self.uri)
+            client = self.client = self.client or open_client(self.uri)
             steps = [
                 max((m.step for m in retried(lambda n=n: metric_history(client, self.run_id, n))), default=0)
                 for n in (names[0], names[-1])
