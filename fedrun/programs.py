@@ -41,6 +41,7 @@ from fedrun.clients import (
     _batches,
     _loss_closure,
     apfl_step,
+    cleared,
     per_client_round,
     per_client_start,
     plain_sgd_step,
@@ -200,13 +201,14 @@ class LocalSGD:
         data = _loss_closure(client.model, local.optimizer, client.x, client.y, chosen, local.pull)
         if type(self).objective is LocalSGD.objective and not self.corrects:
             return data
+        clear = cleared(local.optimizer)
 
         def closure():
             extra = self.objective(local, chosen)
             if extra is None:
                 loss = data()
             else:  # the data term's gradients and the term's, together
-                local.optimizer.zero_grad(set_to_none=True)
+                clear()
                 loss = cross_entropy(client.model(client.x[chosen]), client.y[chosen])
                 (loss + extra(local)).backward()
                 loss = loss.detach()
@@ -638,10 +640,10 @@ class Tilted(LocalSGD):
     def closure(self, local: Local, chosen: torch.Tensor):
         if self.tau == 0:
             return super().closure(local, chosen)
-        client = local.client
+        client, clear = local.client, cleared(local.optimizer)
 
         def closure():
-            local.optimizer.zero_grad(set_to_none=True)
+            clear()
             losses = cross_entropy(client.model(client.x[chosen]), client.y[chosen], reduction="none")
             ((torch.logsumexp(self.tau * losses, 0) - math.log(len(losses))) / self.tau).backward()
             return losses.mean().detach()

@@ -270,3 +270,41 @@ def test_fairness_report_on_real_runs_judges_every_client_on_its_tail(fedrun, st
         [report, "--experiment", "unfair", "--tracking-uri", uri, "--fairness"], capture_output=True, text=True
     )
     assert bad.returncode != 0 and "--fairness: no run of 'unfair' judged its clients" in bad.stderr
+
+
+def test_per_time_plots_accuracy_against_the_virtual_clock_logged_under_its_mlflow_name(store, tmp_path, monkeypatch):
+    """``--per-time`` through ``fedrun-report``'s main on a hand-made store: accuracy indexed by the groups' mean
+    ``virtual_time`` (read under the name fedrun logs it by), a group without a clock drawn with no line."""
+    import mlflow
+    from mlflow.entities import Metric
+
+    from fedrun import report
+    from fedrun.tracking import mlflow_name
+
+    uri = f"sqlite:///{store}"
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("clock")
+    clocks = {"0": [10.0, 30.0], "1": [20.0, 50.0]}  # FedBuff's two seeds: the clock at rounds 1 and 2
+    for aggregator, seed in (("fedbuff", "0"), ("fedbuff", "1"), ("fedavg", "0")):
+        run = client.create_run(experiment, tags={"aggregator": aggregator, "seed": seed})
+        points = [Metric(mlflow_name("test_accuracy"), 0.5 + 0.1 * step + 0.05 * int(seed), 0, step) for step in (1, 2)]
+        if aggregator == "fedbuff":
+            points += [Metric(mlflow_name("virtual_time"), clocks[seed][step - 1], 0, step) for step in (1, 2)]
+        client.log_batch(run.info.run_id, metrics=[*points, Metric("final_test_accuracy", 0.7, 0, 0)])
+        client.set_terminated(run.info.run_id, "FINISHED")
+    drawn, plot_bands = {}, report.plot_bands
+
+    def spy(frames, path, *args, **kwargs):
+        drawn[Path(path).name] = frames
+        return plot_bands(frames, path, *args, **kwargs)
+
+    monkeypatch.setattr(report, "plot_bands", spy)
+    report.main(["--experiment", "clock", "--tracking-uri", uri, "--out", str(tmp_path), "--per-time"])
+    assert (tmp_path / "accuracy_vs_virtual_time.png").stat().st_size > 10_000
+    frames = drawn["accuracy_vs_virtual_time.png"]
+    fedbuff, fedavg = frames["aggregator=fedbuff"], frames["aggregator=fedavg"]  # the groups' legend names
+    assert fedbuff.index.tolist() == [15.0, 40.0]  # the two seeds' mean clock at rounds 1 and 2
+    assert np.sort(fedbuff.to_numpy(), axis=1).ravel().tolist() == pytest.approx(
+        [0.6, 0.65, 0.7, 0.75]
+    )  # a row a round
+    assert fedavg.empty  # no devices, no clock: no line
