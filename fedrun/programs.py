@@ -163,9 +163,9 @@ class LocalSGD:
         model = client.model
         own, shared = (None if t is None else t.to(start) for t in (own, shared))
         load_flat(model, start)
-        frozen = self.frozen()
-        for name, parameter in model.named_parameters():  # FedRep's phases: the frozen part keeps its start
-            parameter.requires_grad_(name not in frozen)
+        if frozen := self.frozen():  # FedRep's phases: the frozen part keeps its start (``finish`` thaws it)
+            for name, parameter in model.named_parameters():
+                parameter.requires_grad_(name not in frozen)
         # fresh state: clients keep no solver across rounds (a frozen parameter is no solver's: it gets no step)
         optimizer = client.make_optimizer([p for p in model.parameters() if p.requires_grad], lr=client.lr)
         pull = self.pull(model, shared)
@@ -271,9 +271,10 @@ class LocalSGD:
 
     def finish(self, local: Local) -> Finished:
         client, job = local.client, local.client.job
-        for parameter in client.model.parameters():
-            parameter.requires_grad_(True)
-        delta = flat_parameters(client.model) - local.start
+        if self.frozen():
+            for parameter in client.model.parameters():
+                parameter.requires_grad_(True)
+        delta = flat_parameters(client.model).sub_(local.start)  # a fresh copy: no second vector of the model's size
         steps = len(local.losses)
         mean = authors = math.nan
         if steps:
