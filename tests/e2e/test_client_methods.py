@@ -85,10 +85,10 @@ def onednn_isa() -> str:
     return next((line.split("isa:", 1)[1].strip() for line in done.stdout.splitlines() if ",isa:" in line), "")
 
 
-def same_kernels(recorded: dict) -> bool:
-    """Whether this machine runs the recording's CPU kernels: torch's capability and oneDNN's ISA (a recording
-    without the ISA was made without AMX: the module's docstring)."""
-    if recorded["cpu_capability"] != torch.backends.cpu.get_cpu_capability():
+def same_kernels(recorded: dict, capability: str) -> bool:
+    """Whether this machine (torch's ``capability``) runs the recording's CPU kernels: torch's and oneDNN's ISA (a
+    recording without the ISA was made without AMX: the module's docstring)."""
+    if recorded["cpu_capability"] != capability:
         return False
     return recorded["onednn_isa"] == onednn_isa() if "onednn_isa" in recorded else "AMX" not in onednn_isa()
 
@@ -116,7 +116,7 @@ def test_a_client_methods_numbers_are_the_recorded_ones(tmp_path, case, backend)
     assert not missing, f"{case} on {backend}: columns gone since the recording: {missing}"
     at = [got[0].index(name) for name in expected[0]]
     got = [[row[i] for i in at] for row in got]
-    if same_kernels(recorded):  # the same kernels: the same text, bit for bit
+    if same_kernels(recorded, capability):  # the same kernels: the same text, bit for bit
         assert got == expected, f"{case} on {backend}: {first_difference(got, expected)}"
     else:  # another instruction set sums in another order
         frame = lambda rows: pd.DataFrame(rows[1:], columns=rows[0]).astype(float)  # noqa: E731
@@ -124,7 +124,8 @@ def test_a_client_methods_numbers_are_the_recorded_ones(tmp_path, case, backend)
             frame(got),
             frame(expected),
             rtol=1e-5,
-            obj=f"{case} on {backend} (recorded on {recorded['cpu_capability']}, here {onednn_isa() or 'no oneDNN ISA'})",
+            obj=f"{case} on {backend} (recorded on {recorded['cpu_capability']}, "
+            f"{recorded.get('onednn_isa', 'oneDNN ISA without AMX')}; here {capability}, {onednn_isa() or 'no oneDNN ISA'})",
         )
 
 
