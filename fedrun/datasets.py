@@ -3,6 +3,8 @@
 A loaded dataset is plain data (``FederatedData``); clients are index arrays into its training tensors.
 """
 
+import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,19 +157,75 @@ class Digits(Dataset):
     num_classes = 10
 
     def _splits(self):
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-
-        digits = load_digits()
-        raw = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)  # 0-16
-        y = torch.tensor(digits.target, dtype=torch.int64)
-        train, test = train_test_split(
-            np.arange(len(y)), test_size=self.test_fraction, stratify=digits.target, random_state=self.split_seed
-        )
+        images, target = load_digits()
+        raw = torch.tensor(images, dtype=torch.float32).unsqueeze(1)  # 0-16
+        y = torch.tensor(target, dtype=torch.int64)
+        train, test = stratified_split(target, self.test_fraction, self.split_seed)
         # Standardise with the training split's own statistics (there is no published constant for digits).
         unit = raw[train] / 16.0
         x = _scaled(raw, 16.0, self.scale, [unit.mean().item()], [unit.std().item()])
         return x[train], y[train], x[test], y[test], None
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as ``sklearn.datasets.load_digits`` returns them (``images``, 1797 x 8 x 8
+    float64 in 0-16, and ``target``), read from the CSV scikit-learn ships without importing scikit-learn, whose
+    import (SciPy with it) took 1.5-2.8 s of every run's start on this project's CPUs; ``load_digits`` itself where
+    the file is not where scikit-learn keeps it. ``tests/unit/test_datasets.py`` holds both equal."""
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(next(iter(spec.submodule_search_locations or []), "")) / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():
+        from sklearn import datasets
+
+        digits = datasets.load_digits()
+        return digits.images, digits.target
+    data = np.loadtxt(path, delimiter=",")  # as load_digits: 64 pixels then the label, one image a row
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+
+
+def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The train and test indices of ``sklearn.model_selection.train_test_split(np.arange(n), test_size=
+    test_fraction, stratify=labels, random_state=seed)``, draw for draw: scikit-learn 1.9's
+    ``StratifiedShuffleSplit._iter_indices`` and ``_approximate_mode`` with one ``RandomState(seed)``. Written
+    here for the start-up time of importing scikit-learn (``load_digits``); ``tests/unit/test_datasets.py`` holds
+    it equal to scikit-learn's own for several fractions and seeds, so a change there shows."""
+    n_test = math.ceil(test_fraction * len(labels))
+    n_train = len(labels) - n_test
+    classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    check(
+        min(n_train, n_test) >= len(classes),
+        "dataset.test_fraction",
+        test_fraction,
+        f"a fraction leaving each split at least one sample of each of the {len(classes)} classes",
+    )
+    by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+    rng = np.random.RandomState(seed)
+    train_counts = _approximate_mode(counts, n_train, rng)
+    test_counts = _approximate_mode(counts - train_counts, n_test, rng)
+    train, test = [], []
+    for indices, n_i, t_i, count in zip(by_class, train_counts, test_counts, counts):
+        drawn = indices.take(rng.permutation(count), mode="clip")
+        train.extend(drawn[:n_i])
+        test.extend(drawn[n_i : n_i + t_i])
+    return rng.permutation(train), rng.permutation(test)
+
+
+def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """scikit-learn's ``_approximate_mode``: each class's share of ``draws`` floored, the rest given by largest
+    remainder, ties broken by ``rng``."""
+    continuous = counts / counts.sum() * draws
+    floored = np.floor(continuous)
+    need = int(draws - floored.sum())
+    if need > 0:
+        remainder = continuous - floored
+        for value in np.sort(np.unique(remainder))[::-1]:
+            (tied,) = np.where(remainder == value)
+            now = min(len(tied), need)
+            floored[rng.choice(tied, size=now, replace=False)] += 1
+            need -= now
+            if need == 0:
+                break
+    return floored.astype(int)
 
 
 def default_root() -> Path:

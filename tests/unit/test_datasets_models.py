@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedrun.datasets import MNIST, Digits, Synthetic
+from fedrun.datasets import MNIST, Digits, Synthetic, load_digits, stratified_split
 from fedrun.errors import ConfigError
 from fedrun.models import CNN, MLP, BatchSoftmax, FedAvgCNN, Logistic, count_parameters
 
@@ -15,6 +15,30 @@ def test_digits_splits_and_normalisation():
     assert len(data.y_train) + len(data.y_test) == 1797 and abs(len(data.y_test) - 360) <= 1
     assert abs(data.x_train.mean().item()) < 1e-4 and abs(data.x_train.std().item() - 1) < 1e-3
     assert data.x_val is None
+
+
+def test_digits_are_scikit_learns_and_the_split_is_train_test_split_draw_for_draw():
+    """The fast path (scikit-learn's CSV read directly, its stratified split written out) against scikit-learn's own
+    functions: the same images and labels, and the same index arrays in the same order for several fractions and
+    seeds (and a made-up label vector with uneven classes and tied remainders)."""
+    from sklearn.datasets import load_digits as sklearn_digits
+    from sklearn.model_selection import train_test_split
+
+    images, target = load_digits()
+    reference = sklearn_digits()
+    assert np.array_equal(images, reference.images) and np.array_equal(target, reference.target)
+    assert images.dtype == reference.images.dtype and target.dtype == reference.target.dtype
+    uneven = np.repeat([0, 1, 2, 3], [7, 11, 3, 19])
+    for labels in (target, uneven):
+        for fraction in (0.2, 0.25, 0.1, 0.5, 0.333):
+            for seed in (0, 1, 7):
+                ours = stratified_split(labels, fraction, seed)
+                theirs = train_test_split(
+                    np.arange(len(labels)), test_size=fraction, stratify=labels, random_state=seed
+                )
+                assert all(np.array_equal(a, b) for a, b in zip(ours, theirs)), (fraction, seed)
+    with pytest.raises(ConfigError, match=r"^dataset.test_fraction=0.99 is invalid: allowed is a fraction leaving"):
+        stratified_split(uneven, 0.99, 0)
 
 
 def test_scale_raw_is_255_or_16_times_unit_on_the_same_samples_and_standard_is_unit_standardised():
