@@ -19,11 +19,12 @@ submitit = pytest.importorskip("submitit")  # the [slurm] extra (in [dev])
 RAY = str(Path(sys.executable).parent / "ray")
 
 
-def sweep(tmp_path, store, experiment, *args):
+def sweep(tmp_path, store, experiment, *args, env=None):
     launcher = [] if any(a.startswith("hydra/launcher=") for a in args) else ["hydra/launcher=submitit_local"]
     return subprocess.run(
         [
             FEDRUN,
+            *(["--config-dir", str(SCRIPTS / "conf")] if "client=paced" in args else []),
             "-m",
             *launcher,
             *args,
@@ -36,6 +37,7 @@ def sweep(tmp_path, store, experiment, *args):
         cwd=tmp_path,
         capture_output=True,
         text=True,
+        env=env,
     )
 
 
@@ -59,20 +61,22 @@ def test_a_submitit_local_sweep_runs_each_job_in_its_own_process(tmp_path, store
         assert len(pd.read_csv(tmp_path / "sweep" / job / "metrics.csv")) == 2
 
 
-# Rounds that outlast a leg's 30 s with room on a faster machine (about 50 s with start-up on one of the developers'
-# two cores, where the test pins its runs), not so many that the run needs a third leg (220 took three: 170-217 s).
-ROUNDS = 150
+# The job is paced (tests/e2e/scripts/paced_program.py: a second's sleep before each of its 5 clients trains, on the
+# loop): 8 rounds last 40 s and more on any machine, past the first leg's 30 s with start-up and short of a third
+# leg, mostly asleep. The uninterrupted run is unpaced: pacing changes no number, which the equality also shows.
+ROUNDS, SCRIPTS = 8, Path(__file__).parent / "scripts"
 
 
 def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_resumes_to_the_uninterrupted_result(tmp_path, store):
     # submitit_local sends SIGUSR2 30 s before timeout_min (1 minute; neither a fraction of a minute nor another
     # delay passes submitit's AutoExecutor), as SLURM does signal_delay_s before a job's limit: the job stops after
     # its round with a checkpoint, submitit requeues it, the new process resumes from the checkpoint in the same job
-    # dir and the same MLflow run. submitit_local_requeue: submitit_local with max_num_timeout 30, not submitit's 3:
-    # on a loaded machine a requeued leg trains only for the ~30 s before its signal less its start-up.
-    run = [f"schedule.rounds={ROUNDS}", "schedule.eval_every=10", "seed=0"]
+    # dir and the same MLflow run. submitit_local_requeue: submitit_local with max_num_timeout 30, not submitit's 3.
+    run = [f"schedule.rounds={ROUNDS}", "schedule.eval_every=2", "seed=0", "device.backend=loop", "device.threads=1"]
     limit = ["hydra/launcher=submitit_local_requeue", "hydra.launcher.timeout_min=1"]
-    done = sweep(tmp_path, store, "time_limit", *limit, *run)
+    paced = ["client=paced"]  # from the tests' own config dir (``sweep``)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")]))}
+    done = sweep(tmp_path, store, "time_limit", *limit, *paced, *run, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     [log] = (tmp_path / "sweep" / ".submitit").glob("*/*_0_log.err")
     text = log.read_text()
@@ -96,7 +100,7 @@ def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_resumes_to_the_unin
     client, [job] = mlflow_runs(store, "time_limit")  # one run, reopened by the requeued job: no duplicate
     assert job.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(job.info.run_id, "0_main/test_accuracy")] == list(
-        range(10, ROUNDS + 1, 10)
+        range(2, ROUNDS + 1, 2)
     )
 
 
