@@ -10,6 +10,33 @@ import torch
 from fedrun.errors import check
 
 
+def eager_optimizer_methods() -> list[str]:
+    """Let ``torch.optim.Optimizer``'s four compiler-guarded methods (``add_param_group``, ``zero_grad``,
+    ``state_dict``, ``load_state_dict``) run without importing ``torch._dynamo``, which their wrapper does on the
+    first call of each (``torch._compile._disable_dynamo``) only to build a "compiler disabled" version of the method
+    and cache it on the method as ``__dynamo_disable``: 1.5 s of every fedrun process's start on an idle 2-core
+    machine (2.5-4.6 s loaded), the largest single import after torch itself, for a compiler fedrun never runs.
+    Here that cache is filled with the method itself, which is what the disabled version calls outside
+    ``torch.compile``; under ``torch.compile`` (which fedrun never calls) the compiler would trace into these
+    methods instead of around them. Where a torch release renames the cache or the wrapper, nothing is filled and
+    torch imports its compiler as before (slower, never different). Returns the methods filled;
+    ``tests/unit/test_optimizers.py`` checks that a run's solvers leave ``torch._dynamo`` unimported. The upstream
+    issue: pytorch#162595 ("Don't unconditionally import torch._dynamo, it's slow") removed the import from
+    ``import torch`` but not from these wrappers."""
+    wrapper = torch._disable_dynamo(lambda: None).__code__
+    filled = []
+    for name, method in vars(torch.optim.Optimizer).items():
+        inner = getattr(method, "__wrapped__", None)
+        if inner is not None and getattr(method, "__code__", None) is wrapper:
+            if getattr(inner, "__dynamo_disable", None) is None:
+                setattr(inner, "__dynamo_disable", inner)
+            filled.append(name)
+    return filled
+
+
+eager_optimizer_methods()
+
+
 def base_lr(make_optimizer, default: float | None = None) -> float:
     """The learning rate a local optimizer factory (``functools.partial(SGD, lr=...)``, as Hydra builds the
     ``optimizer`` group) was given: the base rate that ``Schedule.lr`` decays. The one place that reads it."""

@@ -266,3 +266,35 @@ def test_the_learning_rate_of_round_t_is_the_base_rate_decayed_t_minus_1_times()
     assert schedule.lr(1e-4, 1) == 1e-4  # round 1: the base rate (paper 000, Table 2: 1e-4 * 0.99^r from r = 0)
     assert schedule.lr(1e-4, 3) == pytest.approx(9.801e-05, rel=1e-12)  # 1e-4 * 0.99^2
     assert base_lr(functools.partial(torch.optim.SGD, lr=0.05)) == 0.05 and base_lr(object(), default=0.1) == 0.1
+
+
+def test_a_runs_solvers_are_built_cleared_saved_and_loaded_without_importing_torchs_compiler():
+    """``fedrun.optimizers.eager_optimizer_methods``: the four compiler-guarded methods of ``torch.optim.Optimizer``
+    run as themselves (a fresh interpreter, where nothing imported ``torch._dynamo`` before), with the same results
+    as torch's wrappers give (the solvers' state after a step, saved and loaded back)."""
+    import subprocess
+    import sys
+
+    probe = """
+import sys, torch
+from fedrun.optimizers import eager_optimizer_methods
+print(sorted(eager_optimizer_methods()))
+model = torch.nn.Linear(3, 2)
+sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model(torch.ones(4, 3)).sum().backward()
+saved = sgd.state_dict()
+sgd.load_state_dict(saved)
+sgd.zero_grad()
+sgd.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+print("torch._dynamo" in sys.modules, [p.grad for p in model.parameters()], len(sgd.param_groups))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split("\n")[:2] == [
+        "['add_param_group', 'load_state_dict', 'state_dict', 'zero_grad']",
+        "False [None, None] 2",
+    ]
+    model = torch.nn.Linear(3, 2)
+    solver = STORM(model.parameters(), lr=0.1)
+    again = STORM(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    again.load_state_dict(solver.state_dict())
+    assert again.state_dict() == solver.state_dict()
