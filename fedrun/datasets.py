@@ -170,8 +170,9 @@ class Digits(Dataset):
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled digits as ``sklearn.datasets.load_digits`` returns them (``images``, 1797 x 8 x 8
     float64 in 0-16, and ``target``), read from the CSV scikit-learn ships without importing scikit-learn, whose
-    import (SciPy with it) took 1.5-2.8 s of every run's start on this project's CPUs; ``load_digits`` itself where
-    the file is not where scikit-learn keeps it. ``tests/unit/test_datasets.py`` holds both equal."""
+    import took 0.8 s of every run's start on an idle 2-core machine after MLflow's SciPy (more with tracking off,
+    SciPy with it); ``load_digits`` itself where
+    the file is not where scikit-learn keeps it. ``tests/unit/test_datasets_models.py`` holds both equal."""
     spec = importlib.util.find_spec("sklearn")
     path = Path(next(iter(spec.submodule_search_locations or []), "")) / "datasets" / "data" / "digits.csv.gz"
     if not path.is_file():
@@ -187,7 +188,7 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
     """The train and test indices of ``sklearn.model_selection.train_test_split(np.arange(n), test_size=
     test_fraction, stratify=labels, random_state=seed)``, draw for draw: scikit-learn 1.9's
     ``StratifiedShuffleSplit._iter_indices`` and ``_approximate_mode`` with one ``RandomState(seed)``. Written
-    here for the start-up time of importing scikit-learn (``load_digits``); ``tests/unit/test_datasets.py`` holds
+    here for the start-up time of importing scikit-learn (``load_digits``); ``tests/unit/test_datasets_models.py`` holds
     it equal to scikit-learn's own for several fractions and seeds, so a change there shows."""
     n_test = math.ceil(test_fraction * len(labels))
     n_train = len(labels) - n_test
