@@ -18,12 +18,15 @@ def eager_optimizer_methods() -> list[str]:
     machine (2.5-4.6 s loaded), the largest single import after torch itself, for a compiler fedrun never runs.
     Here that cache is filled with the method itself, which is what the disabled version calls outside
     ``torch.compile``; under ``torch.compile`` (which fedrun never calls) the compiler would trace into these
-    methods instead of around them. Where a torch release renames the cache or the wrapper, nothing is filled and
-    torch imports its compiler as before (slower, never different). Returns the methods filled;
+    methods instead of around them. Where a torch release renames or drops the cache or the wrapper, nothing is filled
+    and torch imports its compiler as before (slower, never different). Returns the methods filled;
     ``tests/unit/test_optimizers.py`` checks that a run's solvers leave ``torch._dynamo`` unimported. The upstream
     issue: pytorch#162595 ("Don't unconditionally import torch._dynamo, it's slow") removed the import from
     ``import torch`` but not from these wrappers."""
-    wrapper = torch._disable_dynamo(lambda: None).__code__
+    disable = getattr(torch, "_disable_dynamo", None)
+    wrapper = getattr(disable(lambda: None), "__code__", None) if callable(disable) else None
+    if wrapper is None:  # a torch without that wrapper: nothing to fill
+        return []
     filled = []
     for name, method in vars(torch.optim.Optimizer).items():
         inner = getattr(method, "__wrapped__", None)
