@@ -171,8 +171,8 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled digits as ``sklearn.datasets.load_digits`` returns them (``images``, 1797 x 8 x 8
     float64 in 0-16, and ``target``), read from the CSV scikit-learn ships without importing scikit-learn, whose
     import took 0.8 s of every run's start on an idle 2-core machine after MLflow's SciPy (more with tracking off,
-    SciPy with it); ``load_digits`` itself where
-    the file is not where scikit-learn keeps it. ``tests/unit/test_datasets_models.py`` holds both equal."""
+    SciPy with it); ``load_digits`` itself where the file is not where scikit-learn keeps it.
+    ``tests/unit/test_datasets_models.py`` holds both equal."""
     spec = importlib.util.find_spec("sklearn")
     path = Path(next(iter(spec.submodule_search_locations or []), "")) / "datasets" / "data" / "digits.csv.gz"
     if not path.is_file():
@@ -197,7 +197,7 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
         min(n_train, n_test) >= len(classes),
         "dataset.test_fraction",
         test_fraction,
-        f"a fraction leaving each split at least one sample of each of the {len(classes)} classes",
+        f"a fraction leaving each split at least as many samples as the {len(classes)} classes",
     )
     by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
     rng = np.random.RandomState(seed)

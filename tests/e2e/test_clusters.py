@@ -19,12 +19,12 @@ submitit = pytest.importorskip("submitit")  # the [slurm] extra (in [dev])
 RAY = str(Path(sys.executable).parent / "ray")
 
 
-def sweep(tmp_path, store, experiment, *args, env=None):
+def sweep(tmp_path, store, experiment, *args, options=(), env=None):
     launcher = [] if any(a.startswith("hydra/launcher=") for a in args) else ["hydra/launcher=submitit_local"]
     return subprocess.run(
         [
             FEDRUN,
-            *(["--config-dir", str(SCRIPTS / "conf")] if "client=paced" in args else []),
+            *options,  # fedrun's own flags, before the overrides
             "-m",
             *launcher,
             *args,
@@ -74,9 +74,9 @@ def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_resumes_to_the_unin
     # dir and the same MLflow run. submitit_local_requeue: submitit_local with max_num_timeout 30, not submitit's 3.
     run = [f"schedule.rounds={ROUNDS}", "schedule.eval_every=2", "seed=0", "device.backend=loop", "device.threads=1"]
     limit = ["hydra/launcher=submitit_local_requeue", "hydra.launcher.timeout_min=1"]
-    paced = ["client=paced"]  # from the tests' own config dir (``sweep``)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")]))}
-    done = sweep(tmp_path, store, "time_limit", *limit, *paced, *run, env=env)
+    paced = {"options": ["--config-dir", str(SCRIPTS / "conf")], "env": env}  # client=paced: the tests' own
+    done = sweep(tmp_path, store, "time_limit", *limit, "client=paced", *run, **paced)
     assert done.returncode == 0, done.stderr[-3000:]
     [log] = (tmp_path / "sweep" / ".submitit").glob("*/*_0_log.err")
     text = log.read_text()

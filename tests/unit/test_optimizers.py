@@ -270,8 +270,9 @@ def test_the_learning_rate_of_round_t_is_the_base_rate_decayed_t_minus_1_times()
 
 def test_a_runs_solvers_are_built_cleared_saved_and_loaded_without_importing_torchs_compiler():
     """``fedrun.optimizers.eager_optimizer_methods``: the four compiler-guarded methods of ``torch.optim.Optimizer``
-    run as themselves (a fresh interpreter, where nothing imported ``torch._dynamo`` before), with the same results
-    as torch's wrappers give (the solvers' state after a step, saved and loaded back)."""
+    run as themselves in a fresh interpreter, where nothing imported ``torch._dynamo`` before: a solver is built,
+    its state saved and loaded back, its gradients cleared and a group added, and the compiler is still not
+    imported; in this process, a fedrun solver's (STORM's) state saved and loaded into another is the same."""
     import subprocess
     import sys
 
