@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from fedrun.datasets import FederatedData
 
 FEDRUN = str(Path(sys.executable).parent / "fedrun")  # the installed console script, as a user runs it
+CONF = Path(__file__).parents[1] / "conf"
 
 
 # The slow tier's longest tests, started first so that the workers end together (each took 1-5 minutes of a
@@ -22,6 +24,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_docs_commands.py::test_the_pages_commands_run_as_written[tutorial",
     "tests/e2e/test_study.py::test_a_study_killed_mid_trial",
     "tests/e2e/test_distributed.py::test_a_lost_rank",
+    "tests/e2e/test_client_methods.py",  # two groups (one sweep a backend), about a minute each
     "tests/e2e/test_clusters.py",
     "tests/e2e/test_docs_commands.py",
 )
@@ -116,3 +119,22 @@ def _all_runs(store, experiment, uri=None):
     client = mlflow.MlflowClient(tracking_uri=uri or f"sqlite:///{store}")
     exp = client.get_experiment_by_name(experiment)
     return client, (client.search_runs([exp.experiment_id]) if exp else [])
+
+
+def split_case(overrides: list[str]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """A run's overrides as (group, option) pairs and (key, value) pairs."""
+    groups, keys = [], []
+    for override in overrides:
+        key, value = override.split("=", 1)
+        (groups if (CONF / key).is_dir() else keys).append((key, value))
+    return groups, keys
+
+
+def as_case(overrides: list[str]) -> str:
+    """A run's overrides as a config of a group of the test's own (``+case=<name>`` with ``hydra.searchpath`` on its
+    folder), as the presets are written: a group's option as a defaults override, every other key set in the global
+    package. Several cases then run as one sweep, in one process, their start-up paid once."""
+    groups, keys = split_case(overrides)
+    body = OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys])) if keys else ""
+    defaults = "".join(f"  - override /{k}: {v}\n" for k, v in groups)
+    return f"# @package _global_\ndefaults:\n{defaults}" + body

@@ -16,7 +16,8 @@ three programs and MOON on FedBuff from the commits that added them, 438cc9d and
 
 On kernels no recording was made with, the cells on which the recordings agree to 1e-5 are compared to 1e-5 and the
 failure names every machine's kernels. Record (on purpose only, from the code before a refactor, and say why in the
-commit) with ``FEDRUN_RECORD=<folder> pytest -m slow -n 0 tests/e2e/test_client_methods.py``.
+commit) with ``FEDRUN_RECORD=<folder> pytest -m slow -n 0 tests/e2e/test_client_methods.py``. Each backend's cases run as
+one sweep in one process (``sweep``).
 """
 
 import csv
@@ -31,7 +32,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import FEDRUN
+from conftest import FEDRUN, as_case
+from omegaconf import OmegaConf
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -66,20 +68,49 @@ CASES = {  # every method that changes what a client computes, sends or reports
 BACKENDS = ("loop", "processes")
 
 
-def run(tmp_path: Path, case: str, backend: str) -> list[list[str]]:
-    """The run's metrics.csv as fedrun wrote it (each float the shortest text that reads back as itself), timings
-    left out."""
-    out = tmp_path / f"{case}_{backend}"
+def sweep(root: Path, backend: str) -> dict[str, list[list[str]]]:
+    """Every case on ``backend`` as one sweep of the real ``fedrun -m`` (one process, the jobs one after another
+    with the basic launcher, each seeded alone as a run is): case -> its metrics.csv as fedrun wrote it (each float
+    the shortest text that reads back as itself), timings left out. One process instead of 17 saves their start-up
+    (about 7 s each on CI's machine); that a job's numbers do not depend on the jobs run before it in the same
+    process is part of what the recordings, made one process a case, now hold."""
+    cases = root / "cases" / "case"
+    cases.mkdir(parents=True, exist_ok=True)
+    for case, overrides in CASES.items():
+        (cases / f"{case}.yaml").write_text(as_case(overrides))
     extra = ["device.workers=2"] if backend == "processes" else []
+    out = root / backend
     done = subprocess.run(
-        [FEDRUN, *CASES[case], *COMMON, f"device.backend={backend}", *extra, f"hydra.run.dir={out}"],
-        cwd=tmp_path,
+        [FEDRUN, "-m", f"+case={','.join(CASES)}", f"hydra.searchpath=[file://{cases.parent}]", *COMMON]
+        + [f"device.backend={backend}", *extra, f"hydra.sweep.dir={out}"],
+        cwd=root,
         capture_output=True,
         text=True,
         env={**os.environ, "HYDRA_FULL_ERROR": "0"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return without_timings(out / "metrics.csv")
+    jobs = {}
+    for job in out.iterdir():
+        if (job / "metrics.csv").exists():
+            (case,) = [
+                o.split("=", 1)[1] for o in OmegaConf.load(job / ".hydra" / "overrides.yaml") if o.startswith("+case=")
+            ]
+            jobs[case] = without_timings(job / "metrics.csv")
+    assert sorted(jobs) == sorted(CASES), sorted(jobs)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """backend -> every case's metrics, each backend's sweep run once per worker (its cases share an xdist group)."""
+    done = {}
+
+    def get(backend: str) -> dict[str, list[list[str]]]:
+        if backend not in done:
+            done[backend] = sweep(tmp_path_factory.mktemp(f"client_methods_{backend}"), backend)
+        return done[backend]
+
+    return get
 
 
 @functools.cache
@@ -107,10 +138,13 @@ def without_timings(path: Path) -> list[list[str]]:
     return [[row[i] for i in kept] for row in rows]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_client_methods_numbers_are_the_recorded_ones(tmp_path, case, backend):
-    got, capability = run(tmp_path, case, backend), torch.backends.cpu.get_cpu_capability()
+@pytest.mark.parametrize(
+    "case, backend",
+    [pytest.param(c, b, marks=pytest.mark.xdist_group(f"client_methods_{b}")) for b in BACKENDS for c in CASES],
+    ids=[f"{c}-{b}" for b in BACKENDS for c in CASES],
+)
+def test_a_client_methods_numbers_are_the_recorded_ones(swept, case, backend):
+    got, capability = swept(backend)[case], torch.backends.cpu.get_cpu_capability()
     if name := os.environ.get("FEDRUN_RECORD"):
         record(FIXTURES / name, f"{case}_{backend}.csv", got, capability)
         return

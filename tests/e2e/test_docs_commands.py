@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import FEDRUN
+from conftest import FEDRUN, as_case, split_case
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).parents[2]
@@ -50,24 +50,6 @@ RUNS = [
 ]
 
 
-def split_case(overrides: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """A run's overrides as (group, option) pairs and (key, value) pairs."""
-    groups, keys = [], []
-    for override in overrides.split():
-        key, value = override.split("=", 1)
-        (groups if (ROOT / "conf" / key).is_dir() else keys).append((key, value))
-    return groups, keys
-
-
-def as_case(overrides: str) -> str:
-    """A run's overrides as a config of a group of the test's own (``+case=run<n>``), as the presets are written: a
-    group's option as a defaults override, every other key set in the global package."""
-    groups, keys = split_case(overrides)
-    body = OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys])) if keys else ""
-    defaults = "".join(f"  - override /{k}: {v}\n" for k, v in groups)
-    return f"# @package _global_\ndefaults:\n{defaults}" + body
-
-
 @pytest.mark.slow
 def test_every_metric_a_run_logs_is_on_the_metrics_page(tmp_path):
     page = (DOCS / "reference" / "metrics.md").read_text()
@@ -78,7 +60,7 @@ def test_every_metric_a_run_logs_is_on_the_metrics_page(tmp_path):
     cases.mkdir(parents=True)
     swept = [r for r in RUNS if "phases.0" not in r]
     for i, overrides in enumerate(swept):
-        (cases / f"run{i}.yaml").write_text(as_case(overrides))
+        (cases / f"run{i}.yaml").write_text(as_case(overrides.split()))
     common = ["schedule.rounds=3", "tracking.enabled=false", "partition.num_clients=10", "device=cpu"]
     runs = [
         [
@@ -97,7 +79,7 @@ def test_every_metric_a_run_logs_is_on_the_metrics_page(tmp_path):
     for run_dir, overrides in zip(run_dirs, swept):  # each run took its case's options and keys, not the defaults
         chosen = OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra.runtime.choices
         saved = OmegaConf.load(run_dir / "config.yaml")
-        groups, keys = split_case(overrides)
+        groups, keys = split_case(overrides.split())
         for group, option in groups:
             assert chosen[group] == option, (overrides, group, chosen[group])
         for key, value in keys:
