@@ -16,17 +16,20 @@ import os
 import re
 import sys
 import time
+import typing
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
 from fedrun.errors import ConfigError
 from fedrun.mlstore import KIND, KIND_TAG, SQLITE, local_store
 from fedrun.runfiles import appended, replaced
+
+if typing.TYPE_CHECKING:
+    import torch
 
 # MLflow 3 opens an experiment without this tag as a GenAI one (traces, token usage); fedrun's are model training.
 PER_CLIENT = (
@@ -665,7 +668,7 @@ class Tracker:
         status: str,
         values: dict | None = None,
         tags: dict | None = None,
-        model: torch.nn.Module | None = None,
+        model: "torch.nn.Module | None" = None,
         reason: str | None = None,
         title: str = "",
     ) -> None:
@@ -688,6 +691,8 @@ class Tracker:
             tags["failure_reason"] = reason[:5000]
         if model is not None:
             with replaced(self.dir / "model.pt", "wb") as handle:
+                import torch  # a run's process has it; fedrun-report, -import and -ui never do
+
                 torch.save(model.state_dict(), handle)
         if metrics is not None:
             from fedrun.plots import plot_alpha_heatmap, plot_curves  # matplotlib: when a run ends, not at every start

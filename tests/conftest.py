@@ -25,6 +25,8 @@ LONGEST_FIRST = (
     "tests/e2e/test_study.py::test_a_study_killed_mid_trial",
     "tests/e2e/test_distributed.py::test_a_lost_rank",
     "tests/e2e/test_client_methods.py",  # two groups (one sweep a backend), about a minute each
+    "tests/e2e/test_distributed.py::test_two_or_four_ranks",  # one group, its loop runs one sweep: 4-5 minutes
+    "tests/e2e/test_reliability.py::test_a_run_killed_with_sigkill",  # one group and two alone: 4-5 minutes
     "tests/e2e/test_clusters.py",
     "tests/e2e/test_docs_commands.py",
 )
@@ -138,3 +140,33 @@ def as_case(overrides: list[str]) -> str:
     body = OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{k}={v}" for k, v in keys])) if keys else ""
     defaults = "".join(f"  - override /{k}: {v}\n" for k, v in groups)
     return f"# @package _global_\ndefaults:\n{defaults}" + body
+
+
+def run_cases(root: Path, cases: dict[str, list[str]], *common: str) -> dict[str, Path]:
+    """Every case (a name and its overrides) as one sweep of the real ``fedrun -m``: one process, the jobs one after
+    another with the basic launcher, each seeded alone as a run is, the start-up (torch, MLflow, Hydra: about 7 s a
+    process on CI's machine) paid once. Returns case -> its job's run dir. A case's overrides must be expressible in a
+    config (``as_case``): not a list's entry by its index."""
+    folder = root / "cases" / "case"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, overrides in cases.items():
+        assert not any(part.isdigit() for o in overrides for part in o.split("=", 1)[0].split(".")), (name, overrides)
+        (folder / f"{name}.yaml").write_text(as_case([o.removeprefix("+") for o in overrides]))
+    out = root / "swept"
+    done = subprocess.run(
+        [FEDRUN, "-m", f"+case={','.join(cases)}", f"hydra.searchpath=[file://{folder.parent}]", *common]
+        + [f"hydra.sweep.dir={out}"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    jobs = {}
+    for job in (d for d in out.iterdir() if (d / ".hydra" / "overrides.yaml").exists()):
+        (name,) = [
+            o.split("=", 1)[1] for o in OmegaConf.load(job / ".hydra" / "overrides.yaml") if o.startswith("+case=")
+        ]
+        jobs[name] = job
+    assert sorted(jobs) == sorted(cases), sorted(jobs)
+    return jobs

@@ -79,3 +79,12 @@ def test_did_you_mean():
     # at most three, closest first (difflib's ratio: 2 * matches / total length)
     options = ["afl", "fedavg", "fedmax", "fedsoftbetter", "fedsoftmax", "median"]
     assert did_you_mean("fedsoftmx", options) == "; did you mean fedsoftmax or fedmax or fedsoftbetter?"
+
+
+@pytest.mark.parametrize("module", ["fedrun.report", "fedrun.ui"])
+def test_the_report_and_the_ui_import_no_torch(module):
+    """``fedrun-report`` reads runs and ``fedrun-ui`` starts MLflow's server: neither trains, so neither pays torch's
+    import (1.8 s on CI's machine; the report is run a dozen times by the slow tier and the docs)."""
+    probe = f"import sys, {module}; print(*(m for m in ('torch', 'torchvision') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "", (done.stdout, done.stderr[-2000:])

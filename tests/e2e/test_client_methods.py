@@ -32,8 +32,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import FEDRUN, as_case
-from omegaconf import OmegaConf
+from conftest import run_cases
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -69,35 +68,13 @@ BACKENDS = ("loop", "processes")
 
 
 def sweep(root: Path, backend: str) -> dict[str, list[list[str]]]:
-    """Every case on ``backend`` as one sweep of the real ``fedrun -m`` (one process, the jobs one after another
-    with the basic launcher, each seeded alone as a run is): case -> its metrics.csv as fedrun wrote it (each float
-    the shortest text that reads back as itself), timings left out. One process instead of 17 saves their start-up
-    (about 7 s each on CI's machine); that a job's numbers do not depend on the jobs run before it in the same
-    process is part of what the recordings, made one process a case, now hold."""
-    cases = root / "cases" / "case"
-    cases.mkdir(parents=True, exist_ok=True)
-    for case, overrides in CASES.items():
-        (cases / f"{case}.yaml").write_text(as_case(overrides))
+    """Every case on ``backend`` as one sweep (``conftest.run_cases``: one process instead of 17): case -> its
+    metrics.csv as fedrun wrote it (each float the shortest text that reads back as itself), timings left out. That a
+    job's numbers do not depend on the jobs run before it in the same process is part of what the recordings, made
+    one process a case, now hold."""
     extra = ["device.workers=2"] if backend == "processes" else []
-    out = root / backend
-    done = subprocess.run(
-        [FEDRUN, "-m", f"+case={','.join(CASES)}", f"hydra.searchpath=[file://{cases.parent}]", *COMMON]
-        + [f"device.backend={backend}", *extra, f"hydra.sweep.dir={out}"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    jobs = {}
-    for job in out.iterdir():
-        if (job / "metrics.csv").exists():
-            (case,) = [
-                o.split("=", 1)[1] for o in OmegaConf.load(job / ".hydra" / "overrides.yaml") if o.startswith("+case=")
-            ]
-            jobs[case] = without_timings(job / "metrics.csv")
-    assert sorted(jobs) == sorted(CASES), sorted(jobs)
-    return jobs
+    jobs = run_cases(root, CASES, *COMMON, f"device.backend={backend}", *extra)
+    return {case: without_timings(job / "metrics.csv") for case, job in jobs.items()}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import FEDRUN, mlflow_runs
+from conftest import FEDRUN, mlflow_runs, run_cases
 
 pytestmark = pytest.mark.e2e
 
@@ -79,15 +79,34 @@ CASES = {  # (overrides, ranks)
 }
 
 
+@pytest.fixture(scope="module")
+def on_the_loop(tmp_path_factory, store):
+    """case -> the run dir of its run on the loop: every case's, as one sweep in one process (conftest.run_cases),
+    on first use, on the worker that runs the cases (one xdist group)."""
+    done = {}
+
+    def get(case: str) -> Path:
+        if not done:
+            root = tmp_path_factory.mktemp("on_the_loop")
+            common = [
+                *command(None, "schedule.rounds=3", f"tracking.uri=sqlite:///{store}")[1:-1],
+                "device.backend=loop",
+            ]
+            done.update(run_cases(root, {c: overrides for c, (overrides, _) in CASES.items()}, *common))
+        return done[case]
+
+    return get
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("on_the_loop")
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_or_four_ranks_give_the_loops_metrics(tmp_path, store, case):
+def test_two_or_four_ranks_give_the_loops_metrics(tmp_path, store, on_the_loop, case):
     overrides, ranks = [*CASES[case][0], f"tracking.uri=sqlite:///{store}"], CASES[case][1]  # the worker's store
-    fedrun(tmp_path, tmp_path / "loop", "device.backend=loop", *overrides)
     fedrun(tmp_path, tmp_path / "ranks", *overrides, ranks=ranks)
-    pd.testing.assert_frame_equal(metrics(tmp_path / "ranks"), metrics(tmp_path / "loop"), check_exact=True)
+    pd.testing.assert_frame_equal(metrics(tmp_path / "ranks"), metrics(on_the_loop(case)), check_exact=True)
     assert (tmp_path / "ranks" / "config.yaml").is_file()  # rank 0 wrote its run dir; the others left nothing
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop", "ranks"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ranks"]
 
 
 def test_the_trainer_on_two_ranks_gives_the_loops_values_and_a_ranks_error_reaches_both(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import FEDRUN
+from conftest import FEDRUN, run_cases
 
 from e2e.test_reliability import deterministic
 from fedrun.tracking import PER_CLIENT
@@ -41,24 +41,55 @@ def after(frame: pd.DataFrame, round_: int) -> pd.DataFrame:
     return frame[frame["round"] > round_].reset_index(drop=True)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_a_run_dir_written_by_968a63f_resumes_and_equals_an_uninterrupted_run_of_today(tmp_path, case):
-    fixture, resumed_dir, whole_dir = FIXTURES / case, tmp_path / "resumed", tmp_path / "whole"
+def old_command(case: str) -> list[str]:
+    """The old run's command line (its overrides)."""
+    return yaml.safe_load((FIXTURES / case / ".hydra" / "overrides.yaml").read_text())
+
+
+# The cases a config can say (not a list's entry by index: sync's hybrid phase and clip stage): today's uninterrupted
+# runs of them as one sweep, in one process (conftest.run_cases), on the worker that resumes them (one xdist group).
+SWEPT = [c for c in CASES if not any(".0." in o for o in old_command(c))]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """case -> the run dir of today's uninterrupted run of its command, every case of ``SWEPT`` in one sweep."""
+    done = {}
+
+    def get(case: str) -> Path:
+        if not done:
+            root = tmp_path_factory.mktemp("uninterrupted_today")
+            done.update(run_cases(root, {c: old_command(c) for c in SWEPT}, "tracking.enabled=false"))
+        return done[case]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[pytest.mark.xdist_group("today")] if c in SWEPT else []) for c in CASES]
+)
+def test_a_run_dir_written_by_968a63f_resumes_and_equals_an_uninterrupted_run_of_today(tmp_path, uninterrupted, case):
+    fixture, resumed_dir = FIXTURES / case, tmp_path / "resumed"
     shutil.copytree(fixture, resumed_dir)  # the resume rewrites its files: never the committed ones
     old_config = yaml.safe_load((fixture / "config.yaml").read_text())
-    command = yaml.safe_load((fixture / ".hydra" / "overrides.yaml").read_text())  # the old run's command line
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
-    whole = subprocess.Popen(  # beside the resume: the two take half the time on two cores
-        [FEDRUN, *command, f"hydra.run.dir={whole_dir}"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    whole = None
+    if case in SWEPT:
+        whole_dir = uninterrupted(case)
+    else:
+        whole_dir = tmp_path / "whole"
+        whole = subprocess.Popen(  # beside the resume
+            [FEDRUN, *old_command(case), f"hydra.run.dir={whole_dir}"],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
     resumed = subprocess.run([FEDRUN, f"resume={resumed_dir}"], cwd=tmp_path, capture_output=True, text=True, env=env)
-    whole_err = whole.communicate()[1]
-    assert whole.returncode == 0, whole_err[-3000:]
+    if whole is not None:
+        whole_err = whole.communicate()[1]
+        assert whole.returncode == 0, whole_err[-3000:]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     found = re.search(r"resuming \S+ after round (\d+)", resumed.stderr)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import FEDRUN, mlflow_runs, sweep_runs
+from conftest import FEDRUN, mlflow_runs, run_cases, sweep_runs
 
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint
 from fedrun.tracking import mlflow_name
@@ -193,12 +193,46 @@ CASES = {
 }
 
 
+# The cases a config can say (not a list's entry by index: the adaptive clip's stage): their uninterrupted runs as
+# one sweep, in one process (conftest.run_cases), on the worker that runs their kills (one xdist group).
+SWEPT = [c for c, overrides in CASES.items() if not any(".0." in o for o in overrides)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, store):
+    """case -> the run dir of its uninterrupted run, every case of ``SWEPT`` run once, in one sweep, on first use."""
+    done = {}
+
+    def get(case: str) -> Path:
+        if not done:
+            root = tmp_path_factory.mktemp("uninterrupted")
+            common = [
+                "checkpoint.every=2",
+                f"tracking.uri=sqlite:///{store}",
+                "tracking.experiment=resume",
+                "device=cpu",
+            ]
+            done.update(run_cases(root, {c: CASES[c] for c in SWEPT}, *common))
+        return done[case]
+
+    return get
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_path, store, case):
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[pytest.mark.xdist_group("uninterrupted")] if c in SWEPT else []) for c in CASES]
+)
+def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_path, store, uninterrupted, case):
+    """Killed with SIGKILL after round 3 at the earliest, resumed, and compared with the same config run without
+    a stop: in the sweep of ``uninterrupted`` (so a job of a sweep equals a run alone as well) or, for a case a
+    config cannot say, alone."""
     args = [*CASES[case], "checkpoint.every=2"]
-    whole = start(tmp_path, tmp_path / "whole", store, *args)
-    assert whole.wait() == 0, whole.communicate()[1][-3000:]
+    if case in SWEPT:
+        whole_dir = uninterrupted(case)
+    else:
+        whole_dir = tmp_path / "whole"
+        whole = start(tmp_path, whole_dir, store, *args)
+        assert whole.wait() == 0, whole.communicate()[1][-3000:]
     killed = start(tmp_path, tmp_path / "killed", store, *args)
     kill_after(killed, tmp_path / "killed", 3)  # after round 3 at the earliest: a checkpoint of round 2, rows beyond it
     assert killed.wait() == -signal.SIGKILL
@@ -211,12 +245,12 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'killed'}"], cwd=tmp_path, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming" in resumed.stderr
-    same_rows(tmp_path / "killed", tmp_path / "whole", saved)
-    tables = ("alpha.csv", "selected.csv")[: 2 if (tmp_path / "whole" / "selected.csv").exists() else 1]
-    optional = tuple(n for n in ("malicious.csv", "personal_accuracy.csv") if (tmp_path / "whole" / n).exists())
+    same_rows(tmp_path / "killed", whole_dir, saved)
+    tables = ("alpha.csv", "selected.csv")[: 2 if (whole_dir / "selected.csv").exists() else 1]
+    optional = tuple(n for n in ("malicious.csv", "personal_accuracy.csv") if (whole_dir / n).exists())
     for name in tables + optional:
         pd.testing.assert_frame_equal(
-            pd.read_csv(tmp_path / "killed" / name), pd.read_csv(tmp_path / "whole" / name), check_exact=True
+            pd.read_csv(tmp_path / "killed" / name), pd.read_csv(whole_dir / name), check_exact=True
         )
     client, runs = mlflow_runs(store, "resume")
     run = next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "killed"))
