@@ -170,3 +170,16 @@ def run_cases(root: Path, cases: dict[str, list[str]], *common: str) -> dict[str
         jobs[name] = job
     assert sorted(jobs) == sorted(cases), sorted(jobs)
     return jobs
+
+
+def swept_once(tmp_path_factory, name: str, cases: dict[str, list[str]], *common: str):
+    """A module fixture's getter, case -> run dir: ``run_cases`` on first call (a test that needs none of the cases,
+    on a worker of its own, starts no sweep)."""
+    done = {}
+
+    def get(case: str) -> Path:
+        if not done:
+            done.update(run_cases(tmp_path_factory.mktemp(name), cases, *common))
+        return done[case]
+
+    return get

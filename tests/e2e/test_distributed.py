@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import FEDRUN, mlflow_runs, run_cases
+from conftest import FEDRUN, mlflow_runs, swept_once
 
 pytestmark = pytest.mark.e2e
 
@@ -81,21 +81,11 @@ CASES = {  # (overrides, ranks)
 
 @pytest.fixture(scope="module")
 def on_the_loop(tmp_path_factory, store):
-    """case -> the run dir of its run on the loop: every case's, as one sweep in one process (conftest.run_cases),
-    on first use, on the worker that runs the cases (one xdist group)."""
-    done = {}
-
-    def get(case: str) -> Path:
-        if not done:
-            root = tmp_path_factory.mktemp("on_the_loop")
-            common = [
-                *command(None, "schedule.rounds=3", f"tracking.uri=sqlite:///{store}")[1:-1],
-                "device.backend=loop",
-            ]
-            done.update(run_cases(root, {c: overrides for c, (overrides, _) in CASES.items()}, *common))
-        return done[case]
-
-    return get
+    """case -> the run dir of its run on the loop: every case's, as one sweep in one process, on first use, on the
+    worker that runs the cases (one xdist group)."""
+    loop = ["device.backend=loop", "device.threads=1", "schedule.rounds=3"]  # as command() and fedrun() say
+    common = [*loop, *COMMON, f"tracking.uri=sqlite:///{store}"]
+    return swept_once(tmp_path_factory, "on_the_loop", {c: overrides for c, (overrides, _) in CASES.items()}, *common)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import FEDRUN, run_cases
+from conftest import FEDRUN, swept_once
 
 from e2e.test_reliability import deterministic
 from fedrun.tracking import PER_CLIENT
@@ -54,15 +54,8 @@ SWEPT = [c for c in CASES if not any(".0." in o for o in old_command(c))]
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """case -> the run dir of today's uninterrupted run of its command, every case of ``SWEPT`` in one sweep."""
-    done = {}
-
-    def get(case: str) -> Path:
-        if not done:
-            root = tmp_path_factory.mktemp("uninterrupted_today")
-            done.update(run_cases(root, {c: old_command(c) for c in SWEPT}, "tracking.enabled=false"))
-        return done[case]
-
-    return get
+    cases = {c: old_command(c) for c in SWEPT}
+    return swept_once(tmp_path_factory, "uninterrupted_today", cases, "tracking.enabled=false")
 
 
 @pytest.mark.parametrize(

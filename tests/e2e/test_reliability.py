@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import FEDRUN, mlflow_runs, run_cases, sweep_runs
+from conftest import FEDRUN, mlflow_runs, sweep_runs, swept_once
 
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint
 from fedrun.tracking import mlflow_name
@@ -200,22 +200,9 @@ SWEPT = [c for c, overrides in CASES.items() if not any(".0." in o for o in over
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, store):
-    """case -> the run dir of its uninterrupted run, every case of ``SWEPT`` run once, in one sweep, on first use."""
-    done = {}
-
-    def get(case: str) -> Path:
-        if not done:
-            root = tmp_path_factory.mktemp("uninterrupted")
-            common = [
-                "checkpoint.every=2",
-                f"tracking.uri=sqlite:///{store}",
-                "tracking.experiment=resume",
-                "device=cpu",
-            ]
-            done.update(run_cases(root, {c: CASES[c] for c in SWEPT}, *common))
-        return done[case]
-
-    return get
+    """case -> the run dir of its uninterrupted run, every case of ``SWEPT`` in one sweep, on first use."""
+    common = ["checkpoint.every=2", f"tracking.uri=sqlite:///{store}", "tracking.experiment=resume", "device=cpu"]
+    return swept_once(tmp_path_factory, "uninterrupted", {c: CASES[c] for c in SWEPT}, *common)
 
 
 @pytest.mark.slow

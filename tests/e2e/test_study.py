@@ -34,21 +34,20 @@ STUDY = [
 ]
 
 
-@pytest.mark.e2e
-def test_a_study_through_fedrun_records_trials_over_seeds_in_mlflow(fedrun, store):
-    fedrun("-m", *STUDY, "hydra.sweeper.n_trials=2", experiment="study")
-    sweep_dir = next((fedrun.cwd / "outputs" / "multiruns").glob("*/*"))
+def check_recorded(store: Path, experiment: str, sweep_dir: Path, n_trials: int) -> None:
+    """A study's MLflow records: one parent run, its trials as children, each trial's seeds as the trial's children,
+    the objective the mean of the seeds' final test accuracy, the best trial named on the parent and in Optuna's
+    results file."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
-    experiment = client.get_experiment_by_name("study")
-    runs = client.search_runs([experiment.experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     parents = [r for r in runs if r.data.tags.get("fedrun.role") == "sweep"]
     trials = sorted((r for r in runs if r.data.tags.get("fedrun.role") == "trial"), key=lambda r: r.info.start_time)
     seeds = [r for r in runs if "fedrun.trial" in r.data.tags and "fedrun.role" not in r.data.tags]
-    assert len(parents) == 1 and len(trials) == 2 and len(seeds) == 4  # a study, its trials, their seeds
+    assert len(parents) == 1 and len(trials) == n_trials and len(seeds) == 2 * n_trials  # a study, trials, seeds
     [parent] = parents
-    assert parent.info.status == "FINISHED" and parent.data.metrics["jobs_finished"] == 2  # its trials
+    assert parent.info.status == "FINISHED" and parent.data.metrics["jobs_finished"] == n_trials  # its trials
     assert parent.info.run_name.startswith("study ") and "seeds [0, 1]" in parent.data.tags["mlflow.note.content"]
     assert {t.data.tags["mlflow.parentRunId"] for t in trials} == {parent.info.run_id}
     results = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
@@ -90,9 +89,11 @@ def trials_of(sweep_dir: Path) -> list:
 @pytest.mark.e2e
 def test_a_study_killed_mid_trial_resumes_to_n_trials_and_equals_one_never_killed(tmp_path, store):
     """4 trials x 2 seeds: a study killed (SIGKILL) in its third trial finishes from the jobs' checkpoints without
-    extra trials; its trials equal those of the same study never killed (same sampler seed, same trials)."""
+    extra trials; its trials equal those of the same study never killed (same sampler seed, same trials), whose
+    MLflow records (parent, trials, seeds, objective, best trial) ``check_recorded`` reads first."""
     whole = tmp_path / "whole"
-    run_study(tmp_path, store, whole, "hydra.sweeper.n_trials=4", "schedule.rounds=6")
+    run_study(tmp_path, store, whole, "hydra.sweeper.n_trials=4", "schedule.rounds=6", "tracking.experiment=whole")
+    check_recorded(store, "whole", whole, 4)  # the study never killed, as MLflow holds it
     killed = tmp_path / "killed"
     command = [FEDRUN, "-m", *STUDY, f"tracking.uri=sqlite:///{store}", f"hydra.sweep.dir={killed}"]
     extra = ["hydra.sweeper.n_trials=4", "schedule.rounds=6", "checkpoint.every=1", "tracking.experiment=killed"]
