@@ -105,17 +105,17 @@ def fedrun(tmp_path, store):
 def mlflow_runs(store, experiment, uri=None):
     """(client, the experiment's job runs): a sweep's parent run (``sweep_runs``) and a study's trial runs are left
     out."""
-    client, runs = _all_runs(store, experiment, uri)
+    client, runs = all_runs(store, experiment, uri)
     return client, [r for r in runs if "fedrun.role" not in r.data.tags]
 
 
 def sweep_runs(store, experiment, uri=None):
     """(client, the experiment's sweep parent runs)."""
-    client, runs = _all_runs(store, experiment, uri)
+    client, runs = all_runs(store, experiment, uri)
     return client, [r for r in runs if r.data.tags.get("fedrun.role") == "sweep"]
 
 
-def _all_runs(store, experiment, uri=None):
+def all_runs(store, experiment, uri=None):
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=uri or f"sqlite:///{store}")
@@ -142,6 +142,12 @@ def as_case(overrides: list[str]) -> str:
     return f"# @package _global_\ndefaults:\n{defaults}" + body
 
 
+def config_can_say(overrides: list[str]) -> bool:
+    """Whether a config of a group (``as_case``) can hold these overrides: not one that sets a list's entry by its
+    index (``pipeline.stages.0.max_norm``), which a command line can say and a merged config cannot."""
+    return not any(part.isdigit() for o in overrides for part in o.split("=", 1)[0].split("."))
+
+
 def run_cases(root: Path, cases: dict[str, list[str]], *common: str) -> dict[str, Path]:
     """Every case (a name and its overrides) as one sweep of the real ``fedrun -m``: one process, the jobs one after
     another with the basic launcher, each seeded alone as a run is, the start-up (torch, MLflow, Hydra: about 7 s a
@@ -150,7 +156,7 @@ def run_cases(root: Path, cases: dict[str, list[str]], *common: str) -> dict[str
     folder = root / "cases" / "case"
     folder.mkdir(parents=True, exist_ok=True)
     for name, overrides in cases.items():
-        assert not any(part.isdigit() for o in overrides for part in o.split("=", 1)[0].split(".")), (name, overrides)
+        assert config_can_say(overrides), (name, overrides)
         (folder / f"{name}.yaml").write_text(as_case([o.removeprefix("+") for o in overrides]))
     out = root / "swept"
     done = subprocess.run(

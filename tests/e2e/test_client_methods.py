@@ -17,7 +17,7 @@ three programs and MOON on FedBuff from the commits that added them, 438cc9d and
 On kernels no recording was made with, the cells on which the recordings agree to 1e-5 are compared to 1e-5 and the
 failure names every machine's kernels. Record (on purpose only, from the code before a refactor, and say why in the
 commit) with ``FEDRUN_RECORD=<folder> pytest -m slow -n 0 tests/e2e/test_client_methods.py``. Each backend's cases run as
-one sweep in one process (``sweep``).
+one sweep in one process (``swept``).
 """
 
 import csv
@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import run_cases
+from conftest import swept_once
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -67,27 +67,23 @@ CASES = {  # every method that changes what a client computes, sends or reports
 BACKENDS = ("loop", "processes")
 
 
-def sweep(root: Path, backend: str) -> dict[str, list[list[str]]]:
-    """Every case on ``backend`` as one sweep (``conftest.run_cases``: one process instead of 17): case -> its
-    metrics.csv as fedrun wrote it (each float the shortest text that reads back as itself), timings left out. That a
-    job's numbers do not depend on the jobs run before it in the same process is part of what the recordings, made
-    one process a case, now hold."""
-    extra = ["device.workers=2"] if backend == "processes" else []
-    jobs = run_cases(root, CASES, *COMMON, f"device.backend={backend}", *extra)
-    return {case: without_timings(job / "metrics.csv") for case, job in jobs.items()}
-
-
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
-    """backend -> every case's metrics, each backend's sweep run once per worker (its cases share an xdist group)."""
-    done = {}
-
-    def get(backend: str) -> dict[str, list[list[str]]]:
-        if backend not in done:
-            done[backend] = sweep(tmp_path_factory.mktemp(f"client_methods_{backend}"), backend)
-        return done[backend]
-
-    return get
+    """backend -> case -> its run dir: every case on a backend as one sweep (``conftest.swept_once``: one process
+    instead of 17), run once per worker (a backend's cases share an xdist group). That a job's numbers do not depend
+    on the jobs run before it in the same process is part of what the recordings, made one process a case, now
+    hold."""
+    return {
+        backend: swept_once(
+            tmp_path_factory,
+            f"client_methods_{backend}",
+            CASES,
+            *COMMON,
+            f"device.backend={backend}",
+            *(["device.workers=2"] if backend == "processes" else []),
+        )
+        for backend in BACKENDS
+    }
 
 
 @functools.cache
@@ -121,7 +117,7 @@ def without_timings(path: Path) -> list[list[str]]:
     ids=[f"{c}-{b}" for b in BACKENDS for c in CASES],
 )
 def test_a_client_methods_numbers_are_the_recorded_ones(swept, case, backend):
-    got, capability = swept(backend)[case], torch.backends.cpu.get_cpu_capability()
+    got, capability = without_timings(swept[backend](case) / "metrics.csv"), torch.backends.cpu.get_cpu_capability()
     if name := os.environ.get("FEDRUN_RECORD"):
         record(FIXTURES / name, f"{case}_{backend}.csv", got, capability)
         return

@@ -17,18 +17,20 @@ pytestmark = pytest.mark.e2e
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 COMMON = ["device=cpu", "tracking.experiment=distributed"]
+LOOP = ["device.threads=1"]  # the loop's thread count (torchrun's: its default, one thread per rank)
+ROUNDS = "schedule.rounds=3"
 
 
 def command(out, *args, ranks: int | None = None) -> list[str]:
     """The loop's command at one thread, or torchrun's at its default (one thread per rank, whatever the ranks)."""
     start = [FEDRUN] if ranks is None else [TORCHRUN, "--standalone", f"--nproc_per_node={ranks}", "-m", "fedrun"]
-    backend = ["device.threads=1"] if ranks is None else ["device.backend=distributed"]
+    backend = LOOP if ranks is None else ["device.backend=distributed"]
     return [*start, *backend, *COMMON, *args, f"hydra.run.dir={out}"]
 
 
 def fedrun(cwd, out, *args, ranks: int | None = None) -> subprocess.CompletedProcess:
     done = subprocess.run(
-        command(out, "schedule.rounds=3", *args, ranks=ranks),
+        command(out, ROUNDS, *args, ranks=ranks),
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -83,8 +85,7 @@ CASES = {  # (overrides, ranks)
 def on_the_loop(tmp_path_factory, store):
     """case -> the run dir of its run on the loop: every case's, as one sweep in one process, on first use, on the
     worker that runs the cases (one xdist group)."""
-    loop = ["device.backend=loop", "device.threads=1", "schedule.rounds=3"]  # as command() and fedrun() say
-    common = [*loop, *COMMON, f"tracking.uri=sqlite:///{store}"]
+    common = ["device.backend=loop", *LOOP, ROUNDS, *COMMON, f"tracking.uri=sqlite:///{store}"]
     return swept_once(tmp_path_factory, "on_the_loop", {c: overrides for c, (overrides, _) in CASES.items()}, *common)
 
 

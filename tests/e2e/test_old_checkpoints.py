@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import FEDRUN, swept_once
+from conftest import FEDRUN, config_can_say, swept_once
 
 from e2e.test_reliability import deterministic
 from fedrun.tracking import PER_CLIENT
@@ -48,7 +48,7 @@ def old_command(case: str) -> list[str]:
 
 # The cases a config can say (not a list's entry by index: sync's hybrid phase and clip stage): today's uninterrupted
 # runs of them as one sweep, in one process (conftest.run_cases), on the worker that resumes them (one xdist group).
-SWEPT = [c for c in CASES if not any(".0." in o for o in old_command(c))]
+SWEPT = [c for c in CASES if config_can_say(old_command(c))]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import FEDRUN, mlflow_runs, sweep_runs, swept_once
+from conftest import FEDRUN, config_can_say, mlflow_runs, sweep_runs, swept_once
 
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint
 from fedrun.tracking import mlflow_name
@@ -195,7 +195,7 @@ CASES = {
 
 # The cases a config can say (not a list's entry by index: the adaptive clip's stage): their uninterrupted runs as
 # one sweep, in one process (conftest.run_cases), on the worker that runs their kills (one xdist group).
-SWEPT = [c for c, overrides in CASES.items() if not any(".0." in o for o in overrides)]
+SWEPT = [c for c, overrides in CASES.items() if config_can_say(overrides)]
 
 
 @pytest.fixture(scope="module")

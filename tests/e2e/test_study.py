@@ -12,7 +12,7 @@ import optuna
 import pandas as pd
 import pytest
 import yaml
-from conftest import mlflow_runs, sweep_runs
+from conftest import all_runs, mlflow_runs, sweep_runs
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 
 from fedrun.study import (
@@ -38,10 +38,7 @@ def check_recorded(store: Path, experiment: str, sweep_dir: Path, n_trials: int)
     """A study's MLflow records: one parent run, its trials as children, each trial's seeds as the trial's children,
     the objective the mean of the seeds' final test accuracy, the best trial named on the parent and in Optuna's
     results file."""
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    _, runs = all_runs(store, experiment)
     parents = [r for r in runs if r.data.tags.get("fedrun.role") == "sweep"]
     trials = sorted((r for r in runs if r.data.tags.get("fedrun.role") == "trial"), key=lambda r: r.info.start_time)
     seeds = [r for r in runs if "fedrun.trial" in r.data.tags and "fedrun.role" not in r.data.tags]
