@@ -8,6 +8,7 @@ import hydra
 import numpy as np
 import pytest
 import torch
+from conftest import composed
 from omegaconf import OmegaConf
 
 from fedrun.aggregators import FedAvg, FedSoftMax
@@ -54,10 +55,7 @@ def train(parts, rounds=4, cohort=5, checkpoint=None):
 def option(name: str, **overrides):
     """The attack option ``conf/attack/<name>.yaml``, composed and built as the CLI builds it (an option may extend
     another through its defaults list: loss_lie_flip)."""
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module(config_module="fedrun.conf", version_base="1.3"):
-        node = compose(config_name="config", overrides=[f"attack={name}"]).attack
+    node = composed(f"attack={name}").attack
     return hydra.utils.instantiate(OmegaConf.merge(node, overrides))
 
 

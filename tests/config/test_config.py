@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import composed
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -174,30 +175,26 @@ def test_presets_combine_with_every_aggregator(experiment):
     default config has them, which is checked on a synchronous and an asynchronous aggregator (and each aggregator on
     the default config is test_every_option_composes_and_instantiates'): the full product, 16 x 26 compositions, took
     90 s of the fast tier for the 11 presets of 16 that touch none of it."""
-    from hydra import compose, initialize_config_module
-
     aggregators = sorted(f.stem for f in (CONF / "aggregator").glob("*.yaml"))
     touching = touches_the_aggregator(experiment)
-    # One Hydra initialisation per preset, every aggregator composed within it (one per case cost 0.3 s each).
-    with initialize_config_module(config_module="fedrun.conf", version_base="1.3"):
-        for aggregator in aggregators if touching else ["fedavg", "fedbuff"]:
-            cfg = compose(config_name="config", overrides=[f"experiment={experiment}", f"aggregator={aggregator}"])
-            assert cfg.tracking.experiment == experiment, aggregator
-            if not touching:
-                plain = compose(config_name="config", overrides=[f"aggregator={aggregator}"])
-                for group in AGGREGATOR_WORLD:
-                    assert cfg.get(group) == plain.get(group), (aggregator, group)
-            if experiment == "dp_mnist" and aggregator != "fedavg":  # privacy takes uniform FedAvg alone
-                with pytest.raises(ConfigError, match="aggregator"):
-                    setup(cfg)
-                continue
-            assert instantiate(cfg.aggregator) is not None and instantiate(cfg.partition) is not None, aggregator
-            sync_aggregator_on_async_preset = "speeds" in cfg.engine and cfg.engine._target_.endswith("SyncEngine")
-            if sync_aggregator_on_async_preset:  # an asynchronous preset: synchronous aggregators refused at build
-                with pytest.raises(ConfigError, match="^engine="):
-                    build("engine", cfg.engine)
-            else:
-                assert callable(build("engine", cfg.engine)), aggregator
+    for aggregator in aggregators if touching else ["fedavg", "fedbuff"]:
+        cfg = composed(f"experiment={experiment}", f"aggregator={aggregator}")
+        assert cfg.tracking.experiment == experiment, aggregator
+        if not touching:
+            plain = composed(f"aggregator={aggregator}")
+            for group in AGGREGATOR_WORLD:
+                assert cfg.get(group) == plain.get(group), (aggregator, group)
+        if experiment == "dp_mnist" and aggregator != "fedavg":  # privacy takes uniform FedAvg alone
+            with pytest.raises(ConfigError, match="aggregator"):
+                setup(cfg)
+            continue
+        assert instantiate(cfg.aggregator) is not None and instantiate(cfg.partition) is not None, aggregator
+        sync_aggregator_on_async_preset = "speeds" in cfg.engine and cfg.engine._target_.endswith("SyncEngine")
+        if sync_aggregator_on_async_preset:  # an asynchronous preset: synchronous aggregators refused at build
+            with pytest.raises(ConfigError, match="^engine="):
+                build("engine", cfg.engine)
+        else:
+            assert callable(build("engine", cfg.engine)), aggregator
 
 
 @pytest.mark.parametrize("experiment", sorted(f.stem for f in (CONF / "experiment").glob("*.yaml")))

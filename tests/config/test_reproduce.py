@@ -11,6 +11,10 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 import reproduce  # noqa: E402
 
 
+# Slow tier: these commands run for hours (the reproduction is the slow path this proves), and their 160-odd
+# compositions took 32 s of the fast tier's worker time; scripts/reproduce.py's own code runs in the fast tier's
+# --dry-run test (tests/e2e/test_reproduce.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("paper", list(reproduce.PAPERS))
 def test_every_point_of_every_reproduction_sweep_composes(paper, compose_config):
     points = 0

@@ -70,9 +70,21 @@ def section(name: str) -> str:
     return name.rsplit("/", 1)[0] if "/" in name else "~Model metrics"  # sorted after every prefix, as the UI does
 
 
-def test_the_first_section_of_a_runs_metrics_is_the_main_one_and_fedavg_logs_no_alpha_series(fedrun, store):
-    fedrun("aggregator=fedavg", "partition=shards", "metrics.r_targets=[0.1]", *TINY, experiment="sections")
-    client, [run] = mlflow_runs(store, "sections")
+def test_a_fedavg_batch_norm_run_shows_the_main_section_first_no_alpha_series_and_saves_the_servers_statistics(
+    fedrun, store
+):
+    """One run for the metrics page's sections, FedAvg's alpha and batch norm's saved statistics (was two runs)."""
+    import torch
+
+    fedrun(
+        "aggregator=fedavg",
+        "partition=shards",
+        "metrics.r_targets=[0.1]",
+        "model.norm=batch",
+        *TINY,
+        experiment="fedavg",
+    )
+    client, [run] = mlflow_runs(store, "fedavg")
     names = set(run.data.metrics)
     # FedAvg's alpha is p_i, a flat line per client: only alpha.csv and the heatmap have it
     assert not any(n.startswith("alpha/") for n in names) and run.data.tags["alpha_series"] == "artifacts"
@@ -84,6 +96,11 @@ def test_the_first_section_of_a_runs_metrics_is_the_main_one_and_fedavg_logs_no_
         "0_main/train_loss",
     }
     assert {n for n in names if section(n) == second} == {"1_r_index/R10"}
+    [job] = job_dirs(fedrun.cwd, "runs")
+    saved = torch.load(job / "model.pt", weights_only=True)
+    means = [k for k in saved if k.endswith("running_mean")]
+    assert means and all(k.replace("running_mean", "running_var") in saved for k in means)
+    assert all(torch.isfinite(saved[k]).all() for k in means)
 
 
 FEATURES = {
@@ -308,14 +325,3 @@ def test_methods_set_three_groups_and_mvr_doubles_communication(fedrun, store):
         steps = pd.read_csv(job / "local_steps.csv").drop(columns="round").to_numpy()
         # every round: two clients do their full 2 steps, the two stragglers between 1 and 2
         assert ((steps >= 1) & (steps <= 2)).all() and ((steps == 2).sum(axis=1) >= 2).all()
-
-
-def test_a_batch_norm_models_saved_model_holds_the_servers_statistics(fedrun, store):
-    import torch
-
-    fedrun("model.norm=batch", *TINY, experiment="batch_norm_model")
-    [job] = job_dirs(fedrun.cwd, "runs")
-    saved = torch.load(job / "model.pt", weights_only=True)
-    means = [k for k in saved if k.endswith("running_mean")]
-    assert means and all(k.replace("running_mean", "running_var") in saved for k in means)
-    assert all(torch.isfinite(saved[k]).all() for k in means)
