@@ -1,12 +1,17 @@
 """Measurements over whole runs: pure functions of accuracy curves and metrics rows."""
 
+from __future__ import annotations
+
 import math
 import re
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
+
+if typing.TYPE_CHECKING:  # imported by run_summary: a refusal on the way to a run imports this module, not pandas
+    import pandas as pd
 
 
 def r_name(target: float) -> str:
@@ -255,7 +260,7 @@ class Interval:
         }
 
     @classmethod
-    def from_row(cls, row, name: str, mean: str | None = None) -> "Interval":
+    def from_row(cls, row, name: str, mean: str | None = None) -> Interval:
         """The interval a table row holds for ``name`` (``columns``), its mean in ``<name>_mean`` (or ``mean``)."""
         text = row.get(f"{name}_values")
         values = tuple(float(v) for v in text.split()) if isinstance(text, str) else ()
@@ -392,6 +397,8 @@ def run_summary(
     """The run's summary, computed once when it closes (finished, failed or stopped): ``summarise`` of every row
     logged so far (those before a resume too), with the engine's own run-level metrics (``measured``, e.g. the
     asynchronous engine's fairness; NaN left out) added. Returns (metrics, tags)."""
+    import pandas as pd
+
     values, tags = summarise(pd.DataFrame(rows), r_targets, window, threshold) if rows else ({}, {})
     values.update({k: v for k, v in (measured or {}).items() if not math.isnan(v)})
     return values, tags

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
-import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
@@ -277,8 +276,10 @@ def progress(first: int, rounds: int, desc: str, unit: str) -> tqdm:
     return tqdm(desc=desc, unit=unit, dynamic_ncols=True, initial=first - 1, total=rounds, disable=follower)
 
 
-def malicious_table(attack, rounds: list[int]) -> pd.DataFrame:
+def malicious_table(attack, rounds: list[int]) -> "pd.DataFrame":  # noqa: F821
     """The malicious clients: the fixed set, or each round's (``attack.who=redrawn``) with its round."""
+    import pandas as pd  # here: a refusal on the way to a run (fedrun.compat imports this module) needs no pandas
+
     if attack.who == "fixed":
         return pd.DataFrame({"client": attack.malicious_ids()})
     drawn = [(r, int(c)) for r in rounds for c in attack.malicious_ids(r)]

@@ -20,18 +20,22 @@ holds the rest, with no Hydra in it:
 A job finds its trial by its number: trial ``n``'s seed ``i`` (of S) is job ``n * S + i`` of the sweep.
 """
 
+from __future__ import annotations
+
 import json
 import math
 import os
 import sys
+import typing
 from pathlib import Path
-
-import pandas as pd
 
 from fedrun import runfiles
 from fedrun.errors import ConfigError, check
 from fedrun.metrics import bounds, mean_ci, r_name, within
 from fedrun.sweepdir import STUDY_FILE, job_dirs, write_parent
+
+if typing.TYPE_CHECKING:  # read_summary imports it: a refusal on the way to a run imports this module, not pandas
+    import pandas as pd
 
 RESULTS_FILE = "optimization_results.yaml"
 PRUNED = "pruned"  # ``checkpoint.stop_requested`` of a pruned job: it checkpoints and stops like a signalled one
@@ -106,6 +110,8 @@ def objective_interval(objective: str, mean: float, half: float) -> tuple[float,
 
 
 def read_summary(job_dir: Path) -> pd.Series:
+    import pandas as pd
+
     return pd.read_csv(Path(job_dir) / "summary.csv", index_col=0)["value"]
 
 
@@ -533,6 +539,8 @@ class TrialRecord:
                     state, failure = optuna.trial.TrialState.FAIL, f"seed {seed} ({job_dir}): {exc}"
                     break
         if state == optuna.trial.TrialState.COMPLETE:
+            import pandas as pd
+
             mean, half = mean_ci(values)
             se = float(pd.Series(values).std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
             trial.set_user_attr("seed_values", dict(zip(map(str, self.seeds), values)))

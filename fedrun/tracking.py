@@ -10,6 +10,8 @@ the population; a series whose zeros are values (``DENSE``: a client judged at 0
 client. ``per_client_table`` reads either layout as the wide one.
 """
 
+from __future__ import annotations
+
 import csv
 import math
 import os
@@ -22,13 +24,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from fedrun.errors import ConfigError
 from fedrun.mlstore import KIND, KIND_TAG, SQLITE, local_store
 from fedrun.runfiles import appended, replaced
 
-if typing.TYPE_CHECKING:
+if typing.TYPE_CHECKING:  # pandas is imported where a table is read or written: a refusal on the way to a run,
+    import pandas as pd  # which imports this module, needs none of it (scripts/bench_cli_start.py)
     import torch
 
 # MLflow 3 opens an experiment without this tag as a GenAI one (traces, token usage); fedrun's are model training.
@@ -390,6 +392,8 @@ def per_client_table(path: Path) -> pd.DataFrame:
     """A per-client CSV file (``<name>.csv``), wide or long, as the wide table: indexed by ``round``, a
     ``client_<id>`` column per client of the file, in client order (a long file's client without a row in a round:
     0, the value the wide layout writes for it; a long file has no column for a client never in it)."""
+    import pandas as pd
+
     table = pd.read_csv(path)
     if list(table.columns[:2]) != ["round", "client"] or len(table.columns) != 3:
         return table.set_index("round")
@@ -536,6 +540,8 @@ class Tracker:
                 writer.writerows(rows)
             self._columns[path] = header
         if self.metrics_path.exists():
+            import pandas as pd
+
             self.rows = pd.read_csv(self.metrics_path).to_dict("records")
 
     def log_partition(
@@ -552,6 +558,8 @@ class Tracker:
             if clients
             else np.zeros((0, num_classes))
         )
+        import pandas as pd
+
         table = pd.DataFrame(counts, columns=[f"label_{c}" for c in range(num_classes)])
         table.insert(0, "samples", [len(part) for part in clients])
         if held_out is not None:
@@ -668,7 +676,7 @@ class Tracker:
         status: str,
         values: dict | None = None,
         tags: dict | None = None,
-        model: "torch.nn.Module | None" = None,
+        model: torch.nn.Module | None = None,
         reason: str | None = None,
         title: str = "",
     ) -> None:
@@ -682,6 +690,8 @@ class Tracker:
             reason: Why the run failed, kept as the ``failure_reason`` tag.
             title: Plot title.
         """
+        import pandas as pd
+
         self.flush()
         metrics = pd.DataFrame(self.rows) if self.rows else None
         values, tags = dict(values or {}), dict(tags or {})

@@ -63,6 +63,15 @@ def test_an_error_answers_before_torch_or_mlflow(tmp_path, args, said):
     assert not list(tmp_path.rglob("mlflow.db")) and not list(tmp_path.rglob("metrics.csv"))  # no run was opened
 
 
+def test_a_constructors_refusal_imports_torch_alone(tmp_path):
+    """A value a part's constructor refuses needs the part's module, hence torch (1.3-1.8 s here), but neither
+    MLflow nor pandas (0.3 s, once imported by the metrics, study and tracking modules a run's code imports):
+    2.7 s here idle (``scripts/bench_cli_start.py``)."""
+    code, lines, heavy = answer(tmp_path, "aggregator=fedsoftmax", "aggregator.temperature=-1")
+    assert code == 2 and lines == ["fedrun: error: aggregator.temperature=-1 is invalid: allowed is a number > 0"]
+    assert "torch" in heavy and not heavy & {"mlflow", "pandas"}, heavy
+
+
 @pytest.mark.parametrize("args", [["--help"], ["--cfg", "job"], ["--info"]])
 def test_help_cfg_and_info_import_neither(tmp_path, args):
     done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=tmp_path, capture_output=True, text=True)
