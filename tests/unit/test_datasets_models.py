@@ -1,10 +1,11 @@
+import gzip
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from fedrun.datasets import MNIST, Digits, Synthetic, load_digits, stratified_split
+from fedrun.datasets import MNIST, Digits, FashionMNIST, Synthetic, load_digits, stratified_split
 from fedrun.errors import ConfigError
 from fedrun.models import CNN, MLP, BatchSoftmax, FedAvgCNN, Logistic, count_parameters
 
@@ -75,6 +76,50 @@ def test_synthetic_comes_split_and_val_keeps_the_split_consistent():
     assert len(np.unique(np.concatenate(data.natural_split))) == len(data.y_train)
     # data is fixed by data_seed, not the run seed
     assert torch.equal(Synthetic(num_clients=5).load(0).x_train, Synthetic(num_clients=5).load(7).x_train)
+
+
+@pytest.mark.skipif(not os.environ.get("FEDRUN_DATA"), reason="needs MNIST and Fashion-MNIST under $FEDRUN_DATA")
+@pytest.mark.parametrize("cls", [MNIST, FashionMNIST])
+def test_idx_files_read_without_torchvision_equal_torchvisions_dataset(cls, tmp_path):
+    """fedrun reads verified gzipped IDX files itself (importing torchvision costs 2 s of a run's start): the images
+    and labels equal torchvision's own dataset's, bit for bit, for both splits; the MD5s checked are torchvision's;
+    a folder with the extracted files alone is still read, through torchvision."""
+    import torchvision.datasets
+
+    from fedrun.datasets import read_idx
+
+    tv = getattr(torchvision.datasets, cls.torchvision_class)
+    assert cls.files == tuple(tv.resources)
+    ours = cls(download=False)
+    for train in (True, False):
+        mine, theirs = ours._open(train), tv(str(ours.root), train=train, download=False)
+        assert isinstance(mine.data, np.ndarray)  # the IDX reader's, not torchvision's (its data is a tensor)
+        assert torch.equal(torch.as_tensor(mine.data), theirs.data) and torch.equal(
+            torch.as_tensor(mine.targets), theirs.targets
+        )
+    raw = tmp_path / cls.torchvision_class / "raw"
+    raw.mkdir(parents=True)
+    for name, _ in cls.files:  # the extracted files only: torchvision reads them
+        (raw / name.removesuffix(".gz")).write_bytes(gzip.decompress((ours._raw() / name).read_bytes()))
+    extracted = cls(root=str(tmp_path), download=False)
+    assert not extracted._local_files_verified()
+    assert torch.equal(
+        extracted._open(train=False).data, torch.as_tensor(read_idx(ours._raw() / "t10k-images-idx3-ubyte.gz"))
+    )
+
+
+def test_a_bad_idx_file_is_one_line(tmp_path):
+    from fedrun.datasets import read_idx
+
+    path = tmp_path / "x.gz"
+    path.write_bytes(gzip.compress(b"\x00\x00\x08\x01" + (3).to_bytes(4, "big") + b"\x01\x02\x03"))
+    assert read_idx(path).tolist() == [1, 2, 3]
+    path.write_bytes(gzip.compress(b"\x00\x00\x08\x01" + (4).to_bytes(4, "big") + b"\x01\x02\x03"))  # one short
+    with pytest.raises(ConfigError, match="an IDX file of \\(4,\\) bytes"):
+        read_idx(path)
+    path.write_bytes(gzip.compress(b"\x00\x00\x0d\x01" + (1).to_bytes(4, "big") + bytes(4)))  # float32: not MNIST's
+    with pytest.raises(ConfigError, match="an IDX file of bytes"):
+        read_idx(path)
 
 
 def test_missing_files_give_one_clear_error(tmp_path):
