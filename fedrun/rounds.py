@@ -4,6 +4,7 @@ and the asynchronous one (``fedrun.async_engine``) import it; neither imports th
 
 import math
 import time
+import typing
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,6 +16,9 @@ from tqdm.auto import tqdm
 from fedrun.cohort import LocalWork
 from fedrun.errors import DivergenceError, check
 from fedrun.pipeline import upload_message_mb
+
+if typing.TYPE_CHECKING:  # malicious_table imports it: a refusal on the way to a run (fedrun.compat imports this
+    import pandas as pd  # module) needs no pandas
 
 STOP_ON = {
     "test": ("test_accuracy",),
@@ -276,9 +280,9 @@ def progress(first: int, rounds: int, desc: str, unit: str) -> tqdm:
     return tqdm(desc=desc, unit=unit, dynamic_ncols=True, initial=first - 1, total=rounds, disable=follower)
 
 
-def malicious_table(attack, rounds: list[int]) -> "pd.DataFrame":  # noqa: F821
+def malicious_table(attack, rounds: list[int]) -> "pd.DataFrame":
     """The malicious clients: the fixed set, or each round's (``attack.who=redrawn``) with its round."""
-    import pandas as pd  # here: a refusal on the way to a run (fedrun.compat imports this module) needs no pandas
+    import pandas as pd
 
     if attack.who == "fixed":
         return pd.DataFrame({"client": attack.malicious_ids()})
