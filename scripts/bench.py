@@ -336,7 +336,7 @@ def _process_train(model, x, y, passes: int, batch: int, workers: int) -> float:
 
 
 # The floor's round is timed this many times after a warm-up and the fastest counts (noise only ever adds time): one
-# timed round, as until 2026-11-30, gave cross-device floors of 0.65 and 0.41 s in two runs half an hour apart here, while
+# timed round, as until 2026-11-30, gave cross-device floors of 0.65 and 0.41 s in two runs minutes apart here, while
 # fedrun's own figure (a mean over ten rounds) moved by 1%.
 FLOOR_ROUNDS = 5
 
