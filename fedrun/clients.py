@@ -110,14 +110,12 @@ def per_sample_loss(
 def loaded_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy and correctness of every sample under the parameters loaded in ``model``, in chunks of
     ``eval_chunk`` from the first sample (a slice that starts at a multiple of it gives the same values)."""
-    losses, correct = [], []
     chunk = eval_chunk(model, x.device)
-    for start in range(0, len(y), chunk):
-        logits = model(x[start : start + chunk])
-        target = y[start : start + chunk]
-        losses.append(cross_entropy(logits, target, reduction="none"))
-        correct.append(logits.argmax(1) == target)
-    return torch.cat(losses), torch.cat(correct)
+    # The model in chunks, the loss and the argmax once over all the logits (samples x classes, never larger than
+    # the inputs): a row's values do not depend on the rows beside it, and 10,000 MNIST images with 2 threads took
+    # 0.37 s against 0.45 s with the two per chunk (their small kernels' start-up, 157 times).
+    logits = torch.cat([model(x[start : start + chunk]) for start in range(0, len(y), chunk)])
+    return cross_entropy(logits, y, reduction="none"), logits.argmax(1) == y
 
 
 def evaluate(

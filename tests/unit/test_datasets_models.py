@@ -203,6 +203,38 @@ def test_with_a_batch_softmax_head_predictions_are_made_in_the_model_s_eval_batc
     np.testing.assert_allclose(losses.mean, alone, rtol=1e-12)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("model", ["cnn", "char_lstm"])
+def test_inference_takes_the_loss_and_argmax_once_over_all_logits_equal_to_the_chunk_by_chunk_values(model, threads):
+    # The fast path (one cross-entropy and one argmax over the concatenated logits) against the plain one (both per
+    # chunk of eval_chunk, as until 2026-11-30): equal bit for bit, for a length that is not a multiple of the chunk.
+    from fedrun.clients import eval_chunk, loaded_per_sample
+    from fedrun.models import CharLSTM
+
+    torch.manual_seed(3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if model == "cnn":
+            net, classes = CNN((1, 28, 28), 10), 10
+            x = torch.rand(150, 1, 28, 28) * 4 - 2
+        else:
+            net, classes = CharLSTM((20,), 80, hidden=32), 80
+            x = torch.randint(0, 80, (150, 20))
+        y = torch.randint(0, classes, (150,))
+        net.eval()
+        chunk = eval_chunk(net, x.device)
+        with torch.inference_mode():
+            loss, correct = loaded_per_sample(net, x, y)
+            pieces = [(net(x[s : s + chunk]), y[s : s + chunk]) for s in range(0, len(y), chunk)]
+            plain_loss = torch.cat([torch.nn.functional.cross_entropy(o, t, reduction="none") for o, t in pieces])
+            plain_correct = torch.cat([o.argmax(1) == t for o, t in pieces])
+    finally:
+        torch.set_num_threads(before)
+    assert len(pieces) == 3 and torch.equal(loss, plain_loss) and torch.equal(correct, plain_correct)
+    assert 0 < int(correct.sum()) < 150 or model == "char_lstm"  # the CNN's guesses are neither all right nor wrong
+
+
 def test_mlp_and_logistic_sizes():
     assert count_parameters(MLP((1, 28, 28), 10)) == 784 * 600 + 600 + 600 * 600 + 600 + 600 * 10 + 10
     assert count_parameters(Logistic((60,), 10)) == 610
