@@ -39,7 +39,9 @@ timed rounds. The asynchronous and scale workloads have no references (null).
 
 Every figure is measured in its own process, so the peak RSS (and on CUDA the peak GPU memory) of fedrun's
 is fedrun's alone; ``--repeats`` times, the measurements interleaved, and the fastest counts (noise on a
-shared machine only ever adds time). The last line is JSON.
+shared machine only ever adds time); each repeat's ratio of fedrun to the floor is printed beside the ratio of the
+fastest (the two of a repeat are measured a minute apart, so a slow phase of the machine moves both). The last
+line is JSON.
 
 ``--backends distributed`` starts each measurement under ``torchrun`` (one rank a core on a CPU, each on one
 thread; ``--ranks``), rank 0 reporting.
@@ -461,6 +463,10 @@ def workload(name: str, kind: str, backends: list[str], args) -> dict:
         "parts": {k: round(v, 4) for k, v in fedrun["parts"].items()},
         "final_accuracy": fedrun["final_accuracy"],
     }
+    if "floor" in runs:  # each repeat's own ratio: the floor and fedrun measured minutes apart, a drift shared
+        result["floor_ratios"] = [
+            round(f["s_per_round"] / g["s_per_round"], 3) for f, g in zip(runs[chosen], runs["floor"])
+        ]
     for backend in backends:
         result[f"{backend}_s_per_round"] = round(best[backend]["s_per_round"], 4)
         if "peak_gpu_mb" in best[backend]:
@@ -482,7 +488,10 @@ def describe(result: dict) -> str:
     for reference in ("naive", "floor"):
         value = result[f"{reference}_s_per_round"]
         if value is not None:
-            line += f"; {reference} {value:.3f} ({result['s_per_round'] / value:.2f}x)"
+            line += f"; {reference} {value:.3f} ({result['s_per_round'] / value:.2f}x"
+            if reference == "floor" and len(result.get("floor_ratios", [])) > 1:
+                line += "; each repeat's " + ", ".join(f"{r:.2f}x" for r in result["floor_ratios"])
+            line += ")"
     gpu = ", ".join(f"{k[: -len('_peak_gpu_mb')]} {v:.0f} MB" for k, v in result.items() if k.endswith("_peak_gpu_mb"))
     line += f"; peak RSS {result['peak_rss_mb']:.0f} MB" + (f"; peak GPU memory {gpu}" if gpu else "")
     return line + ("" if MLFLOW else " (mlflow not installed: logging is the CSV files only)")
