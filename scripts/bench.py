@@ -463,7 +463,7 @@ def workload(name: str, kind: str, backends: list[str], args) -> dict:
         "parts": {k: round(v, 4) for k, v in fedrun["parts"].items()},
         "final_accuracy": fedrun["final_accuracy"],
     }
-    if "floor" in runs:  # each repeat's own ratio: the floor and fedrun measured minutes apart, a drift shared
+    if "floor" in runs:  # each repeat's own ratio: its fedrun and its floor a minute apart, a slow phase moves both
         result["floor_ratios"] = [
             round(f["s_per_round"] / g["s_per_round"], 3) for f, g in zip(runs[chosen], runs["floor"])
         ]
