@@ -245,9 +245,7 @@ def per_round(spec: dict, seconds: list[float], totals: list[float] | None = Non
     plain = [i for i in measured if i not in evaluated]
     if not plain:  # every round evaluated
         return seconds[min(evaluated, key=totals.__getitem__)]
-    fastest = min(plain, key=totals.__getitem__)
-    if not evaluated:
-        return seconds[fastest]
+    fastest = min(plain, key=totals.__getitem__)  # the last round is always evaluated: ``evaluated`` is never empty
     return seconds[fastest] + (statistics.fmean(seconds[i] for i in evaluated) - seconds[fastest]) / every
 
 
