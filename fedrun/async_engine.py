@@ -10,6 +10,8 @@ arrival time with the newest model then available (the new one if its arrival tr
 Ties in arrival time are broken by client id, so the same config and seed give the same event order.
 """
 
+from __future__ import annotations
+
 import heapq
 import math
 import time
@@ -17,9 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import pandas as pd
-import torch
-from torch import nn
 from tqdm.auto import tqdm
 
 from fedrun.aggregators.buffered import BufferReport
@@ -28,8 +27,7 @@ from fedrun.checkpoint import Checkpoint, snapshot
 from fedrun.clients import per_sample_loss
 from fedrun.datasets import FederatedData
 from fedrun.errors import ConfigError, check
-from fedrun.models import flat_parameters
-from fedrun.optimizers import base_lr
+from fedrun.lazy import deferrable, torch
 from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
 from fedrun.rounds import (
@@ -41,6 +39,9 @@ from fedrun.rounds import (
 )
 from fedrun.seeding import numpy_rng
 from fedrun.state import Context, Stateful
+
+_models = deferrable("fedrun.models")  # subclasses torch's classes: fedrun.lazy
+_optimizers = deferrable("fedrun.optimizers")  # subclasses torch's classes: fedrun.lazy
 
 FAIRNESS_PIECE = 8192  # samples per piece of the end-of-run per-client accuracy pass
 DISTRIBUTIONS = {
@@ -153,7 +154,7 @@ class AsyncEngine:
 
     def __call__(
         self,
-        model: nn.Module,
+        model: torch.nn.Module,
         data: FederatedData,
         clients: list[np.ndarray],
         parts: Parts,
@@ -186,14 +187,14 @@ class AsyncEngine:
         sizes = client_sizes(clients)
         weighting = getattr(parts.aggregator, "weighting", "samples")
         workdir = checkpoint.path.parent if checkpoint is not None else None  # where a client program's states spill
-        shape = dict(layout=layout(model), initial=flat_parameters(model), workdir=workdir)
+        shape = dict(layout=layout(model), initial=_models.flat_parameters(model), workdir=workdir)
         parts.bind(Context(schedule, sizes, seed, weighting, asynchronous=True, **shape), engine=self)
         # The clients that arrive at one instant train together (each from the model it pulled), on the device's
         # backend. Drawn speeds make them arrive one at a time, so ``auto`` keeps the loop; with equal speeds a
         # whole wave arrives together, and ``device.backend=processes`` (CPU) or ``vmap`` (GPU) trains it at once.
         tx, ty = parts.attack.training_data(x, y)  # a data attack's poisoned copy of the labels, appended once
         trainer = device.trainer(model, tx, ty, optimizer, passes(int(sizes.mean()), schedule.work), together=1)
-        first_lr, w = base_lr(optimizer), flat_parameters(model)
+        first_lr, w = _optimizers.base_lr(optimizer), _models.flat_parameters(model)
         bits = Bits.of(parts.stages, w, parts.client_state)
         clock = self._clock(parts, sizes, schedule, bits)
         loop, result = self._start_all(w, seed, group_of, clock), RunResult(w)
@@ -249,7 +250,7 @@ class AsyncEngine:
             result.tables["malicious.csv"] = malicious_table(parts.attack, [int(r["round"]) for r in result.rows])
         return result
 
-    def _start_all(self, w: torch.Tensor, seed: int, group_of: np.ndarray, clock=None) -> "AsyncLoop":
+    def _start_all(self, w: torch.Tensor, seed: int, group_of: np.ndarray, clock=None) -> AsyncLoop:
         """The simulation at time 0: the first clients training from w_0, their arrivals on the heap."""
         loop = AsyncLoop(w, numpy_rng(seed, "concurrency"), _Streams(seed, "speed"), len(group_of))
         for c in self._first(len(group_of), loop.rng):
@@ -266,7 +267,7 @@ class AsyncEngine:
         devices, down, up = parts.devices, bits.dense_mb, bits.upload_mb
         return lambda c, now: devices.arrival(c, now, passes(int(sizes[c]), schedule.work), down, up)
 
-    def _aggregate(self, loop: "AsyncLoop", parts: Parts, sizes, now: float, lr: float, bits: Bits, label_sets):
+    def _aggregate(self, loop: AsyncLoop, parts: Parts, sizes, now: float, lr: float, bits: Bits, label_sets):
         """Aggregate the full buffer and step the server: the aggregation's row (before evaluation) and the
         per-client series (alpha over all clients)."""
         buffer, loop.buffer = loop.buffer, []
@@ -299,7 +300,7 @@ class AsyncEngine:
         return row, {"alpha": alpha_all}
 
     @staticmethod
-    def _train(trainer, arrived, loop: "AsyncLoop", clients, schedule, first_lr, parts: Parts, seed) -> dict:
+    def _train(trainer, arrived, loop: AsyncLoop, clients, schedule, first_lr, parts: Parts, seed) -> dict:
         """The update of each client arriving at this instant, trained together: each from the model it pulled,
         with its own (job, client) stream and the learning rate of the aggregation it will join. The k-th
         arrival (0-based) joins aggregation ``version + 1 + (buffered + k) // b``, one aggregation each time the
@@ -374,6 +375,8 @@ class AsyncEngine:
     def _fairness(self, model, w, x, y, clients, client_tests, group_of, applied):
         """Weight shares per client and group, and the spread of per-client accuracy of the final model (over the
         clients whose updates were applied, for a population: the others were never drawn)."""
+        import pandas as pd  # once a run ends: the engine's module is imported to check a config (fedrun.lazy)
+
         total = applied.sum() or 1.0
         members = np.flatnonzero(applied > 0) if isinstance(clients, LazyClients) else np.arange(len(clients))
         held_out = [client_tests[c] for c in members] if client_tests else [clients[c] for c in members]
@@ -415,7 +418,7 @@ class AsyncLoop:
 
     params: torch.Tensor  # the newest global model
     rng: np.random.Generator  # who trains next, when concurrency limits it
-    speed_rng: "_Streams"  # each client's compute times
+    speed_rng: _Streams  # each client's compute times
     num_clients: int = 0
     version: int = 0
     jobs: np.ndarray = None  # each client's jobs so far (the key of its mini-batch stream)
@@ -439,7 +442,7 @@ class AsyncLoop:
         return {**{k: v for k, v in vars(self).items() if k != "num_clients"}, "speed_rng": self.speed_rng.state_dict()}
 
     @classmethod
-    def of(cls, state: dict, seed: int) -> "AsyncLoop":
+    def of(cls, state: dict, seed: int) -> AsyncLoop:
         speed_rng = _Streams(seed, "speed")
         speed_rng.load_state_dict(state["speed_rng"])
         return cls(**{**state, "speed_rng": speed_rng, "num_clients": len(state["jobs"])})

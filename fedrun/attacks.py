@@ -41,6 +41,8 @@ same object):
 (``loss_lie``'s ``update``) poisons the outer attack's clients.
 """
 
+from __future__ import annotations
+
 import copy
 import math
 from collections.abc import Callable
@@ -48,10 +50,10 @@ from dataclasses import replace
 from statistics import NormalDist
 
 import numpy as np
-import torch
 
 from fedrun.cohort import ClientLosses, ClientReport, RoundView, Told
 from fedrun.errors import check
+from fedrun.lazy import torch
 from fedrun.pipeline import number
 from fedrun.seeding import numpy_rng, torch_generator
 from fedrun.state import Context, Stateful

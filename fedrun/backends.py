@@ -10,7 +10,10 @@ all three give the same updates up to floating-point noise (the thread count and
 order of some sums).
 """
 
+from __future__ import annotations
+
 import copy
+import functools
 import importlib
 import multiprocessing
 import os
@@ -18,15 +21,14 @@ import signal
 import sys
 
 import numpy as np
-import torch
-from torch import nn
 
+from fedrun import lazy
 from fedrun.clients import client_rows, client_signal, cohort_losses
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import check
+from fedrun.lazy import torch
 from fedrun.programs import train_cohort
 from fedrun.trainer import Trainer
-from fedrun.vmap import vmap_supported
 
 # The backends by name: ``device.backend`` is one of these names, ``auto``, or the import path of any other
 # ``fedrun.trainer.Trainer`` class (``device.backend=mypackage.trainers.RayTrainer``), as a ``_target_`` names a
@@ -79,8 +81,6 @@ class Device:
         inner: str = "loop",
     ):
         check(kind in ("cpu", "cuda", "auto"), "kind", kind, "cpu, cuda or auto")
-        if kind == "cuda":
-            check(torch.cuda.is_available(), "kind", kind, "cpu or auto: this machine has no CUDA device")
         check(
             memory_format in ("auto", "channels_last", "contiguous"),
             "memory_format",
@@ -107,13 +107,6 @@ class Device:
             threads,
             "null or an integer >= 1",
         )
-        use_cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
-        check(
-            not (use_cuda and backend == "processes"),
-            "backend",
-            backend,
-            "loop or auto on CUDA (worker processes are for CPUs)",
-        )
         check(
             backend != "processes" or "fork" in multiprocessing.get_all_start_methods(),
             "backend",
@@ -129,7 +122,28 @@ class Device:
         )
         self.inner = inner
         self.threads, self.cores = threads, None  # cores: what this job may use, once ``use_cores`` says
-        self.torch = torch.device("cuda" if use_cuda else "cpu")
+
+    def check_machine(self) -> None:
+        """The checks that ask the machine whether it has CUDA, which needs torch: the constructor checks the values
+        alone (a run's parts are built before torch is imported, ``fedrun.lazy``); ``setup`` calls this next, and
+        ``torch`` on first use."""
+        if self.kind == "cuda":
+            check(torch.cuda.is_available(), "kind", self.kind, "cpu or auto: this machine has no CUDA device")
+        use_cuda = self.kind == "cuda" or (self.kind == "auto" and torch.cuda.is_available())
+        check(
+            not (use_cuda and self.backend == "processes"),
+            "backend",
+            self.backend,
+            "loop or auto on CUDA (worker processes are for CPUs)",
+        )
+
+    @functools.cached_property
+    def torch(self) -> torch.device:
+        """The torch device: CUDA for ``kind=cuda``, or ``auto`` on a machine that has it; else the CPU."""
+        self.check_machine()
+        return torch.device(
+            "cuda" if self.kind == "cuda" or (self.kind == "auto" and torch.cuda.is_available()) else "cpu"
+        )
 
     def use_cores(self, cores: int) -> int:
         """Limit this job to ``cores`` cores: its intra-op threads (unless ``threads`` says) and its default
@@ -144,7 +158,7 @@ class Device:
             return torch.contiguous_format
         return torch.channels_last
 
-    def prepare(self, model: nn.Module, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    def prepare(self, model: torch.nn.Module, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
         """Move the model and tensors to the device, in the layout (images only). Returns the tensors."""
         layout = self.layout(tensors[0])
         model.to(self.torch).to(memory_format=layout)
@@ -172,6 +186,8 @@ class Device:
     def trainer(self, model, x, y, make_optimizer, passes_per_round: int, together: int | None = None) -> Trainer:
         """A trainer for the run (close it when done): the chosen backend's class (``BACKENDS``, or the class
         ``backend`` names) built by its ``for_device`` (``together``: see ``chosen_backend``)."""
+        from fedrun.vmap import vmap_supported  # torch.func, models and solvers: imported when a run chooses
+
         vmap_ok = self.torch.type == "cuda" and self.backend == "auto" and vmap_supported(make_optimizer, model) is None
         backend = self.chosen_backend(passes_per_round, vmap_ok, together)
         return self.load_backend(BACKENDS.get(backend, backend)).for_device(model, x, y, make_optimizer, self)
@@ -216,6 +232,7 @@ def findable(path: str) -> bool:
     if not module or not name.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
         return False
     if module == "fedrun" or module.startswith("fedrun.") or module in sys.modules:
+        lazy.load("torch")  # a trainer's module may import torch's submodules (fedrun.lazy)
         return trainer_class(path) is not None
     parts, locations = module.split("."), None
     for depth in range(1, len(parts) + 1):
@@ -326,7 +343,7 @@ class ProcessTrainer(Trainer):
     """
 
     @classmethod
-    def for_device(cls, model, x, y, make_optimizer, device) -> "ProcessTrainer":
+    def for_device(cls, model, x, y, make_optimizer, device) -> ProcessTrainer:
         return cls(model, x, y, make_optimizer, device.workers or device.cores or usable_cores())
 
     def __init__(self, model, x, y, make_optimizer, workers: int, start_method: str | None = None):

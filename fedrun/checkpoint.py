@@ -21,6 +21,8 @@ The kernel drops the lock when its process dies, however it dies (kill -9 includ
 a resume; the file stays, with the last holder's pid.
 """
 
+from __future__ import annotations
+
 import fcntl
 import os
 import pickle
@@ -29,9 +31,8 @@ import stat
 import time
 from pathlib import Path
 
-import torch
-
 from fedrun.errors import ConfigError, check
+from fedrun.lazy import torch
 from fedrun.runfiles import replaced
 from fedrun.state import decode, encode
 
@@ -291,7 +292,7 @@ class StopSignals:
             flush=True,
         )
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         try:
             for signum in self.SIGNALS:
                 self.previous[signum] = signal.signal(signum, self._handle)

@@ -4,17 +4,19 @@ The passes over clients' data (their losses, accuracies, per-client signals) and
 the client programs share (``fedrun.programs``, where ``train_cohort`` runs a program over a cohort).
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
-from torch.nn.functional import cross_entropy
 
 from fedrun.cohort import ClientLosses, LocalWork
-from fedrun.models import batch_norms, flat_views, load_flat
-from fedrun.optimizers import base_lr, coefficient_norm
+from fedrun.lazy import deferrable, torch
+
+_models = deferrable("fedrun.models")  # subclasses torch's classes: fedrun.lazy
+_optimizers = deferrable("fedrun.optimizers")  # subclasses torch's classes: fedrun.lazy
 
 # Inference chunks. On a CPU, small enough that the activations stay in cache: for the papers' CNN on 12,500
 # MNIST images with 2 threads, 64 took 0.26 s against 0.27 (128), 0.39 (256) and 1.12 (1024). On a GPU,
@@ -22,13 +24,15 @@ from fedrun.optimizers import base_lr, coefficient_norm
 EVAL_BATCH = {"cpu": 64, "cuda": 1024}
 
 
-def eval_chunk(model: nn.Module, device: torch.device) -> int:
+def eval_chunk(model: torch.nn.Module, device: torch.device) -> int:
     """The batch size of inference: the model's own (``eval_batch``) when its outputs depend on their batch
     (``fedrun.models.BatchSoftmax``), else ``EVAL_BATCH`` for the device."""
     return getattr(model, "eval_batch", None) or EVAL_BATCH.get(device.type, EVAL_BATCH["cuda"])
 
 
-Calibration = tuple[torch.Tensor, torch.Tensor | None]  # (inputs, index into them or None for all): see calibrate
+if TYPE_CHECKING:  # aliases for annotations only (``fedrun.lazy``: torch is not imported with this module)
+    Calibration = tuple[torch.Tensor, torch.Tensor | None]  # (inputs, index into them or None for all): calibrate
+    PerSample = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class _Reached(Exception):
@@ -38,12 +42,11 @@ class _Reached(Exception):
         self.inputs = inputs
 
 
-def _stop(module: nn.Module, inputs: tuple) -> None:
+def _stop(module: torch.nn.Module, inputs: tuple) -> None:
     raise _Reached(inputs[0])
 
 
-@torch.no_grad()  # not inference_mode: the statistics may meet autograd later (a forward outside evaluation)
-def calibrate(model: nn.Module, x: torch.Tensor, index: torch.Tensor | None = None) -> None:
+def calibrate(model: torch.nn.Module, x: torch.Tensor, index: torch.Tensor | None = None) -> None:
     """Set the statistics of every ``fedrun.models.BatchNorm`` of ``model`` to the per-channel mean and biased
     variance of its inputs over ``x[index]`` (all of ``x`` when ``index`` is None), under the loaded parameters.
 
@@ -53,42 +56,40 @@ def calibrate(model: nn.Module, x: torch.Tensor, index: torch.Tensor | None = No
     of inputs normalised by the batches' own, and depends on the batch size). Sums in float64. Nothing to do for a
     model without batch norm.
     """
-    norms = batch_norms(model)
-    if not norms:
-        return
-    count = len(x) if index is None else len(index)
-    if not count:
-        raise ValueError("batch-norm statistics of no inputs (a client without training samples)")
-    training, chunk = model.training, EVAL_BATCH.get(x.device.type, EVAL_BATCH["cuda"])
-    model.eval()
-    for norm in norms:
-        norm.statistics = None
-    try:
+    with torch.no_grad():  # not inference_mode: the statistics may meet autograd later (a forward outside evaluation)
+        norms = _models.batch_norms(model)
+        if not norms:
+            return
+        count = len(x) if index is None else len(index)
+        if not count:
+            raise ValueError("batch-norm statistics of no inputs (a client without training samples)")
+        training, chunk = model.training, EVAL_BATCH.get(x.device.type, EVAL_BATCH["cuda"])
+        model.eval()
         for norm in norms:
-            total, square, handle = 0.0, 0.0, norm.register_forward_pre_hook(_stop)
-            try:
-                for start in range(0, count, chunk):
-                    try:
-                        model(x[start : start + chunk] if index is None else x[index[start : start + chunk]])
-                    except _Reached as reached:
-                        h = reached.inputs.double()
-                    dims = [0, *range(2, h.dim())]
-                    total, square = total + h.sum(dims), square + (h * h).sum(dims)
-            finally:
-                handle.remove()
-            values = count * math.prod(h.shape[2:])  # per channel
-            mean = total / values
-            variance = (square / values - mean * mean).clamp_min(0.0)
-            norm.statistics = (mean.to(norm.weight.dtype), variance.to(norm.weight.dtype))
-    finally:
-        model.train(training)
-
-
-PerSample = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+            norm.statistics = None
+        try:
+            for norm in norms:
+                total, square, handle = 0.0, 0.0, norm.register_forward_pre_hook(_stop)
+                try:
+                    for start in range(0, count, chunk):
+                        try:
+                            model(x[start : start + chunk] if index is None else x[index[start : start + chunk]])
+                        except _Reached as reached:
+                            h = reached.inputs.double()
+                        dims = [0, *range(2, h.dim())]
+                        total, square = total + h.sum(dims), square + (h * h).sum(dims)
+                finally:
+                    handle.remove()
+                values = count * math.prod(h.shape[2:])  # per channel
+                mean = total / values
+                variance = (square / values - mean * mean).clamp_min(0.0)
+                norm.statistics = (mean.to(norm.weight.dtype), variance.to(norm.weight.dtype))
+        finally:
+            model.train(training)
 
 
 def per_sample_loss(
-    model: nn.Module,
+    model: torch.nn.Module,
     params: torch.Tensor,
     x: torch.Tensor,
     y: torch.Tensor,
@@ -100,14 +101,14 @@ def per_sample_loss(
     ``per_sample``: how the loaded model's values are computed (default ``loaded_per_sample``; a backend's
     ``Trainer.per_sample`` may share the samples among its ranks)."""
     model.eval()  # batch norm by its statistics, not the evaluated batch's
-    load_flat(model, params)
+    _models.load_flat(model, params)
     if calibration is not None:
         calibrate(model, *calibration)
     with torch.inference_mode():  # no autograd bookkeeping at all: cheaper than no_grad
         return (per_sample or loaded_per_sample)(model, x, y)
 
 
-def loaded_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def loaded_per_sample(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy and correctness of every sample under the parameters loaded in ``model``, in chunks of
     ``eval_chunk`` from the first sample (a slice that starts at a multiple of it gives the same values)."""
     chunk = eval_chunk(model, x.device)
@@ -115,18 +116,22 @@ def loaded_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tup
     # the inputs): a row's values do not depend on the rows beside it, and 10,000 MNIST images with 2 threads took
     # 0.37 s against 0.45 s with the two per chunk (their small kernels' start-up, 157 times).
     logits = torch.cat([model(x[start : start + chunk]) for start in range(0, len(y), chunk)])
-    return cross_entropy(logits, y, reduction="none"), logits.argmax(1) == y
+    return torch.nn.functional.cross_entropy(logits, y, reduction="none"), logits.argmax(1) == y
 
 
 def evaluate(
-    model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, calibration: Calibration | None = None
+    model: torch.nn.Module,
+    params: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    calibration: Calibration | None = None,
 ) -> tuple[float, float]:
     """(accuracy, mean loss) of ``params`` on a split (``calibration``: see ``per_sample_loss``)."""
     return evaluate_splits(model, params, [(x, y)], calibration)[0]
 
 
 def evaluate_splits(
-    model: nn.Module,
+    model: torch.nn.Module,
     params: torch.Tensor,
     splits: list[tuple],
     calibration: Calibration | None = None,
@@ -135,7 +140,7 @@ def evaluate_splits(
     """(accuracy, mean loss) of ``params`` on each (x, y) of ``splits``, the parameters loaded, and a batch-norm
     model calibrated, once for all of them (``per_sample``: see ``per_sample_loss``)."""
     model.eval()
-    load_flat(model, params)
+    _models.load_flat(model, params)
     if calibration is not None:
         calibrate(model, *calibration)
     measured = []
@@ -158,13 +163,13 @@ def _authors_scale(losses: torch.Tensor, batch_size: int) -> float:
     return float(total) / len(losses)
 
 
-def pooled_losses(model: nn.Module, params: torch.Tensor) -> bool:
+def pooled_losses(model: torch.nn.Module, params: torch.Tensor) -> bool:
     """Whether ``cohort_losses`` pools the cohort's samples into one pass (inference chunks that cross clients)."""
-    return params.dim() == 1 and not (hasattr(model, "eval_batch") or batch_norms(model))
+    return params.dim() == 1 and not (hasattr(model, "eval_batch") or _models.batch_norms(model))
 
 
 def cohort_losses(
-    model: nn.Module,
+    model: torch.nn.Module,
     params: torch.Tensor,
     x: torch.Tensor,
     y: torch.Tensor,
@@ -183,9 +188,9 @@ def cohort_losses(
         return ClientLosses.concat(
             [cohort_losses(model, params[i], x, y, [part], batch_size) for i, part in enumerate(parts)]
         )
-    if hasattr(model, "eval_batch") or batch_norms(model):
+    if hasattr(model, "eval_batch") or _models.batch_norms(model):
         model.eval()
-        load_flat(model, params)  # once for all clients
+        _models.load_flat(model, params)  # once for all clients
         pieces = []
         for index in (torch.as_tensor(p, device=x.device) for p in parts):
             calibrate(model, x, index)
@@ -203,7 +208,7 @@ def cohort_losses(
 
 
 def client_signal(
-    signal, model: nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray]
+    signal, model: torch.nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray]
 ) -> np.ndarray:
     """``signal(model, params, x_i, y_i)`` of each client in ``parts`` (a per-client signal, ``fedrun.trainer``),
     with ``model`` as the workspace the signal may load ``params`` into."""
@@ -215,7 +220,7 @@ def client_signal(
 
 
 def client_accuracy(
-    model: nn.Module,
+    model: torch.nn.Module,
     global_params: torch.Tensor,
     deltas: torch.Tensor,
     x: torch.Tensor,
@@ -242,14 +247,14 @@ def _own_calibration(own: tuple[torch.Tensor, list[np.ndarray]] | None, row: int
     return inputs, torch.as_tensor(parts[row], device=inputs.device)
 
 
-def pooled_judging(model: nn.Module, models: torch.Tensor, own) -> bool:
+def pooled_judging(model: torch.nn.Module, models: torch.Tensor, own) -> bool:
     """Whether ``judged_accuracy`` judges one model in one pass over every client's split (inference chunks that
     cross clients) rather than client by client."""
-    return models.dim() == 1 and not (own is not None and batch_norms(model))
+    return models.dim() == 1 and not (own is not None and _models.batch_norms(model))
 
 
 def judged_accuracy(
-    model: nn.Module,
+    model: torch.nn.Module,
     models: torch.Tensor,
     x: torch.Tensor,
     y: torch.Tensor,
@@ -265,7 +270,7 @@ def judged_accuracy(
     (see ``per_sample_loss``). Returns one array per split set."""
     clients = len(split_sets[0]) if split_sets else 0
     per_client = [[splits[i] for splits in split_sets] for i in range(clients)]  # client by client
-    norm = own is not None and bool(batch_norms(model))
+    norm = own is not None and bool(_models.batch_norms(model))
     if pooled_judging(model, models, own):  # split set by split set (a batch-dependent head sees the same batches)
         by_set = []
         for splits in split_sets:
@@ -299,7 +304,7 @@ def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator:
 
 
 def _loss_closure(
-    model: nn.Module,
+    model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     x: torch.Tensor,
     y: torch.Tensor,
@@ -314,7 +319,7 @@ def _loss_closure(
 
     def closure():
         clear()
-        loss = cross_entropy(model(x[chosen]), y[chosen])
+        loss = torch.nn.functional.cross_entropy(model(x[chosen]), y[chosen])
         if pull is None:
             loss.backward()
             return loss
@@ -343,9 +348,9 @@ def cleared(optimizer: torch.optim.Optimizer):
     return clear
 
 
-def _anchors(model: nn.Module, anchor: torch.Tensor) -> list[torch.Tensor]:
+def _anchors(model: torch.nn.Module, anchor: torch.Tensor) -> list[torch.Tensor]:
     """A flat anchor as one tensor per parameter of ``model``, in ``flat_parameters`` order."""
-    return list(flat_views(anchor, model.named_parameters()).values())
+    return list(_models.flat_views(anchor, model.named_parameters()).values())
 
 
 def plain_sgd_step(optimizer: torch.optim.Optimizer):
@@ -382,7 +387,7 @@ def solver_coefficient_norm(optimizer: torch.optim.Optimizer, steps: int, lr: fl
     if hasattr(optimizer, "coefficient_norm"):
         return optimizer.coefficient_norm(steps)
     group = optimizer.param_groups[0]
-    return coefficient_norm(steps, lr, group.get("momentum", 0.0), group.get("mu", 0.0))
+    return _optimizers.coefficient_norm(steps, lr, group.get("momentum", 0.0), group.get("mu", 0.0))
 
 
 def per_client_start(params: torch.Tensor, row: int) -> torch.Tensor:
@@ -403,7 +408,7 @@ def per_client_round(round_, row: int) -> int:
 
 
 def apfl_step(
-    model: nn.Module,
+    model: torch.nn.Module,
     w: torch.Tensor,
     v: torch.Tensor,
     alpha: float,
@@ -424,7 +429,9 @@ def apfl_step(
     grad f(w) and adds 0.02 alpha to alpha's gradient; FL-bench mixes the two models' logits instead. Returns
     (v', alpha')."""
     mixed = (alpha * v + (1 - alpha) * w).requires_grad_(True)
-    loss = cross_entropy(torch.func.functional_call(model, flat_views(mixed, model.named_parameters()), (x,)), y)
+    loss = torch.nn.functional.cross_entropy(
+        torch.func.functional_call(model, _models.flat_views(mixed, model.named_parameters()), (x,)), y
+    )
     (g,) = torch.autograd.grad(loss, mixed)
     stepped = v - (lr * alpha) * g  # both from the step's (w, v, alpha)
     if alpha_lr:
@@ -462,7 +469,7 @@ class FStarEstimate:
     def _estimate(self, ids: np.ndarray, epochs: int) -> None:
         parts = [self.clients[c] for c in ids]
         w, best_mean, best_authors = self.w0, np.full(len(ids), np.inf), np.full(len(ids), np.inf)
-        work, lr = LocalWork(self.batch_size, local_epochs=1), base_lr(self.make_optimizer)
+        work, lr = LocalWork(self.batch_size, local_epochs=1), _optimizers.base_lr(self.make_optimizer)
         for epoch in range(1, epochs + 1):
             w = w + self.trainer(w, parts, ids, lr, work, self.seed, epoch, "fstar").deltas  # one row per client
             losses = self.trainer.losses(w, parts, self.batch_size)

@@ -4,13 +4,16 @@ training produced, per-client losses, and the round view the server aggregates f
 Nothing here trains or aggregates, so aggregators import this module, not the client-training one.
 """
 
+from __future__ import annotations
+
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from fedrun.lazy import torch
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class ClientLosses:
     authors: np.ndarray
 
     @staticmethod
-    def concat(parts: list["ClientLosses"]) -> "ClientLosses":
+    def concat(parts: list[ClientLosses]) -> ClientLosses:
         """The losses of consecutive groups of clients, joined in order (none for no group: an empty cohort)."""
         if not parts:
             return ClientLosses(np.zeros(0), np.zeros(0))
@@ -64,7 +67,7 @@ class CohortUpdate:
     kept: torch.Tensor | None = None
 
     @staticmethod
-    def of(done: list, params: torch.Tensor) -> "CohortUpdate":
+    def of(done: list, params: torch.Tensor) -> CohortUpdate:
         """The cohort's update from each client's ``fedrun.programs.Finished`` record, in cohort order."""
         if not done:
             return CohortUpdate.concat([], params)
@@ -77,7 +80,7 @@ class CohortUpdate:
         )
 
     @staticmethod
-    def concat(parts: list["CohortUpdate"], params: torch.Tensor) -> "CohortUpdate":
+    def concat(parts: list[CohortUpdate], params: torch.Tensor) -> CohortUpdate:
         """The updates of consecutive groups of clients, joined in order; none for no group (an empty cohort,
         ``params`` giving the width and dtype of the empty rows)."""
         if not parts:
@@ -193,7 +196,7 @@ class RoundView:
         self._measure, self._per_client = measure, {}
 
     @classmethod
-    def of(cls, clients: np.ndarray, honest: ClientReport, reported: ClientReport, **others) -> "RoundView":
+    def of(cls, clients: np.ndarray, honest: ClientReport, reported: ClientReport, **others) -> RoundView:
         """The view of a round whose clients computed ``honest`` and told ``reported``: the aggregator reads the
         reported signals (``losses``, ``local_losses``, ``sizes``, ...), the round's measurements the honest ones
         (``true_losses``, ``true_sizes``); a ``Told`` reported signal is told from the honest one when read."""
@@ -238,7 +241,7 @@ class RoundView:
     # Signals with one entry per cohort client (the rest, ``fstar`` and ``server_update``, are the round's own).
     PER_CLIENT = frozenset(("losses", "true_losses", "local_losses", "steps", "coefficient_norms", "previous_deltas"))
 
-    def subset(self, keep: np.ndarray) -> "RoundView":
+    def subset(self, keep: np.ndarray) -> RoundView:
         """The view of the cohort clients ``keep`` selects (a bool mask over the cohort), in cohort order: their
         sizes and per-client signals, the round's own signals shared. A lazy signal stays lazy and is read through
         this view, so it is computed (and cached, and timed) once, in this view, for both. ``attack/deviation``'s reference

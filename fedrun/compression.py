@@ -28,11 +28,12 @@ backend, and across a kill and resume.
   into the client's next update. Message: the scale (32 bits) and one bit per coordinate: 32 + d bits.
 """
 
+from __future__ import annotations
+
 import math
 
-import torch
-
 from fedrun.errors import check
+from fedrun.lazy import torch
 from fedrun.pipeline import Stage, number
 from fedrun.pipeline import message_bits as pipeline_bits
 from fedrun.seeding import torch_generator

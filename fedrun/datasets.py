@@ -3,6 +3,8 @@
 A loaded dataset is plain data (``FederatedData``); clients are index arrays into its training tensors.
 """
 
+from __future__ import annotations
+
 import gzip
 import hashlib
 import importlib.util
@@ -13,9 +15,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import torch
 
 from fedrun.errors import check
+from fedrun.lazy import torch
 from fedrun.seeding import numpy_rng
 
 

@@ -16,12 +16,13 @@ numbers on any number of ranks as the ``loop`` backend with the same ``device.th
 ``rank()`` tells the command line which process writes (rank 0 alone: MLflow, the run dir, checkpoints).
 """
 
+from __future__ import annotations
+
 import math
 import os
 from datetime import timedelta
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from fedrun.backends import LoopTrainer, _blocks, passes
@@ -29,6 +30,7 @@ from fedrun.checkpoint import exchanged
 from fedrun.clients import client_rows, cohort_losses, eval_chunk, loaded_per_sample, pooled_losses
 from fedrun.cohort import ClientLosses, CohortUpdate
 from fedrun.errors import ConfigError
+from fedrun.lazy import torch
 from fedrun.trainer import Trainer
 
 INNER = ("loop", "vmap")
@@ -111,7 +113,7 @@ class DistributedTrainer(Trainer):
     """
 
     @classmethod
-    def for_device(cls, model, x, y, make_optimizer, device) -> "DistributedTrainer":
+    def for_device(cls, model, x, y, make_optimizer, device) -> DistributedTrainer:
         init(device.torch.type == "cuda")
         inner = device.inner
         if inner == "vmap":

@@ -4,6 +4,8 @@ A round reads top to bottom as select, each client's start and data, train, stag
 record; each step is a part of ``fedrun.parts.Parts`` (``fedrun.parts`` says what each may do).
 """
 
+from __future__ import annotations
+
 import math
 import time
 from collections.abc import Callable
@@ -11,8 +13,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
-import torch
-from torch import nn
 
 from fedrun.backends import Device, as_device, passes
 from fedrun.checkpoint import Checkpoint, snapshot
@@ -27,9 +27,8 @@ from fedrun.clients import (
 from fedrun.cohort import ClientLosses, ClientReport, Lazy, LocalWork, RoundView
 from fedrun.datasets import FederatedData
 from fedrun.errors import DivergenceError
+from fedrun.lazy import deferrable, torch
 from fedrun.metrics import fairness
-from fedrun.models import batch_norm_names, batch_norms, flat_parameters
-from fedrun.optimizers import base_lr
 from fedrun.partitions import LazyClients, client_sizes
 from fedrun.parts import Parts, layout
 from fedrun.personal import STATISTICS, columns, statistics
@@ -46,6 +45,9 @@ from fedrun.rounds import (
 from fedrun.sampling import LOSS_BYTES
 from fedrun.seeding import numpy_rng
 from fedrun.state import Context
+
+_models = deferrable("fedrun.models")  # subclasses torch's classes: fedrun.lazy
+_optimizers = deferrable("fedrun.optimizers")  # subclasses torch's classes: fedrun.lazy
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Loop:
 
 
 def run(
-    model: nn.Module,
+    model: torch.nn.Module,
     data: FederatedData,
     clients: list[np.ndarray],
     parts: Parts,
@@ -102,9 +104,9 @@ def run(
     Returns: The final model and the metrics rows."""
     device, sizes = as_device(device), client_sizes(clients)  # a population's sizes: one shared array
     tensors, weighting = Tensors.on(device, model, data, clients), getattr(parts.aggregator, "weighting", "samples")
-    first_lr, initial = base_lr(optimizer), flat_parameters(model)  # w_0, where the F* estimate starts
+    first_lr, initial = _optimizers.base_lr(optimizer), _models.flat_parameters(model)  # w_0, F* starts there
     workdir = checkpoint.path.parent if checkpoint is not None else None
-    shape = dict(layout=layout(model), batch_norm=batch_norm_names(model))  # the flat model's layers, by name
+    shape = dict(layout=layout(model), batch_norm=_models.batch_norm_names(model))  # the flat model's layers, by name
     parts.bind(Context(schedule, sizes, seed, weighting, initial=initial, workdir=workdir, **shape))
     loop, result, first = Loop.started(parts, checkpoint, initial, seed)
     m = schedule.cohort_size(len(clients))
@@ -172,7 +174,7 @@ def run(
 class Tensors:
     """The run's data on its device, and how the global model is measured on it."""
 
-    model: nn.Module
+    model: torch.nn.Module
     x: torch.Tensor
     y: torch.Tensor
     x_test: torch.Tensor
@@ -184,7 +186,7 @@ class Tensors:
     root: tuple | None = None  # the server's root set (FLTrust) and the local work it trains with
 
     @classmethod
-    def on(cls, device: Device, model: nn.Module, data: FederatedData, clients=None) -> "Tensors":
+    def on(cls, device: Device, model: torch.nn.Module, data: FederatedData, clients=None) -> Tensors:
         has_val = data.x_val is not None and len(data.y_val) > 0
         val = (data.x_val, data.y_val) if has_val else (None, None)
         x, y, x_test, y_test, x_val, y_val = device.prepare(
@@ -214,11 +216,11 @@ class Tensors:
         return dict(zip(self.columns, (value for pair in measured for value in pair)))
 
 
-def server_calibration(model: nn.Module, x: torch.Tensor, clients) -> tuple | None:
+def server_calibration(model: torch.nn.Module, x: torch.Tensor, clients) -> tuple | None:
     """What a batch-norm model's statistics are computed from on the server (``fedrun.clients.calibrate``): every
     client's training samples pooled, their held-out ones left out (a population's clients are drawn from the whole
     training split); None for a model without batch norm."""
-    if not batch_norms(model):
+    if not _models.batch_norms(model):
         return None
     pooled = None if clients is None or isinstance(clients, LazyClients) else np.concatenate(list(clients))
     return x, None if pooled is None else torch.as_tensor(np.unique(pooled), device=x.device)
@@ -399,7 +401,7 @@ class Judge:
         return [np.concatenate([piece[k] for piece in pieces]) for k in range(len(split_sets))]
 
 
-def timings(timer: "Timer", view: RoundView) -> dict:
+def timings(timer: Timer, view: RoundView) -> dict:
     """The round's wall-clock columns: a lazy signal's time in its own column, not in the step that read it."""
     return {
         "aggregate_wall_s": timer["aggregate_wall_s"] - view.signals_s + timer["pipeline_wall_s"],

@@ -17,17 +17,19 @@ most one file's parsed JSON besides the tensors: each file's arrays are copied i
 file by file, so the data is never held twice.
 """
 
+from __future__ import annotations
+
 import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from fedrun.datasets import Dataset, default_root
 from fedrun.errors import ConfigError, check
+from fedrun.lazy import torch
 from fedrun.partitions import most_clients
 
 # LEAF models/utils/language_utils.py, line 11 (80 symbols; index 0 is the newline, 79 the closing brace).

@@ -12,12 +12,13 @@ that cannot run with the run's schedule, clients or seed fails there, before tra
 ``fedrun.checkpoint.snapshot`` for both engines; ``fedrun.upgrade.migrate`` reads older checkpoints into that form.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import torch
 
 from fedrun import compat
 from fedrun.attacks import Attack
@@ -25,6 +26,7 @@ from fedrun.cohort import CohortUpdate
 from fedrun.devices import Unmodelled
 from fedrun.errors import ConfigError
 from fedrun.heterogeneity import EqualWork
+from fedrun.lazy import torch
 from fedrun.pipeline import Pipeline
 from fedrun.privacy import Privacy
 from fedrun.programs import LocalSGD

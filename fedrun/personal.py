@@ -20,6 +20,8 @@ How a run judges its clients is ``fedrun.personal.judge`` (per-client accuracies
 percentile and minimum) and ``fedrun.metrics.summarise`` (the round selected on validation, the best round on test).
 """
 
+from __future__ import annotations
+
 import fnmatch
 import math
 from collections.abc import Sequence
@@ -27,10 +29,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from fedrun.cohort import CohortUpdate
 from fedrun.errors import ConfigError, check
+from fedrun.lazy import torch
 from fedrun.metrics import FAIRNESS
 from fedrun.parts import ClientState
 from fedrun.programs import Frozen, Mixed, Program, Pulled

@@ -11,12 +11,14 @@ synchronous engine passes each round's cohort through the pipeline; the asynchro
 update alone, as its client would before sending it.
 """
 
+from __future__ import annotations
+
 import math
 
 import numpy as np
-import torch
 
 from fedrun.errors import check
+from fedrun.lazy import torch
 from fedrun.state import Context, Stateful
 
 
@@ -199,7 +201,7 @@ def message_bits(stages, d: int, bits: float) -> float:
     return bits
 
 
-def upload_message_mb(pipeline: "Pipeline", d: int, element_size: int) -> float:
+def upload_message_mb(pipeline: Pipeline, d: int, element_size: int) -> float:
     """Megabytes of one client's upload of ``d`` coordinates of ``element_size`` bytes: the dense update, through
     each stage of the pipeline (a compressor's message replaces it). A client with a personal part (FedPer's head)
     is counted as sending its ``d`` shared coordinates: the compressors see the whole update with the personal part

@@ -64,6 +64,8 @@ accounted, with its parts beside it here; the YAML file ``conf/privacy/<name>.ya
 the accountant and the ledger stay this module's.
 """
 
+from __future__ import annotations
+
 import contextlib
 import logging
 import math
@@ -71,11 +73,11 @@ import sys
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedrun.aggregators import Aggregation, Aggregator
 from fedrun.compression import dense_bits
 from fedrun.errors import ConfigError, check
+from fedrun.lazy import torch
 from fedrun.pipeline import Stage, check_clip_rule, clip_rows, geometric_clip_step, number
 from fedrun.seeding import torch_generator
 from fedrun.state import Stateful
@@ -408,7 +410,7 @@ def update_noise_multiplier(noise_multiplier: float, count_noise: float) -> floa
     return (noise_multiplier**-2 - (2 * count_noise) ** -2) ** -0.5
 
 
-def clip_finite(deltas: torch.Tensor, bound: float) -> tuple[torch.Tensor, "Clipped"]:
+def clip_finite(deltas: torch.Tensor, bound: float) -> tuple[torch.Tensor, Clipped]:
     """Each update clipped to l2 norm ``bound`` (``clip_rows``), a non-finite one (its local training diverged) first
     sent as zero: one client's data must not be able to stop the run, which a non-finite sum would. Returns the
     clipped rows and the round's clip statistics."""
@@ -456,7 +458,7 @@ class CentralClip(Stage):
     name = "privacy"
     STATE = ()
 
-    def __init__(self, mechanism: "Privacy"):
+    def __init__(self, mechanism: Privacy):
         self.mechanism = mechanism
         self.last: tuple[int, Clipped] | None = None  # (round, its statistics): the round the aggregation reads
 
@@ -488,7 +490,7 @@ class CentralNoise(Aggregator):
         clip: The stage that clipped this round's updates.
     """
 
-    def __init__(self, aggregator: Aggregator, mechanism: "Privacy", clip: CentralClip):
+    def __init__(self, aggregator: Aggregator, mechanism: Privacy, clip: CentralClip):
         check_uniform(aggregator, mechanism.mechanism)
         super().__init__("uniform")
         self.inner, self.mechanism, self.clip = aggregator, mechanism, clip
@@ -543,7 +545,7 @@ class CentralNoise(Aggregator):
         )
         return unclipped
 
-    def reference(self, keep: np.ndarray) -> "CentralNoise":
+    def reference(self, keep: np.ndarray) -> CentralNoise:
         """A copy whose clip statistics are those of the clients ``keep`` selects (it checks that its updates were
         clipped this round, one statistic each)."""
         copied = super().reference(keep)
@@ -583,7 +585,7 @@ class LocalNoise(Stage):
     name = "privacy"
     STATE = ()
 
-    def __init__(self, mechanism: "Privacy"):
+    def __init__(self, mechanism: Privacy):
         self.mechanism = mechanism
 
     def __call__(self, deltas, clients, round_):

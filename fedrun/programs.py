@@ -26,15 +26,13 @@ h) is the program's own state, checkpointed with it. A program travels to worker
 (``__getstate__``): the clients get what ``start`` is given, nothing more.
 """
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from torch import nn
-from torch.func import functional_call
-from torch.nn.functional import cross_entropy
 
 from fedrun.clients import (
     _anchors,
@@ -49,17 +47,19 @@ from fedrun.clients import (
 )
 from fedrun.cohort import CohortUpdate
 from fedrun.errors import check
-from fedrun.models import flat_parameters, flat_views, load_flat
+from fedrun.lazy import deferrable, torch
 from fedrun.seeding import torch_generator
 from fedrun.state import Context
 from fedrun.store import PersonalStore
+
+_models = deferrable("fedrun.models")  # subclasses torch's classes: fedrun.lazy
 
 
 @dataclass
 class Client:
     """One client's call: its workspace, data and work (``index``: its samples in ``x``, ``y``)."""
 
-    model: nn.Module
+    model: torch.nn.Module
     x: torch.Tensor
     y: torch.Tensor
     index: torch.Tensor
@@ -162,7 +162,7 @@ class LocalSGD:
     def start(self, client: Client, start: torch.Tensor, own: torch.Tensor | None, shared) -> Local:
         model = client.model
         own, shared = (None if t is None else t.to(start) for t in (own, shared))
-        load_flat(model, start)
+        _models.load_flat(model, start)
         if frozen := self.frozen():  # FedRep's phases: the frozen part keeps its start (``finish`` thaws it)
             for name, parameter in model.named_parameters():
                 parameter.requires_grad_(name not in frozen)
@@ -178,7 +178,7 @@ class LocalSGD:
         """Names of the parameters that keep their start (no solver steps them); default: none."""
         return ()
 
-    def pull(self, model: nn.Module, shared: torch.Tensor | None) -> tuple | None:
+    def pull(self, model: torch.nn.Module, shared: torch.Tensor | None) -> tuple | None:
         """(lambda, anchor per parameter): (lambda / 2) ||w - anchor||^2 added to each mini-batch's loss, or None."""
         return None
 
@@ -209,7 +209,7 @@ class LocalSGD:
                 loss = data()
             else:  # the data term's gradients and the term's, together
                 clear()
-                loss = cross_entropy(client.model(client.x[chosen]), client.y[chosen])
+                loss = torch.nn.functional.cross_entropy(client.model(client.x[chosen]), client.y[chosen])
                 (loss + extra(local)).backward()
                 loss = loss.detach()
             self.corrected(local)
@@ -222,14 +222,18 @@ class LocalSGD:
         forward, or None (the data term alone)."""
         return None
 
-    def batch_loss(self, model: nn.Module, params: dict, x, y, mask, count, start: dict, own: dict | None):
+    def batch_loss(self, model: torch.nn.Module, params: dict, x, y, mask, count, start: dict, own: dict | None):
         """The mini-batch loss as a function, for the vmap backend (``torch.func`` maps it over the cohort and takes
         its gradient in ``params``): one client's ``params``, ``start`` and ``own`` state as {name: tensor}, its
         batch ``x``, ``y`` padded to the cohort's widest (``mask``: 1 for a real sample, 0 for padding; ``count``:
         the real ones). Returns (the loss the solver steps on, the data term the client reports). A program whose
         ``objective`` or ``closure`` changes the loss writes the same loss here (``Moon``, ``Tilted``), or runs on
         the loop under vmap. Default: the mean cross-entropy, both."""
-        data = masked_mean(cross_entropy(functional_call(model, params, (x,)), y, reduction="none"), mask, count)
+        data = masked_mean(
+            torch.nn.functional.cross_entropy(torch.func.functional_call(model, params, (x,)), y, reduction="none"),
+            mask,
+            count,
+        )
         return data, data
 
     @property
@@ -237,7 +241,7 @@ class LocalSGD:
         """Whether ``before`` has a functional form (``batch_before``) that vmap maps over the cohort."""
         return type(self).batch_before is not LocalSGD.batch_before
 
-    def batch_before(self, model: nn.Module, params: dict, carried: torch.Tensor, x, y, mask, count, lr: float):
+    def batch_before(self, model: torch.nn.Module, params: dict, carried: torch.Tensor, x, y, mask, count, lr: float):
         """``before`` as a function, for the vmap backend: one client's carried state after the mini-batch, from its
         ``params`` before they step ({name: tensor}), its batch padded as in ``batch_loss`` and the round's ``lr``.
         The carried state starts as the client's own state (its row) and ends in ``batch_kept``. A program that
@@ -274,7 +278,9 @@ class LocalSGD:
         if self.frozen():
             for parameter in client.model.parameters():
                 parameter.requires_grad_(True)
-        delta = flat_parameters(client.model).sub_(local.start)  # a fresh copy: no second vector of the model's size
+        delta = _models.flat_parameters(client.model).sub_(
+            local.start
+        )  # a fresh copy: no second vector of the model's size
         steps = len(local.losses)
         mean = authors = math.nan
         if steps:
@@ -331,7 +337,7 @@ class LocalSGD:
         self.keep(cohort, call.owns, trained.kept)
         return trained
 
-    def call(self, cohort: np.ndarray, like: torch.Tensor) -> "Program | None":
+    def call(self, cohort: np.ndarray, like: torch.Tensor) -> Program | None:
         """What a trainer call carries for ``cohort``: the program, their own states and the broadcast (None for
         plain local SGD: the trainers' own default)."""
         return None if self.plain else Program(self, self.owns(cohort, like), self.shared())
@@ -376,7 +382,7 @@ class Program:
     owns: torch.Tensor | None = None
     shared: torch.Tensor | None = None
 
-    def rows(self, lo: int, hi: int) -> "Program":
+    def rows(self, lo: int, hi: int) -> Program:
         """The call for clients [lo, hi) of the cohort (a worker's or a rank's block)."""
         return Program(self.program, None if self.owns is None else self.owns[lo:hi], self.shared)
 
@@ -404,7 +410,7 @@ class Pulled(LocalSGD):
         super().__init__()
         self.lam = float(lam)
 
-    def pull(self, model: nn.Module, shared: torch.Tensor | None) -> tuple | None:
+    def pull(self, model: torch.nn.Module, shared: torch.Tensor | None) -> tuple | None:
         return (self.lam, _anchors(model, shared)) if self.lam else None
 
 
@@ -429,7 +435,7 @@ class Mixed(LocalSGD):
 
     def before(self, local: Local, chosen: torch.Tensor) -> None:  # from the step's (w, v, alpha), before w moves
         client, (v0, v, alpha) = local.client, local.personal
-        w = flat_parameters(client.model)
+        w = _models.flat_parameters(client.model)
         v, alpha = apfl_step(client.model, w, v, alpha, client.x[chosen], client.y[chosen], client.lr, self.alpha_lr)
         local.personal = (v0, v, alpha)
 
@@ -443,8 +449,8 @@ class Mixed(LocalSGD):
         w = torch.cat([p.reshape(-1) for p in params.values()])
 
         def loss(flat):
-            logits = functional_call(model, flat_views(flat, params.items()), (x,))
-            return masked_mean(cross_entropy(logits, y, reduction="none"), mask, count)
+            logits = torch.func.functional_call(model, _models.flat_views(flat, params.items()), (x,))
+            return masked_mean(torch.nn.functional.cross_entropy(logits, y, reduction="none"), mask, count)
 
         g = torch.func.grad(loss)(alpha * v + (1 - alpha) * w)
         stepped = v - (lr * alpha) * g  # both from the step's (w, v, alpha)
@@ -595,20 +601,24 @@ class Moon(LocalSGD):
             positive = torch.cosine_similarity(z, z_glob, dim=-1) / self.tau
             negative = torch.cosine_similarity(z, z_prev, dim=-1) / self.tau
             logits = torch.stack([positive, negative], dim=1)
-            return self.mu * cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
+            return self.mu * torch.nn.functional.cross_entropy(
+                logits, torch.zeros(len(z), dtype=torch.long, device=z.device)
+            )
 
         return term
 
     def batch_loss(self, model, params, x, y, mask, count, start, own):
         logits, z = forward_with_representation(model, params, x)
-        data = masked_mean(cross_entropy(logits, y, reduction="none"), mask, count)
+        data = masked_mean(torch.nn.functional.cross_entropy(logits, y, reduction="none"), mask, count)
         if not self.mu:
             return data, data
         z_glob, z_prev = forward_with_representation(model, start, x)[1], forward_with_representation(model, own, x)[1]
         positive = torch.cosine_similarity(z, z_glob, dim=-1) / self.tau
         negative = torch.cosine_similarity(z, z_prev, dim=-1) / self.tau
         logits = torch.stack([positive, negative], dim=1)
-        contrastive = cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device), reduction="none")
+        contrastive = torch.nn.functional.cross_entropy(
+            logits, torch.zeros(len(z), dtype=torch.long, device=z.device), reduction="none"
+        )
         return data + self.mu * masked_mean(contrastive, mask, count), data
 
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
@@ -645,14 +655,16 @@ class Tilted(LocalSGD):
 
         def closure():
             clear()
-            losses = cross_entropy(client.model(client.x[chosen]), client.y[chosen], reduction="none")
+            losses = torch.nn.functional.cross_entropy(
+                client.model(client.x[chosen]), client.y[chosen], reduction="none"
+            )
             ((torch.logsumexp(self.tau * losses, 0) - math.log(len(losses))) / self.tau).backward()
             return losses.mean().detach()
 
         return closure
 
     def batch_loss(self, model, params, x, y, mask, count, start, own):
-        losses = cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
+        losses = torch.nn.functional.cross_entropy(torch.func.functional_call(model, params, (x,)), y, reduction="none")
         mean = masked_mean(losses, mask, count)
         if self.tau == 0:
             return mean, mean
@@ -662,7 +674,7 @@ class Tilted(LocalSGD):
         return tilted, mean
 
 
-def with_gradients(model: nn.Module, *flats: torch.Tensor | None):
+def with_gradients(model: torch.nn.Module, *flats: torch.Tensor | None):
     """Each parameter of ``model`` that has a gradient, with its slice of each flat vector (in ``flat_parameters``'
     order) viewed in its shape (None for a flat that is None)."""
     slices = [_anchors(model, f) if f is not None else [None] * len(list(model.parameters())) for f in flats]
@@ -671,26 +683,28 @@ def with_gradients(model: nn.Module, *flats: torch.Tensor | None):
             yield (p, *views)
 
 
-def last_layer(model: nn.Module) -> nn.Module:
+def last_layer(model: torch.nn.Module) -> torch.nn.Module:
     """The module that holds the model's last parameter (MOON reads its input as the representation)."""
     name = [n for n, _ in model.named_parameters()][-1]
     return model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
 
 
-def representation(model: nn.Module, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def representation(model: torch.nn.Module, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The input of ``model``'s last layer for ``x`` under the flat parameters ``flat`` (flattened per sample), by a
     functional call: the workspace's own parameters are untouched."""
     views = {name: view for (name, _), view in zip(model.named_parameters(), _anchors(model, flat))}
     return forward_with_representation(model, views, x)[1]
 
 
-def forward_with_representation(model: nn.Module, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_with_representation(
+    model: torch.nn.Module, params: dict, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of ``model`` for ``x`` under ``params`` ({name: tensor}, a functional call) and the input of its
     last layer (MOON's representation, flattened per sample)."""
     seen = {}
     handle = last_layer(model).register_forward_pre_hook(lambda module, inputs: seen.__setitem__("z", inputs[0]))
     try:
-        logits = functional_call(model, params, (x,))
+        logits = torch.func.functional_call(model, params, (x,))
     finally:
         handle.remove()
     return logits, seen["z"].flatten(1)
@@ -702,7 +716,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, count) -> torch.Tensor
 
 
 def train_cohort(
-    model: nn.Module,
+    model: torch.nn.Module,
     global_params: torch.Tensor,
     x: torch.Tensor,
     y: torch.Tensor,
@@ -738,7 +752,7 @@ def train_cohort(
 
 
 def cohort_calls(
-    model: nn.Module, x, y, parts, client_ids, works, lr, make_optimizer, round_, seed: int, stream: str
+    model: torch.nn.Module, x, y, parts, client_ids, works, lr, make_optimizer, round_, seed: int, stream: str
 ) -> list[Client]:
     """Each cohort client's call, in cohort order: the workspace, its samples (``parts``) in ``x``, ``y``, its work,
     id and round (``round_``: one, or one per client) and its mini-batch stream; what every backend hands a program."""

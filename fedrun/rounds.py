@@ -2,6 +2,8 @@
 result, and the recorder that finishes each aggregation's metrics row. The synchronous engine (``fedrun.engine``)
 and the asynchronous one (``fedrun.async_engine``) import it; neither imports the other."""
 
+from __future__ import annotations
+
 import math
 import time
 import typing
@@ -10,11 +12,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from fedrun.cohort import LocalWork
 from fedrun.errors import DivergenceError, check
+from fedrun.lazy import torch
 from fedrun.pipeline import upload_message_mb
 
 if typing.TYPE_CHECKING:  # malicious_table imports it: a refusal on the way to a run (fedrun.compat imports this
@@ -262,7 +264,7 @@ class Bits:
     extra_up: int = 0
 
     @classmethod
-    def of(cls, pipeline, params: torch.Tensor, client_state=None, program=None) -> "Bits":
+    def of(cls, pipeline, params: torch.Tensor, client_state=None, program=None) -> Bits:
         d = params.numel() if client_state is None else client_state.shared(params.numel())
         down, up = (1, 1) if program is None else program.exchanged()
         return cls(
@@ -280,7 +282,7 @@ def progress(first: int, rounds: int, desc: str, unit: str) -> tqdm:
     return tqdm(desc=desc, unit=unit, dynamic_ncols=True, initial=first - 1, total=rounds, disable=follower)
 
 
-def malicious_table(attack, rounds: list[int]) -> "pd.DataFrame":
+def malicious_table(attack, rounds: list[int]) -> pd.DataFrame:
     """The malicious clients: the fixed set, or each round's (``attack.who=redrawn``) with its round."""
     import pandas as pd
 
@@ -322,7 +324,7 @@ class HonestReference:
         self.copied, self.honest = copied, honest
 
     @classmethod
-    def take(cls, aggregation, lying: np.ndarray) -> "HonestReference | None":
+    def take(cls, aggregation, lying: np.ndarray) -> HonestReference | None:
         honest = ~np.asarray(lying, dtype=bool)
         if honest.all() or not honest.any():
             return None

@@ -50,14 +50,16 @@ distribution), and per run how evenly the clients were picked (``selection_cv`` 
 and ``clients_never_selected``).
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedrun.cohort import ClientLosses
 from fedrun.errors import ConfigError, check
+from fedrun.lazy import torch
 from fedrun.rounds import Schedule
 from fedrun.state import Context, Stateful
 
@@ -86,7 +88,7 @@ class Selection:
     spread: dict | None = None
     candidates: np.ndarray | None = None
 
-    def keep(self, mask: np.ndarray) -> "Selection":
+    def keep(self, mask: np.ndarray) -> Selection:
         """The selection restricted to the cohort clients ``mask`` keeps (stragglers drop out after the draw)."""
         return Selection(
             self.cohort[mask],

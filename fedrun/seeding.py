@@ -5,10 +5,13 @@ stream, so two runs that differ only in, say, the aggregator share the split, th
 the cohorts. Streams are keyed by name and optional integers (round, client), never by call order.
 """
 
+from __future__ import annotations
+
 import zlib
 
 import numpy as np
-import torch
+
+from fedrun.lazy import torch
 
 
 def _entropy(seed: int, stream: str, *keys: int) -> list[int]:

@@ -5,9 +5,10 @@ State (momentum, second moments) persists across rounds. Momentum starts at zero
 servers' second moment starts at tau^2 as Reddi et al. (2021) initialise it (``v0: paper``), or at zero.
 """
 
-import torch
+from __future__ import annotations
 
 from fedrun.errors import check
+from fedrun.lazy import torch
 from fedrun.state import Stateful
 
 

@@ -15,14 +15,17 @@ and takes it back with ``load_state_dict()`` (``Stateful``); the objects themsel
 ``fedrun.checkpoint`` encodes a whole state when it saves it and decodes it when it reads it.
 """
 
+from __future__ import annotations
+
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
+from fedrun.lazy import deferred, torch
+
+PLAIN = (type(None), bool, int, float, str, bytes)  # and torch.Tensor (checked last: ``encode`` needs no torch)
 KEYS = (bool, int, float, str, type(None))  # dict keys a checkpoint keeps (tuples of them too)
 ARRAY, SCALAR, GENERATOR, DEQUE = "__ndarray__", "__numpy_scalar__", "__numpy_generator__", "__deque__"
 MARKERS = {ARRAY, SCALAR, GENERATOR, DEQUE}
@@ -30,18 +33,29 @@ MARKERS = {ARRAY, SCALAR, GENERATOR, DEQUE}
 
 def encode(value, where: str = "state"):
     """``value`` as plain data (see the module docstring); anything else raises TypeError naming where it is."""
+    return _encode(value, where, torch.from_numpy)
+
+
+def check_encodable(value, where: str = "state") -> None:
+    """``encode``'s TypeError for a value a checkpoint cannot hold, without building its tensors (nor importing
+    torch: a config's parts are checked before it, ``fedrun.lazy``)."""
+    _encode(value, where, lambda array: array)
+
+
+def _encode(value, where: str, tensor):
+    """``encode``, turning numpy arrays into what ``tensor`` makes of them."""
     if isinstance(value, np.generic):  # before PLAIN: np.float64 is a float, but it must come back as np.float64
-        return {SCALAR: torch.from_numpy(np.asarray(value).reshape(1).copy())}
+        return {SCALAR: tensor(np.asarray(value).reshape(1).copy())}
     if isinstance(value, PLAIN):
         return value
     if isinstance(value, np.ndarray):  # np.array(copy): contiguous, and a 0-d array stays 0-d
-        return {ARRAY: torch.from_numpy(np.array(value, copy=True, order="C"))}
+        return {ARRAY: tensor(np.array(value, copy=True, order="C"))}
     if isinstance(value, np.random.Generator):
         return {GENERATOR: {"bit_generator": type(value.bit_generator).__name__, "state": value.bit_generator.state}}
     if isinstance(value, deque):
-        return {DEQUE: [encode(v, f"{where}[]") for v in value], "maxlen": value.maxlen}
+        return {DEQUE: [_encode(v, f"{where}[]", tensor) for v in value], "maxlen": value.maxlen}
     if isinstance(value, (list, tuple)):
-        items = [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [_encode(v, f"{where}[{i}]", tensor) for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
         for key in value:
@@ -51,7 +65,9 @@ def encode(value, where: str = "state"):
                     f"{where} has the key {key!r} ({type(key).__name__}), which a checkpoint cannot hold "
                     "(keys: str, int, float, bool, None, or tuples of them; not fedrun's own markers)"
                 )
-        return {k: encode(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {k: _encode(v, f"{where}[{k!r}]", tensor) for k, v in value.items()}
+    if not deferred("torch") and isinstance(value, torch.Tensor):  # no tensor exists before torch does
+        return value
     raise TypeError(
         f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint cannot hold "
         "(give the object a state_dict() of tensors, numbers, strings, lists and dicts)"

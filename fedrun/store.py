@@ -2,14 +2,15 @@
 method (``fedrun.personal``) and a client program (``fedrun.programs``) keep per client between rounds.
 """
 
+from __future__ import annotations
+
 import os
 import re
 from collections import OrderedDict
 from pathlib import Path
 
-import torch
-
 from fedrun.errors import ConfigError
+from fedrun.lazy import torch
 from fedrun.runfiles import BadFile, appended, own_file, replaced, write_text
 
 LOG = "written.log"  # the names of the files a store wrote in its folder, one a line: what a sweep may delete

@@ -16,16 +16,19 @@ signal that evaluates the model calls ``fedrun.clients.calibrate(model, x)`` fir
 as every client-side evaluation here) or runs it in training mode (the batch's own).
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import nn
 
 from fedrun.clients import client_signal, loaded_per_sample
 from fedrun.cohort import ClientLosses, CohortUpdate
+from fedrun.lazy import torch
 
-Signal = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], float]
+if TYPE_CHECKING:  # an alias for annotations only (``fedrun.lazy``)
+    Signal = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], float]
 
 
 class Trainer:
@@ -35,7 +38,7 @@ class Trainer:
     resume=<dir>`` (a run dir alone never makes fedrun import a module: ``fedrun.cli.resume``)."""
 
     @classmethod
-    def for_device(cls, model, x, y, make_optimizer, device) -> "Trainer":
+    def for_device(cls, model, x, y, make_optimizer, device) -> Trainer:
         """The trainer for a run on ``device`` (a ``fedrun.backends.Device``: its ``workers``, ``chunk``, cores)
         of ``model`` (a workspace module) on the training tensors ``x``, ``y``. A subclass whose constructor
         takes more than these overrides it."""
@@ -61,7 +64,7 @@ class Trainer:
         one after another in this process."""
         return client_signal(signal, self.model, params, self.x, self.y, parts)
 
-    def per_sample(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def per_sample(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The server's evaluation: cross-entropy and correctness of every sample of ``x``, ``y`` under the
         parameters loaded in ``model`` (``fedrun.clients.loaded_per_sample``). This default computes them here; a
         backend whose processes all hold the model may share the samples among them."""

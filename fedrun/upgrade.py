@@ -21,16 +21,18 @@ files), its objects are turned into their state dicts, and it is written back at
 today's format is left alone.
 """
 
+from __future__ import annotations
+
 import argparse
 import pickle
 import sys
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.checkpoint import FILE, VERSION, Checkpoint, lock, read, unlock
 from fedrun.errors import ConfigError
+from fedrun.lazy import torch
 from fedrun.runfiles import replaced
 
 # The loop variables of each engine's checkpoints before VERSION 2, old key -> new key (the rest were parts).

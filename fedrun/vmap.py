@@ -17,18 +17,18 @@ dampening, Nesterov, weight decay) and FedProx's ``ProxSGD``, exactly in torch's
 Others (STORM) need the loop; asking for ``vmap`` with them is refused before training.
 """
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from torch import nn
 from torch.func import functional_call, grad, grad_and_value, vmap
-from torch.nn.functional import cross_entropy
 
 from fedrun.clients import _batches, client_rows, cohort_losses, per_client_round
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import ConfigError
+from fedrun.lazy import torch
 from fedrun.models import BatchSoftmax
 from fedrun.optimizers import ProxSGD, base_lr, coefficient_norm
 from fedrun.programs import Client, Local, LocalSGD, Program, cohort_calls, train_cohort
@@ -48,9 +48,9 @@ class SGDRule:
     mu: float = 0.0
 
     @staticmethod
-    def of(make_optimizer, lr: float) -> "SGDRule | None":
+    def of(make_optimizer, lr: float) -> SGDRule | None:
         """The rule of the solver ``make_optimizer(params, lr=lr)`` builds, or None when it has no closed form here."""
-        probe = make_optimizer([nn.Parameter(torch.zeros(1))], lr=lr)
+        probe = make_optimizer([torch.nn.Parameter(torch.zeros(1))], lr=lr)
         if type(probe) not in (torch.optim.SGD, ProxSGD):
             return None
         group = probe.param_groups[0]
@@ -91,19 +91,20 @@ class SGDRule:
         return coefficient_norm(steps, self.lr, self.momentum, self.mu)
 
 
-def vmap_supported(make_optimizer, model: nn.Module) -> str | None:
+def vmap_supported(make_optimizer, model: torch.nn.Module) -> str | None:
     """Why the ``vmap`` backend cannot train with this solver and model, or None when it can."""
     if SGDRule.of(make_optimizer, base_lr(make_optimizer, default=0.1)) is None:
         return "loop or processes for this optimizer (vmap has the closed-form update of sgd and prox only)"
     if any(True for _ in model.buffers()) or any(
-        isinstance(m, (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)) for m in model.modules()
+        isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm))
+        for m in model.modules()
     ):
         return (
             "loop or processes for models with batch norm, buffers or dropout (batch statistics would take in the "
             "padded samples; random masks are per call)"
         )
-    if any(isinstance(m, nn.RNNBase) for m in model.modules()):
-        return "loop or processes for recurrent models (torch.func.vmap does not batch nn.LSTM's fused kernels)"
+    if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
+        return "loop or processes for recurrent models (torch.func.vmap does not batch torch.nn.LSTM's fused kernels)"
     if any(isinstance(m, BatchSoftmax) for m in model.modules()):
         return "loop or processes for model.head=batch_softmax (a padded sample would enter the softmax over the batch)"
     return None
@@ -120,10 +121,12 @@ class VmapTrainer(Trainer):
     """
 
     @classmethod
-    def for_device(cls, model, x, y, make_optimizer, device) -> "VmapTrainer":
+    def for_device(cls, model, x, y, make_optimizer, device) -> VmapTrainer:
         return cls(model, x, y, make_optimizer, device.chunk)
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, make_optimizer, chunk: int | None = None):
+    def __init__(
+        self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, make_optimizer, chunk: int | None = None
+    ):
         why = vmap_supported(make_optimizer, model)
         if why is not None:
             raise ConfigError("device.backend", "vmap", why)
@@ -132,7 +135,9 @@ class VmapTrainer(Trainer):
         self.shapes = [p.shape for p in model.parameters()]
 
         def loss(params, xb, yb, mask, count):
-            per_sample = cross_entropy(functional_call(self.model, params, (xb,)), yb, reduction="none")
+            per_sample = torch.nn.functional.cross_entropy(
+                functional_call(self.model, params, (xb,)), yb, reduction="none"
+            )
             return (per_sample * mask).sum() / count
 
         self._grad = vmap(grad_and_value(loss))

@@ -8,14 +8,16 @@ Aggregators differ in how they choose alpha; ``weights`` is the only method most
 (an aggregator keeps no per-round results on itself; its attributes are its state, ``fedrun.state``).
 """
 
+from __future__ import annotations
+
 import copy
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from fedrun.cohort import RoundView
 from fedrun.errors import check
+from fedrun.lazy import torch
 from fedrun.state import Stateful
 
 
@@ -77,7 +79,7 @@ class Aggregator(Stateful):
         """Run-level facts, logged as tags when the run closes (e.g. the round a hybrid switched)."""
         return {}
 
-    def reference(self, keep: np.ndarray) -> "Aggregator":
+    def reference(self, keep: np.ndarray) -> Aggregator:
         """A copy of this aggregator in its state now, to aggregate the round's clients ``keep`` selects (a bool
         mask over the cohort) alone: ``attack/deviation``'s honest reference (``fedrun.rounds.HonestReference``).
         Its state is its own, so aggregating with it leaves this one's untouched."""

@@ -5,17 +5,19 @@ at aggregation) - (version the client pulled). The aggregate update is sum_j alp
 server optimizer applies (``server=sgd``: w <- w + server_lr * update).
 """
 
+from __future__ import annotations
+
 import copy
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fedrun.aggregators.base import Aggregation
 from fedrun.aggregators.robust import RobustAggregator
 from fedrun.cohort import RoundView
 from fedrun.errors import ConfigError, check
+from fedrun.lazy import torch
 from fedrun.state import Stateful
 
 
@@ -37,7 +39,7 @@ class BufferReport:
     version: int
     pulled: list[torch.Tensor]
 
-    def subset(self, keep: np.ndarray) -> "BufferReport":
+    def subset(self, keep: np.ndarray) -> BufferReport:
         """The report of the buffered updates ``keep`` selects (a bool mask), in arrival order."""
         keep = np.asarray(keep, dtype=bool)
         pulled = [p for p, kept in zip(self.pulled, keep) if kept]
@@ -63,7 +65,7 @@ class AsyncAggregator(Stateful):
     alpha_informative = False  # as ``Aggregator.alpha_informative``: whether alpha follows the clients' staleness
     alpha_is_share = True  # as ``Aggregator.alpha_is_share``
 
-    def reference(self, keep: np.ndarray) -> "AsyncAggregator":
+    def reference(self, keep: np.ndarray) -> AsyncAggregator:
         """As ``Aggregator.reference``: a copy in its state now, for the buffer's updates ``keep`` selects alone."""
         return copy.deepcopy(self)
 

@@ -7,13 +7,15 @@ loss-weighted family of papers 000 and 001.
 - ``TERM``: tilted ERM across clients (Li, Beirami, Sanjabi and Smith 2021), FedSoftMax's form at T = 1/t.
 """
 
+from __future__ import annotations
+
 import numpy as np
-import torch
 
 from fedrun.aggregators.base import Aggregation, Aggregator
 from fedrun.aggregators.loss_weighted import LossWeighted, exponential_weights
 from fedrun.cohort import RoundView
 from fedrun.errors import check
+from fedrun.lazy import torch
 
 EPSILON = 1e-10  # added to every loss before its power, as the authors' code (fair_flearn, qffedavg.py) does
 

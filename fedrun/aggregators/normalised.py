@@ -1,11 +1,13 @@
 """Aggregators that correct for unequal local work or client drift (paper 002's baselines and method)."""
 
+from __future__ import annotations
+
 import numpy as np
-import torch
 
 from fedrun.aggregators.base import Aggregation, Aggregator
 from fedrun.cohort import RoundView
 from fedrun.errors import check
+from fedrun.lazy import torch
 
 
 class FedNova(Aggregator):

@@ -28,14 +28,16 @@ Every rule logs ``robust/f`` (the round's f), ``robust/discarded`` (clients with
 ``robust/skipped``, plus its own columns (NaN in a skipped round).
 """
 
+from __future__ import annotations
+
 import math
 
 import numpy as np
-import torch
 
 from fedrun.aggregators.base import Aggregation, Aggregator
 from fedrun.cohort import RoundView
 from fedrun.errors import ConfigError, check
+from fedrun.lazy import torch
 from fedrun.seeding import numpy_rng
 from fedrun.state import Context
 

@@ -6,8 +6,9 @@ found), ``resume`` (which config, dir and checkpoint a job runs with), ``build``
 ``runinfo`` (name, description, tags), ``sweeps`` (a sweep's MLflow parent run, cores per job, a resumed sweep's
 jobs), ``entry`` (what runs before Hydra and Hydra's errors as one line).
 
-This module imports Hydra, OmegaConf and ``entry`` only: ``--help``, ``--cfg``, ``--info`` and every composition
-error answer before torch, MLflow or a dataset is imported (``scripts/bench_cli_start.py`` measures it,
+This module imports Hydra, OmegaConf and ``entry`` only: ``--help``, ``--cfg``, ``--info``, every composition
+error and every value a part's constructor refuses (``build.build_parts``, torch imported on first use:
+``fedrun.lazy``) answer before torch, MLflow or a dataset is imported (``scripts/bench_cli_start.py`` measures it,
 ``tests/e2e/test_cli_start.py`` keeps it); a job imports ``fedrun.cli.job``.
 """
 
@@ -37,11 +38,19 @@ def main(cfg: DictConfig) -> float | None:
     """Run one job; returns the final test accuracy (Hydra sweepers can use it). Its dir is locked while it runs
     (``fedrun.checkpoint.lock``) and released when it ends: a sweep's process runs its jobs one after another."""
     hydra_cfg = HydraConfig.get()
-    # a new run's own keys, before torch and MLflow (a resumed run's: once its config is read)
+    # a new run's own keys and parts, before torch and MLflow (a resumed run's: once its config is read)
+    parts = None
     if not cfg.get("resume"):
         try:
             check_known_keys(cfg, hydra_cfg)
             check_run_keys(cfg)
+            from fedrun import lazy
+
+            lazy.defer("torch")  # every part's module and constructor runs without it
+            from fedrun.cli.build import build_parts
+
+            parts = build_parts(cfg)
+            lazy.load("torch")  # here, on the main thread, before any code that is not fedrun's (fedrun.lazy)
         except ConfigError as exc:
             fail(hydra_cfg, f"fedrun: error: {exc}", 2)
     from fedrun import distributed
@@ -50,7 +59,7 @@ def main(cfg: DictConfig) -> float | None:
 
     before = held()
     try:
-        return run_job(cfg, hydra_cfg)
+        return run_job(cfg, hydra_cfg, parts)
     finally:
         for directory in held() - before:
             unlock(directory)

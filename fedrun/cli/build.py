@@ -1,30 +1,39 @@
 """Compose -> validate -> build: every object of a run from its config, checked against each other before any
 training starts (a bad value is one ConfigError naming its key)."""
 
+from __future__ import annotations
+
 import dataclasses
 import inspect
 import re
+import types
 import typing
 
 import hydra
 import numpy as np
-import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from fedrun import compat
+from fedrun import compat, lazy
 from fedrun.cli.entry import check_run_keys
 from fedrun.errors import ConfigError
-from fedrun.models import batch_norm_names, batch_norms, flat_parameters
+from fedrun.lazy import deferrable, torch
 from fedrun.partitions import LazyClients, Natural, Population, client_sizes, hold_out
 from fedrun.parts import Parts, layout
 from fedrun.seeding import numpy_rng, torch_seed
-from fedrun.state import Context, encode
+from fedrun.state import Context, check_encodable
+
+_models = deferrable("fedrun.models")  # subclasses torch's classes: fedrun.lazy
+_optimizers = deferrable("fedrun.optimizers")  # subclasses torch's classes: fedrun.lazy
 
 
 def build(group: str, node: DictConfig, **runtime):
-    """``instantiate(node, **runtime)``, turning constructor errors into one-line ConfigErrors for ``group``."""
+    """``instantiate(node, **runtime)``, turning constructor errors into one-line ConfigErrors for ``group``. A class
+    that is not fedrun's may import torch's submodules, which a deferred torch cannot take (``fedrun.lazy``): torch
+    is imported before it."""
+    if any(not str(target).startswith("fedrun.") for target in _targets(node)):
+        lazy.load("torch")
     try:
         return instantiate(node, **runtime)
     except InstantiationException as exc:
@@ -34,17 +43,27 @@ def build(group: str, node: DictConfig, **runtime):
         raise _explain(group, node, cause or exc) from None
 
 
+def _targets(value) -> list:
+    """Every ``_target_`` in ``value`` (a config node, or what ``OmegaConf.to_container`` made of one)."""
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=False)
+    if isinstance(value, dict):
+        own = [value["_target_"]] if "_target_" in value else []
+        return own + [t for v in value.values() for t in _targets(v)]
+    return [t for v in value for t in _targets(v)] if isinstance(value, list) else []
+
+
 def _explain(group: str, node: DictConfig, cause: BaseException) -> ConfigError:
     """A ConfigError naming the one key the constructor's error is about: an unknown key, a value of the wrong
     type, or the value its message quotes (torch's "Invalid learning rate: -0.1")."""
     target = node.get("_target_")
     constructor = None
+    arguments = {k: v for k, v in OmegaConf.to_container(node).items() if not k.startswith("_")}
     try:
         constructor = hydra.utils.get_object(target).__init__
-        hints = typing.get_type_hints(constructor)
+        hints = _hints(constructor, arguments)
     except Exception:  # a target without usable annotations: fall back to the constructor's own message
         hints = {}
-    arguments = {k: v for k, v in OmegaConf.to_container(node).items() if not k.startswith("_")}
     unknown = re.search(r"unexpected keyword argument '(\w+)'", str(cause))
     if unknown and unknown.group(1) in arguments:
         known = (
@@ -75,11 +94,22 @@ def _explain(group: str, node: DictConfig, cause: BaseException) -> ConfigError:
     return ConfigError(group, arguments, f"valid arguments for {target} ({cause})")
 
 
-def setup(cfg: DictConfig, checked: typing.Callable[[], None] | None = None) -> dict:
-    """Build every object of the run and check them against each other, before any training; ``checked`` is called
-    once every part is built and checked, before the dataset is read (the CLI checks the tracking store there: a
-    config error does not wait for MLflow, an unreachable store does not wait for the data)."""
-    seed = cfg.seed
+def _hints(constructor, keys) -> dict:
+    """The annotations of ``constructor``'s parameters among ``keys``, evaluated as ``typing.get_type_hints`` does
+    (they are strings: ``from __future__ import annotations``). Only those: another parameter's may name torch,
+    which a part's refusal answers before (``fedrun.lazy``)."""
+    parameters = inspect.signature(constructor).parameters
+    wanted = {k: parameters[k].annotation for k in keys if k in parameters}
+    wanted = {k: a for k, a in wanted.items() if a is not inspect.Parameter.empty}
+    namespace = getattr(inspect.unwrap(constructor), "__globals__", None)
+    return typing.get_type_hints(types.SimpleNamespace(__annotations__=wanted), globalns=namespace)
+
+
+def build_parts(cfg: DictConfig) -> dict:
+    """Every part of the run (all but the model, its solver and the data), each checked by its constructor and all
+    against each other (``fedrun.compat``), with the state each keeps checked against what a checkpoint holds. This
+    imports neither torch nor MLflow (``fedrun.lazy``): the CLI calls it before either, so that a refused value
+    answers at once (``tests/config/test_lazy_torch.py`` builds every option of every group)."""
     # Privacy is built and checked with the engine first: its options set aggregator.weighting=uniform, a key
     # asynchronous aggregators lack, so its refusal of the asynchronous engine must come before they are built.
     privacy = build("privacy", cfg.privacy)
@@ -112,11 +142,26 @@ def setup(cfg: DictConfig, checked: typing.Callable[[], None] | None = None) -> 
     for group in ("aggregator", "server", "pipeline", "sampler", "attack", "client_state", "client"):
         key = "personalization" if group == "client_state" else group
         try:
-            encode(objects[group].state_dict(), key)
+            check_encodable(objects[group].state_dict(), key)
         except TypeError as exc:
             raise ConfigError(
                 key, type(objects[group]).__name__, f"a part whose state_dict() a checkpoint can hold ({exc})"
             ) from None
+    return objects
+
+
+def setup(cfg: DictConfig, checked: typing.Callable[[], None] | None = None, objects: dict | None = None) -> dict:
+    """Build every object of the run and check them against each other, before any training; ``checked`` is called
+    once every part is built and checked, before the dataset is read (the CLI checks the tracking store there: a
+    config error does not wait for MLflow, an unreachable store does not wait for the data). ``objects``: what
+    ``build_parts(cfg)`` returned, when the caller built them already."""
+    seed = cfg.seed
+    objects = build_parts(cfg) if objects is None else objects
+    try:
+        objects["device"].check_machine()
+    except ConfigError as exc:
+        raise exc.within("device") from None
+    _optimizers.eager_optimizer_methods()  # before the first solver is built: torch's compiler stays unimported
     optimizer = build("optimizer", cfg.optimizer)
     try:  # torch optimizers check their arguments when built: do it now, not in round 1
         optimizer([torch.zeros(1, requires_grad=True)])
@@ -180,12 +225,15 @@ def setup(cfg: DictConfig, checked: typing.Callable[[], None] | None = None) -> 
 
         if (why := vmap_supported(optimizer, model)) is not None:
             raise ConfigError("device.backend", "vmap", why)
-    if batch_norms(model) and objects["engine"].asynchronous:
+    if _models.batch_norms(model) and objects["engine"].asynchronous:
         raise ConfigError(
             "model.norm", "batch", "none with engine=async (its evaluations are not calibrated for batch norm yet)"
         )
     context = dataclasses.replace(
-        context, layout=layout(model), initial=flat_parameters(model), batch_norm=batch_norm_names(model)
+        context,
+        layout=layout(model),
+        initial=_models.flat_parameters(model),
+        batch_norm=_models.batch_norm_names(model),
     )  # personal layers by name
     parts_of(objects).bind(context, engine=objects["engine"])  # every part's settings against the run, before tracking
     return dict(

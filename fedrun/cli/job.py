@@ -1,7 +1,10 @@
 """A ``fedrun`` job, once Hydra has composed its config: open it (which config, dir and checkpoint), check and build
 every object, open tracking, run the engine, say what it found. ``fedrun.cli.main`` imports this module only when a
-job runs (it imports torch, MLflow and every part): ``--help``, ``--cfg`` and a composition error never do.
+job's parts are built (it imports MLflow and pandas): ``--help``, ``--cfg``, a composition error and a part's
+refusal never do.
 """
+
+from __future__ import annotations
 
 import json
 import os
@@ -10,7 +13,6 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,6 +27,7 @@ from fedrun.cli.sweeps import job_cores, seed_report
 from fedrun.clients import calibrate
 from fedrun.engine import server_calibration
 from fedrun.errors import ConfigError, DivergenceError
+from fedrun.lazy import torch
 from fedrun.metrics import UNSTABLE_SWING, run_summary, unstable_line
 from fedrun.models import load_flat
 from fedrun.study import PRUNED
@@ -32,8 +35,9 @@ from fedrun.sweepdir import sweep_parent
 from fedrun.tracking import CONFIG_GROUPS, Tracker, flatten, preflight, resolve_uri
 
 
-def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
-    """``main``'s job: open it (which config, dir and checkpoint), check and build it, track it, train it."""
+def run_job(cfg: DictConfig, hydra_cfg, parts: dict | None = None) -> float | None:
+    """``main``'s job: open it (which config, dir and checkpoint), check and build it, track it, train it.
+    ``parts``: ``build_parts(cfg)``, when ``main`` built them already (a new run's)."""
     try:
         job = open_job(cfg, hydra_cfg)
         if job.diverged is not None:
@@ -61,7 +65,7 @@ def run_job(cfg: DictConfig, hydra_cfg) -> float | None:
             if job.cfg.tracking.enabled:
                 preflight(resolve_uri(job.cfg.tracking.uri, Path(hydra_cfg.runtime.cwd)))
 
-        parts = setup(job.cfg, checked=store_reachable)
+        parts = setup(job.cfg, checked=store_reachable, objects=parts if job.cfg is cfg else None)
         parts["device"].load_backend()  # imports a class of the user's: named on the command line (``open_job``)
         settle_threads(job, hydra_cfg, parts["device"])
     except (ConfigError, FileNotFoundError) as exc:

@@ -1,0 +1,78 @@
+"""torch, imported when first used while the ``fedrun`` command checks a config: ``from fedrun.lazy import torch``.
+
+A run's config is checked by building every part (their constructors refuse a bad value in one line naming its key,
+``fedrun.cli.build.build_parts``) before anything trains. Those constructors never touch torch, but their modules
+name it, and ``import torch`` costs 1.3-1.9 s of an idle two-core machine: a typo in ``aggregator.temperature``
+would wait for it (issue 53). So the command defers torch (``defer``) before it imports the part modules, builds
+them, and ends the deferral (``load``) before anything else runs; a refusal in between answers without torch.
+Outside the command (a notebook, a test, a worker process) nothing is deferred: ``torch`` here is torch, imported.
+
+Deferring is the standard library's recipe (``importlib.util.LazyLoader``, "Implementing lazy imports" in the
+``importlib`` docs): ``sys.modules["torch"]`` is a module that imports itself on its first attribute read and then
+is the ``torch`` module (every ``from fedrun.lazy import torch`` holds that same object). Its rules, kept here:
+
+- A module-level use of torch (a class base, a decorator, a default value, an annotation evaluated at import) imports
+  it at once. The part modules use ``from __future__ import annotations`` and keep torch inside functions;
+  ``fedrun.models`` and ``fedrun.optimizers`` subclass torch's classes, so the modules a part needs take them from
+  ``deferrable`` (imported on first use while deferred). ``tests/config/test_lazy_torch.py`` builds every option of
+  every group with torch deferred and checks it stayed unimported.
+- A dotted import of a submodule (``import torch.distributed``) while torch is deferred would import that submodule
+  twice (the import system reads ``torch.__path__``, which imports torch and its submodules, then loads the
+  submodule again): fedrun's modules name torch's submodules as attributes (``torch.nn.functional``), and code
+  that is not fedrun's (a part or trainer class of the user's) is imported only after ``load``
+  (``fedrun.cli.build.build``, ``fedrun.backends.findable``).
+- On Python < 3.12 ``LazyLoader`` is not thread-safe: ``load`` runs on the main thread before any other starts.
+"""
+
+import importlib
+import importlib.util
+import sys
+import types
+
+_deferred: set[str] = set()
+
+
+def defer(name: str) -> types.ModuleType:
+    """Register ``name`` to import on its first attribute read (unless it is imported already); returns it."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    parent, _, child = name.rpartition(".")
+    if parent:  # as the import system does: ``fedrun.models`` is an attribute of ``fedrun``
+        setattr(sys.modules[parent], child, module)
+    _deferred.add(name)
+    return module
+
+
+def deferred(name: str) -> bool:
+    """Whether ``name`` is registered and not imported yet."""
+    return name in _deferred and name in sys.modules and isinstance(sys.modules[name], _LAZY)
+
+
+def load(name: str) -> types.ModuleType:
+    """``name``, imported now (ending its deferral)."""
+    module = importlib.import_module(name)  # on a deferred module: reads its __spec__, which imports it
+    getattr(module, "__name__")  # noqa: B009 (an attribute read is what imports a deferred module)
+    return module
+
+
+def deferrable(name: str) -> types.ModuleType:
+    """The module ``name``: imported now, or on its first use while torch is deferred."""
+    return defer(name) if deferred("torch") else importlib.import_module(name)
+
+
+_LAZY = importlib.util._LazyModule  # the class of a registered module until its first attribute read
+
+
+def __getattr__(name: str):
+    """``from fedrun.lazy import torch``: the deferred torch while the command defers it, else torch, imported. Read
+    by each importing module when it is imported (PEP 562), so importing this module imports nothing."""
+    if name == "torch":
+        return sys.modules["torch"] if "torch" in sys.modules else importlib.import_module("torch")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
