@@ -15,6 +15,7 @@ error and every value a part's constructor refuses (``build.build_parts``, torch
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.plugins import Plugins
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun.cli.entry import check_known_keys, check_run_keys, fail, one_line_errors
@@ -47,9 +48,14 @@ def main(cfg: DictConfig) -> float | None:
             from fedrun import lazy
 
             lazy.defer("torch")  # every part's module and constructor runs without it
-            from fedrun.cli.build import build_parts
+            try:
+                from fedrun.cli.build import build_parts
 
-            parts = build_parts(cfg)
+                parts = build_parts(cfg)
+            except BaseException:
+                if hydra_cfg.mode == RunMode.MULTIRUN:  # the sweep's next job runs in this process: torch's import
+                    lazy.load("torch")  # must not wait for code that is not fedrun's (fedrun.lazy)
+                raise
             lazy.load("torch")  # here, on the main thread, before any code that is not fedrun's (fedrun.lazy)
         except ConfigError as exc:
             fail(hydra_cfg, f"fedrun: error: {exc}", 2)
