@@ -122,11 +122,13 @@ class Device:
         )
         self.inner = inner
         self.threads, self.cores = threads, None  # cores: what this job may use, once ``use_cores`` says
+        if not lazy.deferred("torch"):  # the command asks the machine once every part is built (``setup``)
+            self.check_machine()
 
     def check_machine(self) -> None:
         """The checks that ask the machine whether it has CUDA, which needs torch: the constructor checks the values
-        alone (a run's parts are built before torch is imported, ``fedrun.lazy``); ``setup`` calls this next, and
-        ``torch`` on first use."""
+        alone while torch is deferred (the command builds a run's parts before it imports torch, ``fedrun.lazy``), and
+        ``setup`` calls this next; otherwise the constructor calls it."""
         if self.kind == "cuda":
             check(torch.cuda.is_available(), "kind", self.kind, "cpu or auto: this machine has no CUDA device")
         use_cuda = self.kind == "cuda" or (self.kind == "auto" and torch.cuda.is_available())

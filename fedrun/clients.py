@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,9 +29,9 @@ def eval_chunk(model: torch.nn.Module, device: torch.device) -> int:
     return getattr(model, "eval_batch", None) or EVAL_BATCH.get(device.type, EVAL_BATCH["cuda"])
 
 
-if TYPE_CHECKING:  # aliases for annotations only (``fedrun.lazy``: torch is not imported with this module)
-    Calibration = tuple[torch.Tensor, torch.Tensor | None]  # (inputs, index into them or None for all): calibrate
-    PerSample = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# torch's types by name (``fedrun.lazy``: this module is imported before torch is)
+Calibration = tuple["torch.Tensor", "torch.Tensor | None"]  # (inputs, index into them or None for all): calibrate
+PerSample = Callable[["torch.nn.Module", "torch.Tensor", "torch.Tensor"], tuple["torch.Tensor", "torch.Tensor"]]
 
 
 class _Reached(Exception):

@@ -18,9 +18,11 @@ is the ``torch`` module (every ``from fedrun.lazy import torch`` holds that same
   every group with torch deferred and checks it stayed unimported.
 - A dotted import of a submodule (``import torch.distributed``) while torch is deferred would import that submodule
   twice (the import system reads ``torch.__path__``, which imports torch and its submodules, then loads the
-  submodule again): fedrun's modules name torch's submodules as attributes (``torch.nn.functional``), and code
-  that is not fedrun's (a part or trainer class of the user's) is imported only after ``load``
-  (``fedrun.cli.build.build``, ``fedrun.backends.findable``).
+  submodule again; for ``torch.distributed`` the process aborts): the modules ``build_parts`` imports name torch's
+  submodules as attributes (``torch.nn.functional``; ``fedrun.distributed`` and ``fedrun.vmap`` are imported only
+  after ``load``), and code that is not fedrun's (a part or trainer class of the user's, a node whose targets are
+  unknown) is imported only after ``load`` (``fedrun.cli.build.build``, ``fedrun.backends.findable``). The command
+  ends the deferral once the parts are built, or when building them fails in a process that goes on.
 - On Python < 3.12 ``LazyLoader`` is not thread-safe: ``load`` runs on the main thread before any other starts.
 """
 

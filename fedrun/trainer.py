@@ -19,7 +19,6 @@ as every client-side evaluation here) or runs it in training mode (the batch's o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,8 +26,8 @@ from fedrun.clients import client_signal, loaded_per_sample
 from fedrun.cohort import ClientLosses, CohortUpdate
 from fedrun.lazy import torch
 
-if TYPE_CHECKING:  # an alias for annotations only (``fedrun.lazy``)
-    Signal = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], float]
+# torch's types by name (``fedrun.lazy``: this module is imported before torch is)
+Signal = Callable[["torch.nn.Module", "torch.Tensor", "torch.Tensor", "torch.Tensor"], float]
 
 
 class Trainer:

@@ -104,7 +104,7 @@ def vmap_supported(make_optimizer, model: torch.nn.Module) -> str | None:
             "padded samples; random masks are per call)"
         )
     if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
-        return "loop or processes for recurrent models (torch.func.vmap does not batch torch.nn.LSTM's fused kernels)"
+        return "loop or processes for recurrent models (torch.func.vmap does not batch nn.LSTM's fused kernels)"
     if any(isinstance(m, BatchSoftmax) for m in model.modules()):
         return "loop or processes for model.head=batch_softmax (a padded sample would enter the softmax over the batch)"
     return None

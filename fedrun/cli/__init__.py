@@ -52,9 +52,11 @@ def main(cfg: DictConfig) -> float | None:
                 from fedrun.cli.build import build_parts
 
                 parts = build_parts(cfg)
-            except BaseException:
-                if hydra_cfg.mode == RunMode.MULTIRUN:  # the sweep's next job runs in this process: torch's import
-                    lazy.load("torch")  # must not wait for code that is not fedrun's (fedrun.lazy)
+            except Exception as exc:
+                # A single run's refusal exits at once; anything else lets this process go on (a sweep's next job,
+                # a caller's except), where code that is not fedrun's may import torch's submodules.
+                if hydra_cfg.mode == RunMode.MULTIRUN or not isinstance(exc, ConfigError):
+                    lazy.load("torch")
                 raise
             lazy.load("torch")  # here, on the main thread, before any code that is not fedrun's (fedrun.lazy)
         except ConfigError as exc:

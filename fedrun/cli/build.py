@@ -44,9 +44,13 @@ def build(group: str, node: DictConfig, **runtime):
 
 
 def _targets(value) -> list:
-    """Every ``_target_`` in ``value`` (a config node, or what ``OmegaConf.to_container`` made of one)."""
+    """Every ``_target_`` in ``value`` (a config node, resolved as ``instantiate`` resolves it, or what
+    ``OmegaConf.to_container`` made of one); ``[None]`` when the node does not resolve (its targets are unknown)."""
     if OmegaConf.is_config(value):
-        value = OmegaConf.to_container(value, resolve=False)
+        try:
+            value = OmegaConf.to_container(value, resolve=True)
+        except Exception:  # instantiate will say what; its targets may be anyone's
+            return [None]
     if isinstance(value, dict):
         own = [value["_target_"]] if "_target_" in value else []
         return own + [t for v in value.values() for t in _targets(v)]

@@ -3,6 +3,7 @@ parts with torch deferred, so a refused value answers before torch's import (iss
 every group ``build_parts`` builds, and every preset, in a fresh interpreter that defers torch as the command does,
 and checks torch was never imported. (``tests/e2e/test_cli_start.py`` runs a few refusals through the command.)"""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -51,3 +52,35 @@ def test_every_option_of_every_group_is_built_without_importing_torch():
     assert result["torch_loaded_by"] is None, result
     # nearly every option builds alone with the defaults; the few refused are combinations the defaults cannot take
     assert result["built"] >= 0.8 * len(options), result["refused"]
+
+
+DEVICE = """
+import sys
+from fedrun import lazy
+lazy.defer("torch")
+from fedrun.backends import Device
+from fedrun.errors import ConfigError
+
+device = Device(kind="cuda")  # the values alone while torch is deferred: the machine is asked next
+print("built", lazy.deferred("torch"))
+try:
+    device.check_machine()
+except ConfigError as exc:
+    print("refused", exc)
+"""
+
+
+def test_a_device_asks_the_machine_once_torch_is_imported_and_at_once_outside_the_command():
+    if importlib.util.find_spec("torch") is None or __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = subprocess.run([sys.executable, "-c", DEVICE], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "built True",
+        "refused kind='cuda' is invalid: allowed is cpu or auto: this machine has no CUDA device",
+    ]
+    from fedrun.backends import Device
+    from fedrun.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no CUDA"):  # a script's Device (nothing deferred) refuses when built
+        Device(kind="cuda")
