@@ -131,21 +131,21 @@ class Device:
         ``setup`` calls this next; otherwise the constructor calls it."""
         if self.kind == "cuda":
             check(torch.cuda.is_available(), "kind", self.kind, "cpu or auto: this machine has no CUDA device")
-        use_cuda = self.kind == "cuda" or (self.kind == "auto" and torch.cuda.is_available())
         check(
-            not (use_cuda and self.backend == "processes"),
+            not (self._cuda() and self.backend == "processes"),
             "backend",
             self.backend,
             "loop or auto on CUDA (worker processes are for CPUs)",
         )
 
+    def _cuda(self) -> bool:
+        """Whether the run trains on CUDA: ``kind=cuda``, or ``auto`` on a machine that has it."""
+        return self.kind == "cuda" or (self.kind == "auto" and torch.cuda.is_available())
+
     @functools.cached_property
     def torch(self) -> torch.device:
-        """The torch device: CUDA for ``kind=cuda``, or ``auto`` on a machine that has it; else the CPU."""
-        self.check_machine()
-        return torch.device(
-            "cuda" if self.kind == "cuda" or (self.kind == "auto" and torch.cuda.is_available()) else "cpu"
-        )
+        """The torch device (the machine was asked by ``check_machine``: the constructor or ``setup``)."""
+        return torch.device("cuda" if self._cuda() else "cpu")
 
     def use_cores(self, cores: int) -> int:
         """Limit this job to ``cores`` cores: its intra-op threads (unless ``threads`` says) and its default

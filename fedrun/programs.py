@@ -278,9 +278,8 @@ class LocalSGD:
         if self.frozen():
             for parameter in client.model.parameters():
                 parameter.requires_grad_(True)
-        delta = _models.flat_parameters(client.model).sub_(
-            local.start
-        )  # a fresh copy: no second vector of the model's size
+        # a fresh copy: no second vector of the model's size
+        delta = _models.flat_parameters(client.model).sub_(local.start)
         steps = len(local.losses)
         mean = authors = math.nan
         if steps:
