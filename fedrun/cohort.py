@@ -67,12 +67,21 @@ class CohortUpdate:
     kept: torch.Tensor | None = None
 
     @staticmethod
-    def of(done: list, params: torch.Tensor) -> CohortUpdate:
-        """The cohort's update from each client's ``fedrun.programs.Finished`` record, in cohort order."""
+    def of(done: list, params: torch.Tensor, out: torch.Tensor | None = None) -> CohortUpdate:
+        """The cohort's update from each client's ``fedrun.programs.Finished`` record, in cohort order; ``out``: the
+        cohort's rows, which a client's delta is already in when its program wrote it there (``Local.out``) and is
+        copied into otherwise (a program of the user's that returns a vector of its own)."""
         if not done:
             return CohortUpdate.concat([], params)
+        if out is None:
+            deltas = torch.stack([f.delta for f in done])
+        else:
+            deltas = out
+            for row, finished in zip(out, done):
+                if finished.delta.data_ptr() != row.data_ptr():
+                    row.copy_(finished.delta)
         return CohortUpdate(
-            deltas=torch.stack([f.delta for f in done]),
+            deltas=deltas,
             local_losses=ClientLosses(np.array([f.loss_mean for f in done]), np.array([f.loss_authors for f in done])),
             steps=np.array([f.steps for f in done], dtype=int),
             coefficient_norms=np.array([f.norm for f in done], dtype=float),
@@ -80,16 +89,17 @@ class CohortUpdate:
         )
 
     @staticmethod
-    def concat(parts: list[CohortUpdate], params: torch.Tensor) -> CohortUpdate:
+    def concat(parts: list[CohortUpdate], params: torch.Tensor, deltas: torch.Tensor | None = None) -> CohortUpdate:
         """The updates of consecutive groups of clients, joined in order; none for no group (an empty cohort,
-        ``params`` giving the width and dtype of the empty rows)."""
+        ``params`` giving the width and dtype of the empty rows). ``deltas``: the cohort's rows, when the groups
+        wrote them there (the worker processes' shared rows) instead of carrying their own."""
         if not parts:
             empty = np.zeros(0)
             return CohortUpdate(
                 params.new_empty(0, params.shape[-1]), ClientLosses(empty, empty), empty.astype(int), empty
             )
         return CohortUpdate(
-            deltas=torch.cat([p.deltas for p in parts]),
+            deltas=torch.cat([p.deltas for p in parts]) if deltas is None else deltas,
             local_losses=ClientLosses.concat([p.local_losses for p in parts]),
             steps=np.concatenate([p.steps for p in parts]),
             coefficient_norms=np.concatenate([p.coefficient_norms for p in parts]),

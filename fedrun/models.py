@@ -244,6 +244,20 @@ def flat_parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def flat_delta(model: nn.Module, start: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's parameters minus ``start``, as one flat vector in ``flat_parameters``' order, written into ``out``
+    (a row of a cohort's updates; a new vector when None): parameter by parameter, one pass over the memory where
+    ``flat_parameters(model) - start`` makes two and a vector of its own. The same elementwise subtractions, so the
+    same bits."""
+    out = torch.empty_like(start) if out is None else out
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        torch.sub(p.detach().reshape(-1), start[offset : offset + n], out=out[offset : offset + n])
+        offset += n
+    return out
+
+
 class LeafCNN(nn.Sequential):
     """LEAF's FEMNIST CNN (``models/femnist/cnn.py``): conv 5x5 32 ('same'), ReLU, max-pool 2; conv 5x5 64 ('same'),
     ReLU, max-pool 2; dense 2048 with ReLU; dense to the classes. 6,603,710 parameters for 28x28 inputs and 62

@@ -87,6 +87,7 @@ class Local:
     losses: list
     sizes: list
     personal: tuple | None = None  # APFL's (v0, v, alpha): a model trained beside
+    out: torch.Tensor | None = None  # the row of the cohort's updates this client's delta is written into
 
 
 @dataclass
@@ -278,8 +279,7 @@ class LocalSGD:
         if self.frozen():
             for parameter in client.model.parameters():
                 parameter.requires_grad_(True)
-        # a fresh copy: no second vector of the model's size
-        delta = _models.flat_parameters(client.model).sub_(local.start)
+        delta = _models.flat_delta(client.model, local.start, local.out)  # into its row of the cohort's updates
         steps = len(local.losses)
         mean = authors = math.nan
         if steps:
@@ -728,13 +728,18 @@ def train_cohort(
     round_,
     stream: str = "batches",
     program: Program | None = None,
+    out: torch.Tensor | None = None,
 ) -> CohortUpdate:
     """Run the client program on each cohort client from its start (``global_params``: the global model, or one
     row per client), on its samples (``parts``), with its work (one ``LocalWork`` or one each) and its (round,
     client) mini-batch stream under ``seed``; ``round_`` may hold one round per client (an asynchronous client's
     job count). ``model`` is a workspace whose parameters are overwritten. ``program``: the program and the cohort's
-    own states (default: plain local SGD). Returns the updates and reports in cohort order."""
+    own states (default: plain local SGD). ``out``: one row per client that the updates are written into (the
+    worker processes' rows of a shared buffer: nothing to copy back); default a new tensor. Returns the updates
+    and reports in cohort order."""
     call, works = program or PLAIN, work if isinstance(work, list) else [work] * len(parts)
+    if out is None:  # written row by row as clients finish: no per-client vector, no stacking after
+        out = global_params.new_empty(len(parts), global_params.shape[-1])
     done = []
     model.train()
     for row, run in enumerate(
@@ -742,12 +747,13 @@ def train_cohort(
     ):
         own = None if call.owns is None else call.owns[row]
         local = call.program.start(run, per_client_start(global_params, row), own, call.shared)
+        local.out = out[row]
         job = run.job
         for batch in _batches(len(run.index), job.batch_size, job.local_epochs, job.local_steps, local.generator):
             local = call.program.step(local, batch)
         done.append(call.program.finish(local))
     model.eval()
-    return CohortUpdate.of(done, global_params)
+    return CohortUpdate.of(done, global_params, out)
 
 
 def cohort_calls(

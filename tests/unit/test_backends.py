@@ -146,6 +146,19 @@ def test_worker_processes_equal_the_loop_in_float64():
         assert list(forked.steps) == list(loop.steps) == [6, 14, 14]
 
 
+def test_worker_processes_write_the_updates_into_shared_rows_equal_to_the_loops_bit_for_bit():
+    # The workers write each client's update into its row of one buffer in shared memory (no copy back): the same
+    # float32 bits as the loop's, in cohort order, and the buffer is the update the parent reads.
+    from fedrun.backends import Device
+
+    make = functools.partial(torch.optim.SGD, lr=0.05)
+    loop = cohort_update(Device("cpu", "contiguous", "loop"), make)
+    forked = cohort_update(Device("cpu", "contiguous", "processes", workers=2), make)
+    assert forked.deltas.is_shared() and not loop.deltas.is_shared()
+    assert torch.equal(forked.deltas, loop.deltas) and forked.deltas.shape == (3, loop.deltas.shape[1])
+    np.testing.assert_array_equal(forked.local_losses.mean, loop.local_losses.mean)
+
+
 def test_worker_processes_train_apfls_personal_models_and_alphas_as_the_loop_does():
     from fedrun.backends import Device
     from fedrun.programs import Mixed, Program
@@ -202,6 +215,7 @@ def test_workers_started_by_forkserver_equal_the_loop_in_float64():
     finally:
         trainer.close()
     torch.testing.assert_close(served.deltas, loop.deltas, rtol=1e-10, atol=1e-12)
+    assert served.deltas.is_shared()  # written by the forkserver's workers into the parent's shared rows
     assert list(served.steps) == list(loop.steps) == [6, 14, 14]
 
 

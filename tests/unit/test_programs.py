@@ -12,7 +12,7 @@ from torch import nn
 
 from fedrun.backends import LoopTrainer, ProcessTrainer
 from fedrun.cohort import LocalWork
-from fedrun.models import flat_parameters
+from fedrun.models import CNN, flat_delta, flat_parameters
 from fedrun.optimizers import ProxSGD
 from fedrun.programs import FedDyn, LocalSGD, Moon, Program, Scaffold, representation, train_cohort
 
@@ -202,3 +202,28 @@ def test_the_sample_tilted_program_by_hand_and_at_tau_zero_plain_sgd():
             w = w - LR * sum(weights[j] * gradient(w, np.array([i])) for j, i in enumerate(part))
         np.testing.assert_allclose(out.deltas[k].numpy(), w - W0.numpy(), rtol=1e-12)
     assert torch.equal(run(Program(Tilted(tau=0.0))).deltas, run(None).deltas)
+
+
+def test_a_clients_delta_is_written_into_its_row_with_the_bits_of_parameters_minus_start():
+    # flat_delta (parameter by parameter into the cohort's row) against the two-pass flat_parameters(model) - start,
+    # on a channels_last CNN (its parameters not contiguous in the flat order) in float32.
+    torch.manual_seed(0)
+    model = CNN((3, 8, 8), 4).to(memory_format=torch.channels_last)
+    start = torch.randn(flat_parameters(model).numel())
+    rows = torch.full((3, start.numel()), float("nan"))
+    written = flat_delta(model, start, rows[1])
+    assert written.data_ptr() == rows[1].data_ptr() and torch.isnan(rows[[0, 2]]).all()
+    assert torch.equal(rows[1], flat_parameters(model) - start) and torch.equal(flat_delta(model, start), rows[1])
+
+
+class OwnVector(LocalSGD):
+    """A program of the tests' that returns its update as a vector of its own (not its row of the cohort's)."""
+
+    def finish(self, local):
+        local.out = None  # its row left as it was made (uninitialised): the update is only in the vector returned
+        return super().finish(local)
+
+
+def test_a_program_that_returns_a_vector_of_its_own_gets_it_copied_into_the_cohorts_rows():
+    plain, own = run(None), run(Program(OwnVector(), None, None))
+    assert torch.equal(own.deltas, plain.deltas) and own.deltas.shape == (2, 2)
