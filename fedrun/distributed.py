@@ -168,9 +168,9 @@ class DistributedTrainer(Trainer):
             like = global_params if program is None or program.owns is None else program.owns
             kept = self._stacked(sent.get("kept"), rows, like)
         for piece in pieces:
-            piece.deltas, piece.kept = deltas[:0], None
-        update = CohortUpdate.concat(pieces, global_params)
-        update.deltas, update.kept = deltas, kept
+            piece.kept = None
+        update = CohortUpdate.concat(pieces, global_params, deltas=deltas)
+        update.kept = kept
         return update
 
     def _stacked(self, mine: torch.Tensor | None, rows: list[int], like: torch.Tensor) -> torch.Tensor:
