@@ -42,8 +42,19 @@ BACKENDS = {
 }
 
 # The ``auto`` backend uses worker processes when a round has at least this many sample-passes per worker:
-# below it, sending the model and updates costs more than the second core saves (scripts/bench.py).
+# below it, sending the model and updates costs more than the second core saves (scripts/bench.py). A recurrent
+# model's pass counts once per step of its sequence (``pass_cost``).
 MIN_PASSES_PER_WORKER = 1000
+
+
+def pass_cost(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Sample-passes one sample-pass of ``model`` counts for as in ``auto``'s rule: a recurrent model (``nn.RNNBase``)
+    runs its cells once per step of a sequence (the inputs' second dimension), one pass each; any other model 1.
+    Without it ``auto`` kept LEAF's Shakespeare LSTM (10 roles of 100 sequences of 80, batch 4: 500 passes a
+    worker) on the loop, at 1.34x the worker processes' round (``scripts/bench.py --workloads shakespeare``,
+    2026-11-30: loop 3.717 s, processes 2.769 s, floor 2.447 s)."""
+    recurrent = any(isinstance(module, torch.nn.RNNBase) for module in model.modules())
+    return int(x.shape[1]) if recurrent and x.dim() >= 2 else 1
 
 
 def usable_cores() -> int:
@@ -60,7 +71,8 @@ class Device:
         backend: ``auto``, ``loop``, ``processes`` or ``vmap`` (see the module docstring). ``auto``: on CUDA,
             vmap when the solver and model allow it (``fedrun.vmap.vmap_supported``), else the loop; on a CPU
             with two or more cores, processes when each worker gets at least ``MIN_PASSES_PER_WORKER``
-            sample-passes a round, else the loop (vmap is never chosen on a CPU: scripts/bench.py measures
+            sample-passes a round (a recurrent model's counted per step of its sequences: ``pass_cost``), else
+            the loop (vmap is never chosen on a CPU: scripts/bench.py measures
             it slower there than the loop).
         workers: Worker processes for ``processes``; null = the usable cores.
         chunk: Clients that ``vmap`` trains together; null = the whole cohort (lower it when memory runs out).
@@ -191,7 +203,7 @@ class Device:
         from fedrun.vmap import vmap_supported  # torch.func, models and solvers: imported when a run chooses
 
         vmap_ok = self.torch.type == "cuda" and self.backend == "auto" and vmap_supported(make_optimizer, model) is None
-        backend = self.chosen_backend(passes_per_round, vmap_ok, together)
+        backend = self.chosen_backend(passes_per_round * pass_cost(model, x), vmap_ok, together)
         return self.load_backend(BACKENDS.get(backend, backend)).for_device(model, x, y, make_optimizer, self)
 
     def load_backend(self, path: str | None = None) -> type[Trainer] | None:
@@ -317,28 +329,15 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
             return
         if task is None:
             return
-        kind, args = task
+        (kind, args), task = task, None  # no reference kept past the task: the round's shared rows go with it
         try:
             if kind == "train":
                 params, parts, client_ids, works, lr, seed, round_, stream, program, out = args
+                args = None
                 update = train_cohort(
-                    model,
-                    params,
-                    x,
-                    y,
-                    parts,
-                    client_ids,
-                    make_optimizer,
-                    lr,
-                    works,
-                    seed,
-                    round_,
-                    stream,
-                    program,
-                    out,
-                )
-                update.deltas = None  # written into the parent's shared rows (``out``): nothing to send back
-                del out
+                    model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream, program, out
+                )  # fmt: skip
+                update.deltas = out = None  # written into the server's shared rows (``out``): nothing to send back
                 connection.send(update)
             elif kind == "signal":
                 signal_fn, params, parts = args
@@ -355,7 +354,8 @@ class ProcessTrainer(Trainer):
 
     The dataset tensors are shared with the workers by fork (copy-on-write, never written), or through shared
     memory where ``worker_start_method`` says forkserver, so memory does not grow with the workers. Clients are
-    dealt to workers in contiguous blocks of about equal work, and the updates come back in cohort order.
+    dealt to workers in contiguous blocks of about equal work; each worker writes its clients' updates into their
+    rows of one buffer in shared memory (``shared_rows``), and the rest of their reports come back by pipe.
     """
 
     @classmethod

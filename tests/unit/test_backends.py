@@ -430,6 +430,19 @@ def test_auto_backend_picks_vmap_on_cuda_only_when_it_can():
     assert Device("cpu", backend="processes").chosen_backend(10, together=1) == "processes"
 
 
+def test_auto_counts_a_recurrent_models_pass_once_per_step_of_its_sequences():
+    # LEAF's Shakespeare round (10 roles of 100 sequences of 80, batch 4): 1,000 sample-passes, 500 a worker, under
+    # the rule's 1,000 as plain passes; each is 80 steps of the LSTM's cells, and the worker processes are faster.
+    from fedrun.backends import Device, pass_cost
+    from fedrun.models import CNN, CharLSTM
+
+    lstm, cnn, symbols = CharLSTM((80,), 80), CNN((1, 28, 28), 10), torch.zeros(5, 80, dtype=torch.long)
+    assert pass_cost(lstm, symbols) == 80 and pass_cost(cnn, torch.zeros(5, 1, 28, 28)) == 1
+    device = Device("cpu", workers=2)
+    assert device.chosen_backend(1_000 * pass_cost(lstm, symbols)) == "processes"
+    assert device.chosen_backend(1_000 * pass_cost(cnn, torch.zeros(5, 1, 28, 28))) == "loop"
+
+
 def test_a_whole_run_with_vmap_matches_the_loop_in_float64():
     from fedrun.backends import Device
     from fedrun.optimizers import ProxSGD
