@@ -454,8 +454,11 @@ def shared_rows(rows: int, params: torch.Tensor) -> torch.Tensor:
     view of it goes to a worker as a handle, so an update is written once and never copied or sent (a 6.6M-parameter
     FEMNIST CNN's updates were copied three times a client: stacked by the worker, into shared memory to be sent,
     joined by the parent)."""
-    storage = torch.UntypedStorage._new_shared(rows * params.shape[-1] * params.element_size())
-    return params.new_empty(0).set_(storage, 0, (rows, params.shape[-1]))
+    shape = (rows, params.shape[-1])
+    made_there = getattr(torch.UntypedStorage, "_new_shared", None)  # torch's, by its sharing strategy (fd or file)
+    if made_there is None:  # a torch without it: the copying way, the same tensor
+        return params.new_empty(shape).share_memory_()
+    return params.new_empty(0).set_(made_there(rows * shape[1] * params.element_size()), 0, shape)
 
 
 def worker_start_method() -> str:

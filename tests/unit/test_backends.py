@@ -159,6 +159,17 @@ def test_worker_processes_write_the_updates_into_shared_rows_equal_to_the_loops_
     np.testing.assert_array_equal(forked.local_losses.mean, loop.local_losses.mean)
 
 
+def test_shared_rows_are_made_in_shared_memory_as_wide_as_a_model_with_or_without_torchs_maker(monkeypatch):
+    from fedrun.backends import shared_rows
+
+    for params in (torch.zeros(7, dtype=torch.float64), torch.zeros(4, 7, dtype=torch.float64)):  # one start, or each
+        made = shared_rows(3, params)
+        assert made.is_shared() and made.shape == (3, 7) and made.dtype == torch.float64
+    monkeypatch.delattr(torch.UntypedStorage, "_new_shared")  # a torch without it: made by copying, the same tensor
+    copied = shared_rows(3, torch.zeros(7))
+    assert copied.is_shared() and copied.shape == (3, 7) and copied.dtype == torch.float32
+
+
 def test_worker_processes_train_apfls_personal_models_and_alphas_as_the_loop_does():
     from fedrun.backends import Device
     from fedrun.programs import Mixed, Program
