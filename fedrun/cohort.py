@@ -67,21 +67,17 @@ class CohortUpdate:
     kept: torch.Tensor | None = None
 
     @staticmethod
-    def of(done: list, params: torch.Tensor, out: torch.Tensor | None = None) -> CohortUpdate:
+    def of(done: list, params: torch.Tensor, out: torch.Tensor) -> CohortUpdate:
         """The cohort's update from each client's ``fedrun.programs.Finished`` record, in cohort order; ``out``: the
         cohort's rows, which a client's delta is already in when its program wrote it there (``Local.out``) and is
         copied into otherwise (a program of the user's that returns a vector of its own)."""
         if not done:
             return CohortUpdate.concat([], params)
-        if out is None:
-            deltas = torch.stack([f.delta for f in done])
-        else:
-            deltas = out
-            for row, finished in zip(out, done):
-                if finished.delta.data_ptr() != row.data_ptr():
-                    row.copy_(finished.delta)
+        for row, finished in zip(out, done):
+            if finished.delta.data_ptr() != row.data_ptr():
+                row.copy_(finished.delta)
         return CohortUpdate(
-            deltas=deltas,
+            deltas=out,
             local_losses=ClientLosses(np.array([f.loss_mean for f in done]), np.array([f.loss_authors for f in done])),
             steps=np.array([f.steps for f in done], dtype=int),
             coefficient_norms=np.array([f.norm for f in done], dtype=float),

@@ -250,11 +250,9 @@ def flat_delta(model: nn.Module, start: torch.Tensor, out: torch.Tensor | None =
     ``flat_parameters(model) - start`` makes two and a vector of its own. The same elementwise subtractions, so the
     same bits."""
     out = torch.empty_like(start) if out is None else out
-    offset = 0
-    for p in model.parameters():
-        n = p.numel()
-        torch.sub(p.detach().reshape(-1), start[offset : offset + n], out=out[offset : offset + n])
-        offset += n
+    starts, rows = flat_views(start, model.named_parameters()), flat_views(out, model.named_parameters())
+    for name, p in model.named_parameters():
+        torch.sub(p.detach(), starts[name], out=rows[name])
     return out
 
 
