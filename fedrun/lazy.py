@@ -24,9 +24,16 @@ is the ``torch`` module (every ``from fedrun.lazy import torch`` holds that same
   unknown) is imported only after ``load`` (``fedrun.cli.build.build``, ``fedrun.backends.findable``). The command
   ends the deferral once the parts are built, or when building them fails in a process that goes on.
 - On Python < 3.12 ``LazyLoader`` is not thread-safe: ``load`` runs on the main thread before any other starts.
+- Where the interpreter's ``LazyLoader`` cannot load a module that reads its own attributes while it runs, nothing is
+  deferred (``defer`` imports at once, so a refusal waits for torch's import). CPython's thread-safe lazy loading
+  (gh-114763, in 3.12.3 and 3.11.9) ran such a read through the load again until the stack overflowed (gh-117178, a
+  RecursionError from every ``fedrun`` run, seen on an H200 machine's Python 3.12.3); which patch releases carry the
+  mend (3.12.4 on) is asked of the interpreter itself (``lazy_loading_works``), not read from its version number.
 """
 
+import functools
 import importlib
+import importlib.abc
 import importlib.util
 import sys
 import types
@@ -38,6 +45,8 @@ def defer(name: str) -> types.ModuleType:
     """Register ``name`` to import on its first attribute read (unless it is imported already); returns it."""
     if name in sys.modules:
         return sys.modules[name]
+    if not lazy_loading_works():
+        return importlib.import_module(name)
     spec = importlib.util.find_spec(name)
     if spec is None:
         raise ModuleNotFoundError(f"No module named {name!r}", name=name)
@@ -67,6 +76,34 @@ def load(name: str) -> types.ModuleType:
 def deferrable(name: str) -> types.ModuleType:
     """The module ``name``: imported now, or on its first use while torch is deferred."""
     return defer(name) if deferred("torch") else importlib.import_module(name)
+
+
+class _SelfReading(importlib.abc.Loader):
+    """A module whose code reads one of its own attributes through the module object, as torch's does."""
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        module.value = 1
+        module.read = module.value  # on a lazily loaded module: a read while it loads
+
+
+@functools.cache
+def lazy_loading_works() -> bool:
+    """Whether ``importlib.util.LazyLoader`` loads a module that reads its own attributes while it runs (not so on
+    CPython 3.12.3, gh-117178: the read starts the load again, to a RecursionError)."""
+    name = f"{__name__}._self_reading_probe"
+    spec = importlib.util.spec_from_loader(name, importlib.util.LazyLoader(_SelfReading()))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        return module.read == 1
+    except RecursionError:
+        return False
+    finally:
+        sys.modules.pop(name, None)
 
 
 _LAZY = importlib.util._LazyModule  # the class of a registered module until its first attribute read

@@ -84,3 +84,75 @@ def test_a_device_asks_the_machine_once_torch_is_imported_and_at_once_outside_th
 
     with pytest.raises(ConfigError, match="no CUDA"):  # a script's Device (nothing deferred) refuses when built
         Device(kind="cuda")
+
+
+BROKEN_LAZY_LOADER = """
+import importlib.util, sys, types
+
+LazyModule = importlib.util._LazyModule
+
+
+def reloading(self, attr):
+    # CPython 3.12.3's order (gh-114763's thread-safe loading before gh-117178's mend): while the module loads, only
+    # a dunder read passes; any other read, such as a module's code reading its own attribute, loads it again.
+    spec = object.__getattribute__(self, "__spec__")
+    state = spec.loader_state
+    if object.__getattribute__(self, "__class__") is LazyModule:
+        if state.get("is_loading") and attr.startswith("__") and attr.endswith("__"):
+            return object.__getattribute__(self, attr)
+        state["is_loading"] = True
+        spec.loader.exec_module(self)
+        self.__class__ = types.ModuleType
+    return object.__getattribute__(self, attr)
+
+
+LazyModule.__getattribute__ = reloading
+"""
+
+ON_A_BROKEN_LAZY_LOADER = """
+import importlib.util, sys
+exec(sys.argv[1])
+spec = importlib.util.find_spec("numpy")  # torch's own failure, on a module that is not the one under test
+spec.loader = importlib.util.LazyLoader(spec.loader)
+module = importlib.util.module_from_spec(spec)
+sys.modules["numpy"] = module
+spec.loader.exec_module(module)
+try:
+    module.zeros
+    print("numpy loaded lazily")
+except RecursionError:
+    print("numpy: RecursionError")
+    for name in [name for name in sys.modules if name == "numpy" or name.startswith("numpy.")]:
+        del sys.modules[name]
+
+from fedrun import lazy
+print("works", lazy.lazy_loading_works())
+sys.argv = ["fedrun", "schedule.rounds=1", "tracking.enabled=false", "hydra.run.dir=" + sys.argv[2]]
+from fedrun.cli import main
+try:
+    main()
+except SystemExit as exc:
+    print("exit", exc.code)
+print("torch deferred", lazy.deferred("torch"))
+"""
+
+
+def test_an_interpreter_whose_lazy_loader_reloads_on_a_self_read_defers_nothing_and_runs(tmp_path):
+    # CPython 3.12.3 (Ubuntu 24.04's Python; gh-117178): every `fedrun` run died in a RecursionError while torch,
+    # deferred, imported itself. Here that loader is rebuilt on this interpreter: the probe sees it, nothing is deferred
+    # and a whole run finishes through the command's entry point.
+    done = subprocess.run(
+        [sys.executable, "-c", ON_A_BROKEN_LAZY_LOADER, BROKEN_LAZY_LOADER, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "numpy: RecursionError"  # the rebuilt loader fails as 3.12.3's did
+    assert lines[1] == "works False" and lines[-1] == "torch deferred False"
+    assert "exit" not in done.stdout, done.stdout + done.stderr[-2000:]
+    assert (tmp_path / "run" / "metrics.csv").read_text().count("\n") == 2  # header and the one round
+    from fedrun import lazy
+
+    assert lazy.lazy_loading_works()  # this interpreter's own loader (3.11.7 here) defers

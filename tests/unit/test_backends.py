@@ -329,19 +329,17 @@ def test_vmap_cohort_equals_the_loop_in_float64_with_unequal_clients(solver):
     assert loop.deltas.abs().max() > 1e-3  # the clients moved: the comparison is not between zeros
 
 
-@pytest.mark.parametrize(
-    "name", ["scaffold", "feddyn", "ditto", "fedrep", "moon", "tilted", "untilted", "normalized", "opaque"]
-)
-def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes_them(name):
-    # SCAFFOLD's and FedDyn's programs change the gradient only (``LocalSGD.gradient``), Ditto's adds a pull and
-    # FedRep's freezes layers: vmap steps them for the whole cohort at once; a program that overrides more (here
-    # ``corrected``) runs on the loop there.
-    from fedrun.backends import Device
+PROGRAMS = ["scaffold", "feddyn", "ditto", "fedrep", "moon", "tilted", "untilted", "normalized", "opaque"]
+
+
+def program_call(name, device="cpu"):
+    """The program ``name`` as a trainer call carries it, its states (not zero) and broadcast on ``device``."""
     from fedrun.programs import FedDyn, Frozen, LocalSGD, Moon, Program, Pulled, Scaffold, Tilted
 
     torch.manual_seed(3)
     d = sum(p.numel() for p in CNN((3, 8, 8), 4).parameters())
     owns = 0.01 * torch.randn(3, d, dtype=torch.float64)  # each client's c_i (SCAFFOLD) or g_k (FedDyn), not zero
+    shared = 0.01 * torch.randn(d, dtype=torch.float64)
     if name == "opaque":
 
         class Opaque(
@@ -350,26 +348,38 @@ def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes
             def corrected(self, local) -> None:
                 super().corrected(local)
 
-        program = Program(Opaque(), owns, 0.01 * torch.randn(d, dtype=torch.float64))
+        program, owns = Opaque(), owns
     elif name == "normalized":  # a gradient that reduces over the parameter: mapped per client, not over the cohort
 
         class Normalized(LocalSGD):
             def gradient(self, grad, param, start, own, shared):
                 return grad / (grad.norm() + 1e-12)
 
-        program = Program(Normalized())
-    elif name == "scaffold":
-        program = Program(Scaffold(), owns, 0.01 * torch.randn(d, dtype=torch.float64))  # with c, the server's variate
+        program, owns, shared = Normalized(), None, None
+    elif name == "scaffold":  # with c, the server's variate
+        program = Scaffold()
     elif name == "ditto":  # the personal model pulled to the round's global model (here a perturbed one)
-        program = Program(Pulled(lam=0.5), None, 0.1 * torch.randn(d, dtype=torch.float64))
+        program, owns, shared = Pulled(lam=0.5), None, 10 * shared
     elif name == "moon":  # the contrastive term between the local, global and previous models' representations
-        program = Program(Moon(mu=1.0, tau=0.5), owns * 10)  # owns: each client's previous local model
+        program, owns, shared = Moon(mu=1.0, tau=0.5), owns * 10, None  # owns: each client's previous local model
     elif name in ("tilted", "untilted"):  # sample-level TERM inside each client; tau = 0 is plain SGD's mean
-        program = Program(Tilted(tau=2.0 if name == "tilted" else 0.0))
+        program, owns, shared = Tilted(tau=2.0 if name == "tilted" else 0.0), None, None
     elif name == "fedrep":  # the body frozen, the head trained (FedRep's first phase)
-        program = Program(Frozen(tuple(n for n, _ in CNN((3, 8, 8), 4).named_parameters())[:-2]))
+        names = tuple(n for n, _ in CNN((3, 8, 8), 4).named_parameters())[:-2]
+        program, owns, shared = Frozen(names), None, None
     else:
-        program = Program(FedDyn(alpha=0.1), owns)
+        program, shared = FedDyn(alpha=0.1), None
+    return Program(program, *(None if t is None else t.to(device) for t in (owns, shared)))
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_vmap_maps_scaffolds_and_feddyns_steps_over_the_cohort_as_the_loop_takes_them(name):
+    # SCAFFOLD's and FedDyn's programs change the gradient only (``LocalSGD.gradient``), Ditto's adds a pull and
+    # FedRep's freezes layers: vmap steps them for the whole cohort at once; a program that overrides more (here
+    # ``corrected``) runs on the loop there.
+    from fedrun.backends import Device
+
+    program = program_call(name)
     assert program.program.batched == (name != "opaque")
     for make in VMAP_SOLVERS.values():
         loop = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64, program=program)
@@ -494,6 +504,27 @@ def test_on_cuda_vmap_and_the_loop_equal_the_cpu_loop_in_float64(solver):
             np.testing.assert_allclose(cuda.local_losses.mean, cpu.local_losses.mean, rtol=1e-10)
             np.testing.assert_allclose(cuda.local_losses.authors, cpu.local_losses.authors, rtol=1e-10)
             assert list(cuda.steps) == list(cpu.steps) == [6, 14, 14]
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_on_cuda_every_program_on_vmap_and_the_loop_equals_the_cpu_loop_in_float64(name):
+    # The client programs (SCAFFOLD, FedDyn, MOON, Ditto's pull, FedRep's freeze, TERM inside a client, and two of the
+    # tests' own) with their per-client states and broadcast on the GPU, as the engine places them.
+    from fedrun.backends import Device
+
+    make = VMAP_SOLVERS["prox"]
+    cpu = cohort_update(Device("cpu", "contiguous", "loop"), make, torch.float64, program=program_call(name))
+    for backend in ("loop", "vmap"):
+        for chunk in (None, 2):
+            device = Device("cuda", "contiguous", backend, chunk=chunk)
+            cuda = cohort_update(device, make, torch.float64, program=program_call(name, "cuda"))
+            assert cuda.deltas.device.type == "cuda"
+            torch.testing.assert_close(cuda.deltas.cpu(), cpu.deltas, rtol=1e-10, atol=1e-12)
+            if cpu.kept is not None:
+                torch.testing.assert_close(cuda.kept.cpu(), cpu.kept, rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(cuda.local_losses.mean, cpu.local_losses.mean, rtol=1e-10)
+            np.testing.assert_allclose(cuda.coefficient_norms, cpu.coefficient_norms, rtol=1e-12)
 
 
 @needs_cuda
