@@ -7,9 +7,15 @@ would wait for it (issue 53). So the command defers torch (``defer``) before it 
 them, and ends the deferral (``load``) before anything else runs; a refusal in between answers without torch.
 Outside the command (a notebook, a test, a worker process) nothing is deferred: ``torch`` here is torch, imported.
 
-Deferring is the standard library's recipe (``importlib.util.LazyLoader``, "Implementing lazy imports" in the
-``importlib`` docs): ``sys.modules["torch"]`` is a module that imports itself on its first attribute read and then
-is the ``torch`` module (every ``from fedrun.lazy import torch`` holds that same object). Its rules, kept here:
+Deferring is the recipe of the standard library's ``importlib.util.LazyLoader`` ("Implementing lazy imports" in the
+``importlib`` docs) as CPython wrote it up to 3.11.8 and 3.12.2: ``sys.modules["torch"]`` is a module that imports
+itself into the same object on its first attribute read (every ``from fedrun.lazy import torch`` holds it). It is
+written here (``_Deferred``) because the standard library's own no longer loads torch: its thread-safe rewrite
+(gh-114763; CPython 3.11.9, 3.12.3 and 3.13 on) keeps the module lazy while its code runs, and ``torch/__init__.py``
+deletes one of its own attributes then (``delattr(sys.modules[__name__], "TensorBase")``), which that class's
+``__delattr__`` passes back to itself until the stack overflows: every ``fedrun`` run died in a RecursionError on
+Python 3.12.3 and 3.13 (seen on the H200 machine's 3.12.3 and this machine's 3.13.0; 3.11.7 here hid it). Its rules,
+kept here:
 
 - A module-level use of torch (a class base, a decorator, a default value, an annotation evaluated at import) imports
   it at once. The part modules use ``from __future__ import annotations`` and keep torch inside functions;
@@ -23,17 +29,10 @@ is the ``torch`` module (every ``from fedrun.lazy import torch`` holds that same
   after ``load``), and code that is not fedrun's (a part or trainer class of the user's, a node whose targets are
   unknown) is imported only after ``load`` (``fedrun.cli.build.build``, ``fedrun.backends.findable``). The command
   ends the deferral once the parts are built, or when building them fails in a process that goes on.
-- On Python < 3.12 ``LazyLoader`` is not thread-safe: ``load`` runs on the main thread before any other starts.
-- Where the interpreter's ``LazyLoader`` cannot load a module that reads its own attributes while it runs, nothing is
-  deferred (``defer`` imports at once, so a refusal waits for torch's import). CPython's thread-safe lazy loading
-  (gh-114763, in 3.12.3 and 3.11.9) ran such a read through the load again until the stack overflowed (gh-117178, a
-  RecursionError from every ``fedrun`` run, seen on an H200 machine's Python 3.12.3); which patch releases carry the
-  mend (3.12.4 on) is asked of the interpreter itself (``lazy_loading_works``), not read from its version number.
+- Not thread-safe (as the recipe was before 3.12.3): ``load`` runs on the main thread before any other starts.
 """
 
-import functools
 import importlib
-import importlib.abc
 import importlib.util
 import sys
 import types
@@ -45,15 +44,13 @@ def defer(name: str) -> types.ModuleType:
     """Register ``name`` to import on its first attribute read (unless it is imported already); returns it."""
     if name in sys.modules:
         return sys.modules[name]
-    if not lazy_loading_works():
-        return importlib.import_module(name)
     spec = importlib.util.find_spec(name)
     if spec is None:
         raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-    spec.loader = importlib.util.LazyLoader(spec.loader)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    spec.loader_state = {"__dict__": dict(module.__dict__)}  # what the module holds before its code runs
+    module.__class__ = _Deferred
     parent, _, child = name.rpartition(".")
     if parent:  # as the import system does: ``fedrun.models`` is an attribute of ``fedrun``
         setattr(sys.modules[parent], child, module)
@@ -63,7 +60,7 @@ def defer(name: str) -> types.ModuleType:
 
 def deferred(name: str) -> bool:
     """Whether ``name`` is registered and not imported yet."""
-    return name in _deferred and name in sys.modules and isinstance(sys.modules[name], _LAZY)
+    return name in _deferred and name in sys.modules and isinstance(sys.modules[name], _Deferred)
 
 
 def load(name: str) -> types.ModuleType:
@@ -78,35 +75,25 @@ def deferrable(name: str) -> types.ModuleType:
     return defer(name) if deferred("torch") else importlib.import_module(name)
 
 
-class _SelfReading(importlib.abc.Loader):
-    """A module whose code reads one of its own attributes through the module object, as torch's does."""
+class _Deferred(types.ModuleType):
+    """A registered module until its first attribute read or deletion, which runs its code in this same object."""
 
-    def create_module(self, spec):
-        return None
+    def __getattribute__(self, attr):
+        self.__class__ = types.ModuleType  # from here on a plain module: its own code reads and deletes as usual
+        spec = self.__spec__
+        before = spec.loader_state["__dict__"]
+        # what was set on it while deferred (an imported submodule, say) is set again after its code, as an eager
+        # import would leave it
+        updated = {k: v for k, v in self.__dict__.items() if k not in before or before[k] is not v}
+        spec.loader.exec_module(self)
+        if sys.modules.get(spec.name, self) is not self:
+            raise ValueError(f"module object for {spec.name!r} substituted in sys.modules during a lazy load")
+        self.__dict__.update(updated)
+        return getattr(self, attr)
 
-    def exec_module(self, module):
-        module.value = 1
-        module.read = module.value  # on a lazily loaded module: a read while it loads
-
-
-@functools.cache
-def lazy_loading_works() -> bool:
-    """Whether ``importlib.util.LazyLoader`` loads a module that reads its own attributes while it runs (not so on
-    CPython 3.12.3, gh-117178: the read starts the load again, to a RecursionError)."""
-    name = f"{__name__}._self_reading_probe"
-    spec = importlib.util.spec_from_loader(name, importlib.util.LazyLoader(_SelfReading()))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-        return module.read == 1
-    except RecursionError:
-        return False
-    finally:
-        sys.modules.pop(name, None)
-
-
-_LAZY = importlib.util._LazyModule  # the class of a registered module until its first attribute read
+    def __delattr__(self, attr):
+        self.__getattribute__(attr)  # loads it (and raises if there is no such attribute)
+        delattr(self, attr)
 
 
 def __getattr__(name: str):
