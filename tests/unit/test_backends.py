@@ -579,10 +579,12 @@ def test_forked_workers_with_a_large_model_after_multithreaded_work_do_not_hang(
     # parallel copy in a forked child of a process whose OpenMP pool was busy, and hung for good.
     import signal
 
-    from fedrun.backends import ProcessTrainer
+    from fedrun.backends import ProcessTrainer, worker_start_method
     from fedrun.clients import LocalWork
     from fedrun.models import flat_parameters
 
+    if worker_start_method() != "fork":  # on the H200 machine, after the CUDA tests: autograd refuses forked children
+        pytest.skip("where a GPU is visible the workers start from a forkserver (fedrun.backends.worker_start_method)")
     torch.manual_seed(0)
     model = MLP((1, 28, 28), 10)  # 784 x 600 + 600 x 600 weights: copies of them are split over threads
     x, y = torch.randn(60, 1, 28, 28), torch.randint(0, 10, (60,))
