@@ -43,6 +43,7 @@ class Block:
     reason: str = ""
     path: str = ""
     seconds: float | None = None  # a block run: its wall time
+    stderr: str = ""  # a block run: what it wrote to its standard error
 
 
 def machine() -> dict:
@@ -108,7 +109,7 @@ def run_page(
                 text=True,
                 timeout=timeout,
             )
-            block.seconds = time.perf_counter() - start
+            block.seconds, block.stderr = time.perf_counter() - start, done.stderr
             if times is not None:
                 after = machine()
                 record = {

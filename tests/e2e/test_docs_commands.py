@@ -29,6 +29,25 @@ def test_the_pages_commands_run_as_written(page, tmp_path):
     times = Path(os.environ["FEDRUN_DOC_TIMES"]) if os.environ.get("FEDRUN_DOC_TIMES") else None  # doc_times.py
     found = doc_commands.run_page(page, tmp_path, timeout=600, env=env, times=times)
     assert all(b.kind != "skip" or b.reason for b in found)
+    if page.name in CHECKS:
+        CHECKS[page.name](tmp_path, [b for b in found if b.kind == "run"])
+
+
+def check_privacy(workdir: Path, ran: list) -> None:
+    """The page's private MNIST run learns at the epsilon it was calibrated to, and its runs on the digits with 2
+    clients a round are warned once each, before round 1, and run all the same (README's private run, 20 rounds)."""
+    metrics = pd.read_csv(workdir / "outputs" / "dp_mnist" / "metrics.csv")
+    assert metrics["test_accuracy"].dropna().iloc[-1] > 0.5  # chance is 0.1
+    assert metrics["epsilon"].iloc[-1] == pytest.approx(8.0, rel=0.01)
+    dp_mnist = next(b for b in ran if "experiment=dp_mnist" in b.text)
+    assert "noise swamps" not in dp_mnist.stderr
+    central = next(b for b in ran if "hydra.run.dir=outputs/central" in b.text)
+    warnings = [ln for ln in central.stderr.splitlines() if ln.startswith("fedrun: warning: the privacy noise")]
+    assert len(warnings) == 1 and "58.5 times the clip norm" in warnings[0], central.stderr[-2000:]
+    assert (workdir / "outputs" / "central" / "metrics.csv").is_file()
+
+
+CHECKS = {"privacy.md": check_privacy}  # what a page's runs must show besides running (their outputs are the reader's)
 
 
 # Runs that between them log every kind of metric: the loss-weighted family with client tests and a validation
