@@ -73,7 +73,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fedrun import distributed
 from fedrun.aggregators import FedAvg, FedBuff
 from fedrun.async_engine import AsyncEngine
-from fedrun.backends import Device, usable_cores
+from fedrun.backends import Device, pass_cost, usable_cores
 from fedrun.datasets import FederatedData
 from fedrun.engine import Schedule, run
 from fedrun.leaf import SEQUENCE
@@ -446,6 +446,8 @@ def workload(name: str, kind: str, backends: list[str], args) -> dict:
             runs[what].append(json.loads(out.stdout.strip().splitlines()[-1]))
     best = {what: min(results, key=lambda r: r["s_per_round"]) for what, results in runs.items()}
     passes = spec.get("cohort", spec.get("concurrency", 1)) * spec["samples"] * spec["epochs"]
+    if spec.get("model") == "char_lstm":  # as Device.trainer counts it: a recurrent pass once per step (pass_cost)
+        passes *= pass_cost(make_model(spec), torch.zeros(1, SEQUENCE, dtype=torch.long))
     chosen = Device(kind).chosen_backend(passes, vmap_ok=True)
     chosen = chosen if chosen in backends else backends[0]
     fedrun = best[chosen]
