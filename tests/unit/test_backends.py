@@ -348,7 +348,7 @@ def program_call(name, device="cpu"):
             def corrected(self, local) -> None:
                 super().corrected(local)
 
-        program, owns = Opaque(), owns
+        program = Opaque()
     elif name == "normalized":  # a gradient that reduces over the parameter: mapped per client, not over the cohort
 
         class Normalized(LocalSGD):
