@@ -223,7 +223,7 @@ class AsyncEngine:
                         continue
                     lr = schedule.lr(first_lr, loop.version + 1)
                     row, alpha = self._aggregate(loop, parts, sizes, now, lr, bits, label_sets)
-                    diverged = not torch.isfinite(loop.params).all()
+                    diverged = not _models.all_finite(loop.params)
                     done = record(
                         row, loop.params, diverged, lr, schedule, evaluate, result, on_round, alpha, bar, start
                     )

@@ -15,10 +15,12 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import math
 import multiprocessing
 import os
 import signal
 import sys
+import weakref
 
 import numpy as np
 
@@ -310,6 +312,10 @@ class LoopTrainer(Trainer):
         pass
 
 
+# Shared buffers a worker keeps mapped: the parent's broadcast and its two of updates (``SharedBuffer``).
+KEEP_MAPPED = 3
+
+
 def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -> None:
     for end in inherited:  # the parent's ends, copied by fork: closed, so a dead parent means EOF here
         end.close()
@@ -322,6 +328,7 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
         model = copy.deepcopy(model)
     for signum in (signal.SIGINT, signal.SIGTERM):  # the parent decides when to stop (a clean stop needs its workers)
         signal.signal(signum, signal.SIG_IGN)
+    mapped = {}  # storage address -> a tensor on it, the last sent last
     while True:
         try:
             task = connection.recv()
@@ -329,7 +336,14 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
             return
         if task is None:
             return
-        (kind, args), task = task, None  # no reference kept past the task: the round's shared rows go with it
+        (kind, args), task = task, None  # nothing of a task is kept past it but the parent's shared buffers:
+        # the last ``KEEP_MAPPED`` this worker was sent stay mapped (``SharedBuffer``), their pages in
+        for tensor in (args[0] if kind != "signal" else args[1], args[-1] if kind == "train" else None):
+            if tensor is not None:
+                key = tensor.untyped_storage().data_ptr()
+                mapped[key] = mapped.pop(key, tensor)
+        while len(mapped) > KEEP_MAPPED:
+            del mapped[next(iter(mapped))]
         try:
             if kind == "train":
                 params, parts, client_ids, works, lr, seed, round_, stream, program, out = args
@@ -384,18 +398,25 @@ class ProcessTrainer(Trainer):
             child.close()
             self.connections.append(parent)
             self.processes.append(process)
+        # Kept in shared memory from one call to the next, as the workers keep them mapped (``SharedBuffer``): the
+        # cohort's updates, and what the workers start from.
+        self.updates, self.broadcast = SharedBuffer(keep=2), SharedBuffer()
+        # At this process's exit, before multiprocessing joins its daemonic children (which ignore its SIGTERM): a
+        # trainer nobody closed (the caller's cleanup raised: a progress bar on a closed pipe) must not hang the exit.
+        self._finalizer = weakref.finalize(self, _stop_workers, self.connections, self.processes)
 
     def __call__(
         self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
     ) -> CohortUpdate:
         works = work if isinstance(work, list) else [work] * len(parts)
         blocks = _blocks([passes(len(p), w) for p, w in zip(parts, works)], len(self.connections))
-        out = shared_rows(len(parts), global_params) if parts else None
+        out = self.updates.take((len(parts), global_params.shape[-1]), global_params) if parts else None
+        sent = self.sent(global_params)
         results = self._scatter(
             "train",
             blocks,
             lambda lo, hi: (
-                client_rows(global_params, lo, hi),
+                client_rows(sent, lo, hi),
                 parts[lo:hi],
                 client_ids[lo:hi],
                 works[lo:hi],
@@ -411,17 +432,24 @@ class ProcessTrainer(Trainer):
 
     def losses(self, params, parts, batch_size) -> ClientLosses:
         """F_i(params) of each client, the clients split over the workers by sample count."""
+        sent = self.sent(params)
         results = self._scatter(
             "losses",
             _blocks([len(p) for p in parts], len(self.connections)),
-            lambda lo, hi: (client_rows(params, lo, hi), parts[lo:hi], batch_size),
+            lambda lo, hi: (client_rows(sent, lo, hi), parts[lo:hi], batch_size),
         )
         return ClientLosses.concat(results)
 
     def per_client(self, signal, params, parts) -> np.ndarray:
         """A per-client signal, the clients split over the workers by sample count (each on its model copy)."""
         blocks = _blocks([len(p) for p in parts], len(self.connections))
-        return np.concatenate(self._scatter("signal", blocks, lambda lo, hi: (signal, params, parts[lo:hi])))
+        sent = self.sent(params)
+        return np.concatenate(self._scatter("signal", blocks, lambda lo, hi: (signal, sent, parts[lo:hi])))
+
+    def sent(self, params: torch.Tensor) -> torch.Tensor:
+        """``params`` as the workers get it: copied into the broadcast buffer, which they keep mapped (a tensor of
+        the caller's would be moved into new shared memory at every send, and each worker fault its pages in)."""
+        return self.broadcast.take(params.shape, params).copy_(params)
 
     def _scatter(self, kind: str, blocks, arguments) -> list:
         """Send each non-empty block its task, gather the results in block order, re-raise a worker's error."""
@@ -437,15 +465,21 @@ class ProcessTrainer(Trainer):
         return results
 
     def close(self) -> None:
-        for connection in self.connections:
-            try:
-                connection.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for process in self.processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
+        self.updates = self.broadcast = SharedBuffer()
+        self._finalizer()
+
+
+def _stop_workers(connections, processes) -> None:
+    """Tell each worker to stop, wait for it, kill one still alive after 5 s."""
+    for connection in connections:
+        try:
+            connection.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
 
 
 def shared_rows(rows: int, params: torch.Tensor) -> torch.Tensor:
@@ -459,6 +493,44 @@ def shared_rows(rows: int, params: torch.Tensor) -> torch.Tensor:
     if made_there is None:  # a torch without it: the copying way, the same tensor
         return params.new_empty(shape).share_memory_()
     return params.new_empty(0).set_(made_there(rows * shape[1] * params.element_size()), 0, shape)
+
+
+class SharedBuffer:
+    """Tensors in shared memory given out again and again, so that each is faulted in once: by this process, and by
+    the worker processes, which keep mapped what they were sent last (``KEEP_MAPPED``; torch maps a storage sent
+    again to the mapping it has). Writing a FEMNIST CNN's ten 26 MB updates into new shared memory every round and
+    reading them here faulted in 66,000 pages a side a round, and moving the global model into new shared memory to
+    send it kept the workers waiting: together 0.3 s of a 2.0 s round (one ``ProcessTrainer`` call, 2 workers).
+
+    ``take`` gives a view of a buffer of its ``keep`` when nothing but this object holds a part of it (torch's count
+    of the storage's owners is the one it had when made), else of a new one: a caller may keep what it was given.
+    ``keep=2`` for a round's updates, whose caller still holds the last round's while it asks for the next.
+    """
+
+    def __init__(self, keep: int = 1):
+        self.keep, self.buffers = keep, []  # [(flat tensor, its owners when made)], the last used last
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A tensor of ``shape`` and ``like``'s dtype in shared memory, uninitialised."""
+        numel = math.prod(shape)
+        free = (
+            entry
+            for entry in self.buffers
+            if entry[1] is not None and _owners(entry[0]) == entry[1]  # None: torch cannot count: never again
+            and entry[0].dtype == like.dtype and len(entry[0]) >= numel
+        )  # fmt: skip
+        entry = next(free, None)
+        if entry is None:
+            tensor = shared_rows(1, like.new_empty(numel)).view(-1)
+            entry = (tensor, _owners(tensor))
+        self.buffers = [e for e in self.buffers if e is not entry][-(self.keep - 1) or len(self.buffers) :] + [entry]
+        return entry[0][:numel].view(shape)
+
+
+def _owners(tensor: torch.Tensor) -> int | None:
+    """How many owners (tensors, views) ``tensor``'s storage has, or None for a torch that cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(tensor.untyped_storage()._cdata)
 
 
 def worker_start_method() -> str:

@@ -146,7 +146,7 @@ def run(
                 update, alpha, diagnostics = parts.aggregation.aggregate(loop.params, sent, view)
                 parts.sampler.observe(cohort, sent)
                 loop.previous, loop.params = loop.params, parts.step(loop.params, update, sent, cohort)
-            diverged = not torch.isfinite(loop.params).all()
+            diverged = not _models.all_finite(loop.params)
             row = metrics(t, lr, selection, selected, trained, view, timer, bits, tensors, diverged, schedule)
             row.update(local, **diagnostics, **parts.devices.columns())
             row.update(selection.spread or {}, **stage_diagnostics, **timings(timer, view))

@@ -256,6 +256,13 @@ def flat_delta(model: nn.Module, start: torch.Tensor, out: torch.Tensor | None =
     return out
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every entry is finite: by the sum first (an inf or a NaN makes it inf or NaN; finite entries alone can
+    only make it inf by overflow, and then each entry is checked). ``torch.isfinite(w).all()`` makes two passes and
+    a mask as long as ``w``: 36 ms a round for a FEMNIST CNN's 6.6M parameters here, the sum 8 ms."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
 class LeafCNN(nn.Sequential):
     """LEAF's FEMNIST CNN (``models/femnist/cnn.py``): conv 5x5 32 ('same'), ReLU, max-pool 2; conv 5x5 64 ('same'),
     ReLU, max-pool 2; dense 2048 with ReLU; dense to the classes. 6,603,710 parameters for 28x28 inputs and 62

@@ -159,6 +159,64 @@ def test_worker_processes_write_the_updates_into_shared_rows_equal_to_the_loops_
     np.testing.assert_array_equal(forked.local_losses.mean, loop.local_losses.mean)
 
 
+def test_worker_processes_reuse_their_shared_buffers_across_rounds_and_never_one_a_caller_still_holds():
+    # Round after round, the workers write into the same shared rows and start from the same broadcast buffer when
+    # nothing holds them; an update the caller keeps is never written over. Every round equals the loop's bits.
+    from fedrun.backends import Device
+    from fedrun.clients import LocalWork
+
+    torch.manual_seed(0)
+    model, (x, y) = CNN((3, 8, 8), 4), images()
+    parts, work = [np.arange(0, 10), np.arange(10, 35), np.arange(35, 60)], LocalWork(4, local_epochs=1)
+    trainers = [
+        Device("cpu", "contiguous", b, workers=2).trainer(model, x, y, SGD, 10**9) for b in ("loop", "processes")
+    ]
+    try:
+        w, kept, addresses = flat_parameters(model), [], []
+        for round_ in range(1, 6):
+            loop, forked = (trainer(w, parts, np.arange(3), 0.1, work, 0, round_) for trainer in trainers)
+            assert torch.equal(forked.deltas, loop.deltas)
+            addresses.append(forked.deltas.data_ptr())
+            if round_ == 2:  # held past the round: its rows must stay as they are
+                kept = [forked.deltas, forked.deltas.clone()]
+            w = w + forked.deltas.mean(0)  # this round's update is still held while the next is asked for, as the
+            # engine's is: the two buffers alternate, but for round 2's, kept, in place of which round 4 gets a third
+        assert torch.equal(kept[0], kept[1])
+        assert addresses[0] == addresses[2] == addresses[4] and len(set(addresses)) == 3
+        assert len(trainers[1].broadcast.buffers) == 1  # the model sent: one buffer, reused
+    finally:
+        for trainer in trainers:
+            trainer.close()
+
+
+def test_a_process_whose_worker_trainer_was_never_closed_still_exits(tmp_path):
+    # Its workers ignore SIGTERM (the parent decides when they stop), and multiprocessing joins daemonic children at
+    # exit after terminating them: a trainer left open (its caller's cleanup raised) hung the process at exit.
+    import subprocess
+    import sys
+
+    script = tmp_path / "open.py"
+    script.write_text(
+        "import functools, torch\n"
+        "from fedrun.backends import Device\n"
+        "from fedrun.models import CNN\n"
+        "x, y = torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)\n"
+        "make = functools.partial(torch.optim.SGD, lr=0.1)\n"
+        "trainer = Device('cpu', backend='processes', workers=2).trainer(CNN((1, 8, 8), 3), x, y, make, 10**6)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_all_finite_agrees_with_torchs_check_where_the_sum_overflows_too():
+    from fedrun.models import all_finite
+
+    big = torch.full((4,), 3e38)  # every entry finite, the sum inf: the entries decide
+    for tensor in (torch.zeros(5), big, torch.tensor([1.0, float("inf")]), torch.tensor([float("nan"), 1.0]),
+                   torch.tensor([float("inf"), -float("inf")]), torch.zeros(0)):  # fmt: skip
+        assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
+
+
 def test_shared_rows_are_made_in_shared_memory_as_wide_as_a_model_with_or_without_torchs_maker(monkeypatch):
     from fedrun.backends import shared_rows
 

@@ -17,6 +17,17 @@ def test_sgd_step():
     assert_allclose(ServerOptimizer(server_lr=2.0).step(W, D1).numpy(), [1.4, 0.2])
 
 
+def test_sgd_step_at_server_lr_one_is_bit_for_bit_the_scaled_step():
+    # server_lr = 1 skips the multiplication (no temporary as large as the model): 1.0 * delta is delta exactly,
+    # signed zeros, infinities and NaNs included, so the step's bits are those of params + 1.0 * delta
+    torch.manual_seed(0)
+    w = torch.cat([torch.randn(1000), torch.tensor([0.0, -0.0, 1.0, float("inf"), 2.0])])
+    d = torch.cat([torch.randn(1000) * 1e-3, torch.tensor([-0.0, -0.0, float("nan"), 1.0, -float("inf")])])
+    stepped, scaled = ServerOptimizer().step(w, d), w + 1.0 * d
+    assert torch.equal(stepped.view(torch.int32)[:1003], scaled.view(torch.int32)[:1003])  # bits, -0.0 included
+    assert stepped[1002].isnan() and stepped[1003] == float("inf") and stepped[1004] == -float("inf")
+
+
 def test_momentum_two_steps():
     server = ServerMomentum(server_lr=1.0, beta=0.5)
     w1 = server.step(W, D1)  # v = D1
