@@ -284,10 +284,12 @@ class LoopTrainer(Trainer):
 
     def __init__(self, model, x, y, make_optimizer):
         self.model, self.x, self.y, self.make_optimizer = model, x, y, make_optimizer
+        self.updates = Buffers(keep=2, shared=False)  # the cohort's rows, kept from round to round (``Buffers``)
 
     def __call__(
         self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
     ) -> CohortUpdate:
+        out = self.updates.take((len(parts), global_params.shape[-1]), global_params)
         return train_cohort(
             self.model,
             global_params,
@@ -302,6 +304,7 @@ class LoopTrainer(Trainer):
             round_,
             stream,
             program,
+            out,
         )
 
     def losses(self, params, parts, batch_size) -> ClientLosses:
@@ -312,7 +315,7 @@ class LoopTrainer(Trainer):
         pass
 
 
-# Shared buffers a worker keeps mapped: the parent's broadcast and its two of updates (``SharedBuffer``).
+# Shared buffers a worker keeps mapped: the parent's broadcast and its two of updates (``Buffers``).
 KEEP_MAPPED = 3
 
 
@@ -337,7 +340,7 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
         if task is None:
             return
         (kind, args), task = task, None  # nothing of a task is kept past it but the parent's shared buffers:
-        # the last ``KEEP_MAPPED`` this worker was sent stay mapped (``SharedBuffer``), their pages in
+        # the last ``KEEP_MAPPED`` this worker was sent stay mapped (``Buffers``), their pages in
         for tensor in (args[0] if kind != "signal" else args[1], args[-1] if kind == "train" else None):
             if tensor is not None:
                 key = tensor.untyped_storage().data_ptr()
@@ -398,9 +401,9 @@ class ProcessTrainer(Trainer):
             child.close()
             self.connections.append(parent)
             self.processes.append(process)
-        # Kept in shared memory from one call to the next, as the workers keep them mapped (``SharedBuffer``): the
+        # Kept in shared memory from one call to the next, as the workers keep them mapped (``Buffers``): the
         # cohort's updates, and what the workers start from.
-        self.updates, self.broadcast = SharedBuffer(keep=2), SharedBuffer()
+        self.updates, self.broadcast = Buffers(keep=2), Buffers()
         # At this process's exit, before multiprocessing joins its daemonic children (which ignore its SIGTERM): a
         # trainer nobody closed (the caller's cleanup raised: a progress bar on a closed pipe) must not hang the exit.
         self._finalizer = weakref.finalize(self, _stop_workers, self.connections, self.processes)
@@ -465,7 +468,7 @@ class ProcessTrainer(Trainer):
         return results
 
     def close(self) -> None:
-        self.updates = self.broadcast = SharedBuffer()
+        self.updates = self.broadcast = Buffers()
         self._finalizer()
 
 
@@ -495,23 +498,24 @@ def shared_rows(rows: int, params: torch.Tensor) -> torch.Tensor:
     return params.new_empty(0).set_(made_there(rows * shape[1] * params.element_size()), 0, shape)
 
 
-class SharedBuffer:
-    """Tensors in shared memory given out again and again, so that each is faulted in once: by this process, and by
-    the worker processes, which keep mapped what they were sent last (``KEEP_MAPPED``; torch maps a storage sent
-    again to the mapping it has). Writing a FEMNIST CNN's ten 26 MB updates into new shared memory every round and
-    reading them here faulted in 66,000 pages a side a round, and moving the global model into new shared memory to
-    send it kept the workers waiting: together 0.3 s of a 2.0 s round (one ``ProcessTrainer`` call, 2 workers).
+class Buffers:
+    """Tensors given out again and again, so that each is faulted in once. In shared memory (``shared``) for the
+    worker processes, which keep mapped what they were sent last (``KEEP_MAPPED``; torch maps a storage sent again to
+    the mapping it has): writing a FEMNIST CNN's ten 26 MB updates into new shared memory every round and reading them
+    here faulted in 66,000 pages a side a round, and moving the global model into new shared memory to send it kept
+    the workers waiting: together 0.3 s of a 2.0 s round (one ``ProcessTrainer`` call, 2 workers). The loop's rows
+    are made anew as often: the same 264 MB of new pages a round.
 
     ``take`` gives a view of a buffer of its ``keep`` when nothing but this object holds a part of it (torch's count
     of the storage's owners is the one it had when made), else of a new one: a caller may keep what it was given.
     ``keep=2`` for a round's updates, whose caller still holds the last round's while it asks for the next.
     """
 
-    def __init__(self, keep: int = 1):
-        self.keep, self.buffers = keep, []  # [(flat tensor, its owners when made)], the last used last
+    def __init__(self, keep: int = 1, shared: bool = True):
+        self.keep, self.shared, self.buffers = keep, shared, []  # [(flat tensor, its owners when made)], last used last
 
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A tensor of ``shape`` and ``like``'s dtype in shared memory, uninitialised."""
+        """A tensor of ``shape`` and ``like``'s dtype and device (in shared memory if ``shared``), uninitialised."""
         numel = math.prod(shape)
         free = (
             entry
@@ -521,7 +525,7 @@ class SharedBuffer:
         )  # fmt: skip
         entry = next(free, None)
         if entry is None:
-            tensor = shared_rows(1, like.new_empty(numel)).view(-1)
+            tensor = shared_rows(1, like.new_empty(numel)).view(-1) if self.shared else like.new_empty(numel)
             entry = (tensor, _owners(tensor))
         self.buffers = [e for e in self.buffers if e is not entry][-(self.keep - 1) or len(self.buffers) :] + [entry]
         return entry[0][:numel].view(shape)

@@ -159,7 +159,7 @@ def test_worker_processes_write_the_updates_into_shared_rows_equal_to_the_loops_
     np.testing.assert_array_equal(forked.local_losses.mean, loop.local_losses.mean)
 
 
-def test_worker_processes_reuse_their_shared_buffers_across_rounds_and_never_one_a_caller_still_holds():
+def test_the_loop_and_worker_processes_reuse_their_update_buffers_and_never_one_a_caller_still_holds():
     # Round after round, the workers write into the same shared rows and start from the same broadcast buffer when
     # nothing holds them; an update the caller keeps is never written over. Every round equals the loop's bits.
     from fedrun.backends import Device
@@ -172,11 +172,12 @@ def test_worker_processes_reuse_their_shared_buffers_across_rounds_and_never_one
         Device("cpu", "contiguous", b, workers=2).trainer(model, x, y, SGD, 10**9) for b in ("loop", "processes")
     ]
     try:
-        w, kept, addresses = flat_parameters(model), [], []
+        w, kept, addresses, looped = flat_parameters(model), [], [], []
         for round_ in range(1, 6):
             loop, forked = (trainer(w, parts, np.arange(3), 0.1, work, 0, round_) for trainer in trainers)
             assert torch.equal(forked.deltas, loop.deltas)
             addresses.append(forked.deltas.data_ptr())
+            looped.append(loop.deltas.data_ptr())
             if round_ == 2:  # held past the round: its rows must stay as they are
                 kept = [forked.deltas, forked.deltas.clone()]
             w = w + forked.deltas.mean(0)  # this round's update is still held while the next is asked for, as the
@@ -184,6 +185,7 @@ def test_worker_processes_reuse_their_shared_buffers_across_rounds_and_never_one
         assert torch.equal(kept[0], kept[1])
         assert addresses[0] == addresses[2] == addresses[4] and len(set(addresses)) == 3
         assert len(trainers[1].broadcast.buffers) == 1  # the model sent: one buffer, reused
+        assert looped[0] == looped[2] == looped[4] != looped[1] == looped[3]  # the loop's rows: two, in turn
     finally:
         for trainer in trainers:
             trainer.close()
