@@ -17,10 +17,10 @@ import functools
 import importlib
 import math
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
-import weakref
 
 import numpy as np
 
@@ -404,9 +404,13 @@ class ProcessTrainer(Trainer):
         # Kept in shared memory from one call to the next, as the workers keep them mapped (``Buffers``): the
         # cohort's updates, and what the workers start from.
         self.updates, self.broadcast = Buffers(keep=2), Buffers()
-        # At this process's exit, before multiprocessing joins its daemonic children (which ignore its SIGTERM): a
-        # trainer nobody closed (the caller's cleanup raised: a progress bar on a closed pipe) must not hang the exit.
-        self._finalizer = weakref.finalize(self, _stop_workers, self.connections, self.processes)
+        # At this process's exit, among multiprocessing's own finalizers, which run before it joins its daemonic
+        # children (who ignore its SIGTERM): a trainer nobody closed (the caller's cleanup raised: a progress bar on a
+        # closed pipe) must not hang the exit. (``weakref.finalize`` runs after that join where any finalizer was
+        # made before multiprocessing was imported.)
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _stop_workers, args=(self.connections, self.processes), exitpriority=10
+        )
 
     def __call__(
         self, global_params, parts, client_ids, lr, work, seed, round_, stream="batches", program=None
@@ -527,7 +531,8 @@ class Buffers:
         if entry is None:
             tensor = shared_rows(1, like.new_empty(numel)).view(-1) if self.shared else like.new_empty(numel)
             entry = (tensor, _owners(tensor))
-        self.buffers = [e for e in self.buffers if e is not entry][-(self.keep - 1) or len(self.buffers) :] + [entry]
+        others = [e for e in self.buffers if e is not entry]
+        self.buffers = others[max(0, len(others) - self.keep + 1) :] + [entry]  # at most ``keep``, the last used last
         return entry[0][:numel].view(shape)
 
 

@@ -199,6 +199,10 @@ def test_a_process_whose_worker_trainer_was_never_closed_still_exits(tmp_path):
 
     script = tmp_path / "open.py"
     script.write_text(
+        "import weakref\n"
+        "class Kept:\n    pass\n"
+        "kept = Kept()\n"
+        "weakref.finalize(kept, print, 'kept')\n"  # a finalizer made before multiprocessing is imported
         "import functools, torch\n"
         "from fedrun.backends import Device\n"
         "from fedrun.models import CNN\n"
