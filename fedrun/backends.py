@@ -339,18 +339,12 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
             return
         if task is None:
             return
-        (kind, args), task = task, None  # nothing of a task is kept past it but the parent's shared buffers:
-        # the last ``KEEP_MAPPED`` this worker was sent stay mapped (``Buffers``), their pages in
-        for tensor in (args[0] if kind != "signal" else args[1], args[-1] if kind == "train" else None):
-            if tensor is not None:
-                key = tensor.untyped_storage().data_ptr()
-                mapped[key] = mapped.pop(key, tensor)
-        while len(mapped) > KEEP_MAPPED:
-            del mapped[next(iter(mapped))]
+        (kind, args), task = task, None  # nothing of a task is kept past it but the parent's buffers (``mapped``)
         try:
             if kind == "train":
                 params, parts, client_ids, works, lr, seed, round_, stream, program, out = args
                 args = None
+                _keep_mapped(mapped, params, out)
                 update = train_cohort(
                     model, params, x, y, parts, client_ids, make_optimizer, lr, works, seed, round_, stream, program, out
                 )  # fmt: skip
@@ -358,12 +352,24 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
                 connection.send(update)
             elif kind == "signal":
                 signal_fn, params, parts = args
+                _keep_mapped(mapped, params)
                 connection.send(client_signal(signal_fn, model, params, x, y, parts))
             else:
                 params, parts, batch_size = args
+                _keep_mapped(mapped, params)
                 connection.send(cohort_losses(model, params, x, y, parts, batch_size))
         except BaseException as exc:  # report to the parent instead of dying silently
             connection.send(exc)
+
+
+def _keep_mapped(mapped: dict, *tensors: torch.Tensor) -> None:
+    """Keep the parent's buffers ``tensors`` lie on mapped in this worker, the last ``KEEP_MAPPED`` sent (``Buffers``):
+    sent again, torch maps them to this mapping, whose pages are in."""
+    for tensor in tensors:
+        key = tensor.untyped_storage().data_ptr()
+        mapped[key] = mapped.pop(key, tensor)
+    while len(mapped) > KEEP_MAPPED:
+        del mapped[next(iter(mapped))]
 
 
 class ProcessTrainer(Trainer):
@@ -372,7 +378,7 @@ class ProcessTrainer(Trainer):
     The dataset tensors are shared with the workers by fork (copy-on-write, never written), or through shared
     memory where ``worker_start_method`` says forkserver, so memory does not grow with the workers. Clients are
     dealt to workers in contiguous blocks of about equal work; each worker writes its clients' updates into their
-    rows of one buffer in shared memory (``shared_rows``), and the rest of their reports come back by pipe.
+    rows of one buffer in shared memory (``Buffers``), and the rest of their reports come back by pipe.
     """
 
     @classmethod
@@ -489,17 +495,16 @@ def _stop_workers(connections, processes) -> None:
             process.kill()
 
 
-def shared_rows(rows: int, params: torch.Tensor) -> torch.Tensor:
-    """An uninitialised (rows, width of ``params``) tensor in shared memory, made there (``torch.Tensor.share_memory_``
-    would copy a tensor's pages in): the worker processes write the cohort's updates into their rows of it, and a
-    view of it goes to a worker as a handle, so an update is written once and never copied or sent (a 6.6M-parameter
-    FEMNIST CNN's updates were copied three times a client: stacked by the worker, into shared memory to be sent,
-    joined by the parent)."""
-    shape = (rows, params.shape[-1])
+def shared_empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` and ``like``'s dtype in shared memory, made there
+    (``torch.Tensor.share_memory_`` would copy a tensor's pages in): the worker processes write the cohort's updates
+    into their rows of one, and a view of it goes to a worker as a handle, so an update is written once and never
+    copied or sent (a 6.6M-parameter FEMNIST CNN's updates were copied three times a client: stacked by the worker,
+    into shared memory to be sent, joined by the parent)."""
     made_there = getattr(torch.UntypedStorage, "_new_shared", None)  # torch's, by its sharing strategy (fd or file)
     if made_there is None:  # a torch without it: the copying way, the same tensor
-        return params.new_empty(shape).share_memory_()
-    return params.new_empty(0).set_(made_there(rows * shape[1] * params.element_size()), 0, shape)
+        return like.new_empty(shape).share_memory_()
+    return like.new_empty(0).set_(made_there(math.prod(shape) * like.element_size()), 0, shape)
 
 
 class Buffers:
@@ -529,7 +534,7 @@ class Buffers:
         )  # fmt: skip
         entry = next(free, None)
         if entry is None:
-            tensor = shared_rows(1, like.new_empty(numel)).view(-1) if self.shared else like.new_empty(numel)
+            tensor = shared_empty((numel,), like) if self.shared else like.new_empty(numel)
             entry = (tensor, _owners(tensor))
         others = [e for e in self.buffers if e is not entry]
         self.buffers = others[max(0, len(others) - self.keep + 1) :] + [entry]  # at most ``keep``, the last used last

@@ -223,15 +223,15 @@ def test_all_finite_agrees_with_torchs_check_where_the_sum_overflows_too():
         assert all_finite(tensor) == bool(torch.isfinite(tensor).all())
 
 
-def test_shared_rows_are_made_in_shared_memory_as_wide_as_a_model_with_or_without_torchs_maker(monkeypatch):
-    from fedrun.backends import shared_rows
+def test_shared_buffers_are_made_in_shared_memory_as_shaped_with_or_without_torchs_maker(monkeypatch):
+    from fedrun.backends import shared_empty
 
     for params in (torch.zeros(7, dtype=torch.float64), torch.zeros(4, 7, dtype=torch.float64)):  # one start, or each
-        made = shared_rows(3, params)
+        made = shared_empty((3, params.shape[-1]), params)
         assert made.is_shared() and made.shape == (3, 7) and made.dtype == torch.float64
     owner = next(c for c in torch.UntypedStorage.__mro__ if "_new_shared" in vars(c))
     monkeypatch.setattr(owner, "_new_shared", None)  # a torch without it: made by copying, the same tensor
-    copied = shared_rows(3, torch.zeros(7))
+    copied = shared_empty((3, 7), torch.zeros(7))
     assert copied.is_shared() and copied.shape == (3, 7) and copied.dtype == torch.float32
 
 
