@@ -19,6 +19,7 @@ import math
 import multiprocessing
 import multiprocessing.util
 import os
+import platform
 import signal
 import sys
 
@@ -61,6 +62,54 @@ def pass_cost(model: torch.nn.Module, x: torch.Tensor) -> int:
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# The CPU flags of the instruction sets that CPU kernels dispatch on (torch's own, MKL's and oneDNN's convolutions and
+# matrix products): other kernels sum in another order. Every one of the 34 client-method runs of
+# tests/e2e/test_client_methods.py differs in its last bits between an AVX-512 machine and an AVX10.1 + AMX one,
+# and 12 by more than 1e-5.
+KERNEL_FLAGS = ("avx", "amx", "fma", "f16c")
+
+
+def cpu_kernels(cpuinfo: str | None = None) -> dict[str, str]:
+    """The CPU as its kernels see it: the model's name, torch's CPU capability and the kernel-relevant flags
+    (``KERNEL_FLAGS``) of ``cpuinfo`` (default: Linux's /proc/cpuinfo; elsewhere no flags are read). A run records
+    where it starts and continues (``run.json``, ``fedrun.cli.job.settle_threads``): its numbers are those of its
+    config, seed, thread count and these kernels."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as file:
+                cpuinfo = file.read()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, colon, value = line.partition(":")
+        if colon:
+            fields.setdefault(key.strip(), value.strip())  # the first processor's
+    flags = sorted({flag for flag in fields.get("flags", "").split() if flag.startswith(KERNEL_FLAGS)})
+    return {
+        "model": fields.get("model name") or platform.processor() or platform.machine(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "flags": " ".join(flags),
+    }
+
+
+def cpu_label(kernels: dict[str, str]) -> str:
+    """``cpu_kernels`` in a few words: the model and torch's capability (and AMX, which oneDNN's kernels use)."""
+    amx = ", AMX" if "amx_" in kernels.get("flags", "") else ""
+    return f"{kernels.get('model') or 'an unnamed CPU'} ({kernels.get('capability')}{amx})"
+
+
+def other_kernels(first: dict[str, str], now: dict[str, str]) -> str:
+    """How the CPU ``now`` differs from ``first`` (both ``cpu_kernels``), in words; "" when it does not."""
+    if first == now:
+        return ""
+    said = f"{cpu_label(first)}, now on {cpu_label(now)}"
+    was, is_ = set(first.get("flags", "").split()), set(now.get("flags", "").split())
+    if was != is_:
+        said += f" (flags only there: {' '.join(sorted(was - is_)) or 'none'}; only here: {' '.join(sorted(is_ - was)) or 'none'})"
+    return said
 
 
 class Device:

@@ -22,6 +22,7 @@ import argparse
 import csv
 import hashlib
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -153,6 +154,9 @@ def compare(first: Path, other: Path) -> list[str]:
         else:
             if len(a) != len(b):
                 found.append(f"{mine.name}: {len(a)} calls vs {len(b)}")
+    cpus = [json.loads((run / "run.json").read_text()).get("cpus") for run in (first, other)]
+    if found and cpus[0] != cpus[1]:  # other kernels sum in another order: not a difference of fedrun's
+        found.append(f"run.json: the runs ran on other CPUs ({cpus[0]} vs {cpus[1]})")
     return found
 
 

@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fedrun import distributed, runfiles
-from fedrun.backends import usable_cores
+from fedrun.backends import cpu_kernels, cpu_label, other_kernels, usable_cores
 from fedrun.checkpoint import DIVERGED, RUN_FILE, Stopped, StopSignals
 from fedrun.cli.build import run_engine, setup
 from fedrun.cli.entry import check_run_keys, fail
@@ -95,6 +95,7 @@ def open_tracking(job: Job, hydra_cfg, parts: dict, report=None) -> tuple[Tracke
         "torch_version": torch.__version__,
         "num_clients": str(len(parts["clients"])),
         "torch_threads": str(parts["device"].threads),
+        "cpu": cpu_label(checkpoint.extra["cpus"][0]),  # the kernels its numbers are of (``settle_cpus``)
     }
     if report is not None:
         tags.update({"fedrun.trial": str(report.trial_number), "fedrun.study": report.study.study_name})
@@ -176,8 +177,33 @@ def settle_threads(job: Job, hydra_cfg, device) -> int:
         if distributed.chosen(job.cfg.device) and device.threads is None:
             device.threads = 1
     device.threads = device.use_cores(cores)
-    job.checkpoint.extra.update(threads=device.threads, cores=cores)
+    job.checkpoint.extra.update(threads=device.threads, cores=cores, cpus=settle_cpus(job, saved.get("cpus", [])))
     return device.threads
+
+
+MAX_CPUS = 64  # CPUs a run dir may name (each start on another CPU adds one)
+
+
+def settle_cpus(job: Job, cpus) -> list[dict[str, str]]:
+    """The CPUs the run has run on (``fedrun.backends.cpu_kernels``), one more each time it starts on another than it
+    last ran on, this one last: a run's numbers are its config's, seed's and thread count's on its CPU's kernels, so a run that continues
+    on other kernels than it started on says so in one line (its rounds from here may differ in their last bits from
+    a run never stopped). A list read back from a run dir is checked."""
+    allowed = f"a list of at most {MAX_CPUS} CPUs, each names to strings"
+    if not isinstance(cpus, list) or len(cpus) > MAX_CPUS:
+        shown = f"{len(cpus)} CPUs" if isinstance(cpus, list) else cpus
+        raise ConfigError(f"cpus saved in {job.output_dir}", shown, allowed)
+    for cpu in cpus:
+        if not (isinstance(cpu, dict) and all(isinstance(v, str) for v in cpu.values())):
+            raise ConfigError(f"a CPU in cpus saved in {job.output_dir}", cpu, allowed)
+    here = cpu_kernels()
+    if cpus and (moved := other_kernels(cpus[0], here)) and not job.follower:
+        print(
+            f"fedrun: warning: {job.output_dir} started on {moved}: its rounds from here may differ in their last "
+            "bits from a run that never stopped (other CPU kernels sum in another order)",
+            file=sys.stderr,
+        )
+    return cpus if cpus and cpus[-1] == here else [*cpus, here]
 
 
 def train(job: Job, hydra_cfg, parts: dict, tracker: Tracker, title: str, report=None) -> float | None:

@@ -1,6 +1,7 @@
 """Never lose a run: checkpoints, kill-and-resume through the real CLI, clean stops on signals, tracking
 outages, fedrun-import, one-line errors."""
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import torch
 from conftest import FEDRUN, config_can_say, mlflow_runs, sweep_runs, swept_once
 
+from fedrun.backends import cpu_label
 from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint
 from fedrun.tracking import mlflow_name
 
@@ -67,8 +69,18 @@ def same_rows(resumed: Path, whole: Path, saved: int | None = None) -> None:
         differ = [c for c in left.columns if c in right and not left[c].equals(right[c])]
         shown = pd.concat({"resumed": left[["round", *differ]], "whole": right[["round", *differ]]}, axis=1)
         raise AssertionError(
-            f"{error}\nresumed after round {saved}; differing columns: {differ}\n{shown.to_string()}"
+            f"{error}\nresumed after round {saved}; differing columns: {differ}\n{shown.to_string()}\n"
+            f"{ran_on(resumed=resumed, whole=whole)}"
         ) from None
+
+
+def ran_on(**runs: Path) -> str:
+    """The CPUs each run's starts ran on (``run.json``: other kernels sum in another order), and whether they differ."""
+    cpus = {name: json.loads((run / RUN_FILE).read_text()).get("cpus", []) for name, run in runs.items()}
+    said = "; ".join(f"{name} ran on {', '.join(cpu_label(c) for c in ran) or '?'}" for name, ran in cpus.items())
+    if len({json.dumps(ran, sort_keys=True) for ran in cpus.values()}) > 1:
+        said += ": NOT THE SAME CPU KERNELS (the machine changed under the runs; their last bits may differ)"
+    return said
 
 
 def deterministic(out: Path) -> pd.DataFrame:
