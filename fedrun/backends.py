@@ -108,7 +108,8 @@ def other_kernels(first: dict[str, str], now: dict[str, str]) -> str:
     said = f"{cpu_label(first)}, now on {cpu_label(now)}"
     was, is_ = set(first.get("flags", "").split()), set(now.get("flags", "").split())
     if was != is_:
-        said += f" (flags only there: {' '.join(sorted(was - is_)) or 'none'}; only here: {' '.join(sorted(is_ - was)) or 'none'})"
+        there, here = (" ".join(sorted(flags)) or "none" for flags in (was - is_, is_ - was))
+        said += f" (flags only there: {there}; only here: {here})"
     return said
 
 
