@@ -137,6 +137,9 @@ def compare(first: Path, other: Path) -> list[str]:
 
     found = []
     left, right = pd.read_csv(first / "metrics.csv"), pd.read_csv(other / "metrics.csv")
+    if len(left) != len(right):  # one stopped early (diverged, or its target reached): the rounds both ran compared
+        found.append(f"metrics.csv: {len(left)} rounds vs {len(right)}")
+        left, right = left.iloc[: len(right)], right.iloc[: len(left)]
     columns = [c for c in left.columns if not c.endswith("_wall_s")]
     for column in columns:
         if column not in right or not left[column].equals(right[column]):
