@@ -75,11 +75,16 @@ def same_rows(resumed: Path, whole: Path, saved: int | None = None) -> None:
 
 
 def ran_on(**runs: Path) -> str:
-    """The CPUs each run's starts ran on (``run.json``: other kernels sum in another order), and whether they differ."""
-    cpus = {name: json.loads((run / RUN_FILE).read_text()).get("cpus", []) for name, run in runs.items()}
-    said = "; ".join(f"{name} ran on {', '.join(cpu_label(c) for c in ran) or '?'}" for name, ran in cpus.items())
-    if len({json.dumps(ran, sort_keys=True) for ran in cpus.values()}) > 1:
-        said += ": NOT THE SAME CPU KERNELS (the machine changed under the runs; their last bits may differ)"
+    """Where each run ran, from its ``run.json``: the thread count its start resolved and the CPUs its starts ran on
+    (other kernels sum in another order), and whether they differ (then the machine changed under the runs)."""
+    saved = {name: json.loads((run / RUN_FILE).read_text()) for name, run in runs.items()}
+    said = "; ".join(
+        f"{name} ran at {s.get('threads')} threads of {s.get('cores')} cores on "
+        f"{', '.join(cpu_label(c) for c in s.get('cpus', [])) or '?'}"
+        for name, s in saved.items()
+    )
+    if len({json.dumps([s.get(k) for k in ("threads", "cpus")], sort_keys=True) for s in saved.values()}) > 1:
+        said += ": NOT THE SAME THREADS OR CPU KERNELS (the machine changed under the runs; their last bits may differ)"
     return said
 
 
