@@ -528,7 +528,7 @@ class ProcessTrainer(Trainer):
         return results
 
     def close(self) -> None:
-        self.updates = self.broadcast = Buffers()
+        self.updates, self.broadcast = Buffers(keep=2), Buffers()  # the shared memory let go
         self._finalizer()
 
 
