@@ -37,7 +37,7 @@ from fedrun.runfiles import replaced
 from fedrun.state import decode, encode
 
 FILE = "checkpoint.pt"
-RUN_FILE = "run.json"  # the run's MLflow run id and title, from its start: a run killed before its first checkpoint reopens them
+RUN_FILE = "run.json"  # the run's MLflow run id, title, thread count and CPUs, from its start: a run killed before its first checkpoint reopens them
 # A run that diverged leaves its reason here: it is a result (the same config and seed would diverge again at the
 # same round), so a resumed sweep skips the job, and ``resume=`` refuses the run, instead of making a second FAILED run.
 DIVERGED = "diverged.txt"
