@@ -14,7 +14,8 @@ import torch
 from conftest import FEDRUN, config_can_say, mlflow_runs, sweep_runs, swept_once
 
 from fedrun.backends import cpu_label
-from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint
+from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, read
+from fedrun.state import encode
 from fedrun.tracking import mlflow_name
 
 pytestmark = pytest.mark.e2e
@@ -341,9 +342,21 @@ def test_sigterm_stops_after_the_round_as_killed_with_artifacts_and_a_resume_com
     run = next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "run"))
     assert run.info.status == "KILLED" and "SIGTERM" in run.data.tags["failure_reason"]
     assert "summary.csv" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    # ... and resumed as if it had started on another CPU: said in one line, and both CPUs kept in run.json
+    state, elsewhere = (
+        read(tmp_path / "run" / FILE),
+        {"model": "Elsewhere CPU", "capability": "DEFAULT", "flags": "avx"},
+    )
+    here, state["extra"]["cpus"] = state["extra"]["cpus"], [elsewhere]
+    torch.save(encode(state), tmp_path / "run" / FILE)
     resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert rows_written(tmp_path / "run") == 30
+    [warned] = [line for line in resumed.stderr.splitlines() if line.startswith("fedrun: warning:")]
+    assert warned.startswith(
+        f"fedrun: warning: {tmp_path / 'run'} started on Elsewhere CPU (DEFAULT), now on {cpu_label(here[0])}"
+    )
+    assert json.loads((tmp_path / "run" / RUN_FILE).read_text())["cpus"] == [elsewhere, *here]
     _, runs = mlflow_runs(store, "resume")
     assert next(r for r in runs if r.data.tags["output_dir"] == str(tmp_path / "run")).info.status == "FINISHED"
 
