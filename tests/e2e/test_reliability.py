@@ -343,10 +343,8 @@ def test_sigterm_stops_after_the_round_as_killed_with_artifacts_and_a_resume_com
     assert run.info.status == "KILLED" and "SIGTERM" in run.data.tags["failure_reason"]
     assert "summary.csv" in {a.path for a in client.list_artifacts(run.info.run_id)}
     # ... and resumed as if it had started on another CPU: said in one line, and both CPUs kept in run.json
-    state, elsewhere = (
-        read(tmp_path / "run" / FILE),
-        {"model": "Elsewhere CPU", "capability": "DEFAULT", "flags": "avx"},
-    )
+    state = read(tmp_path / "run" / FILE)
+    elsewhere = {"model": "Elsewhere CPU", "capability": "DEFAULT", "flags": "avx"}
     here, state["extra"]["cpus"] = state["extra"]["cpus"], [elsewhere]
     torch.save(encode(state), tmp_path / "run" / FILE)
     resumed = subprocess.run([FEDRUN, f"resume={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True)
