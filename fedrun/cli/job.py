@@ -189,7 +189,7 @@ def settle_cpus(job: Job, cpus) -> list[dict[str, str]]:
     last ran on, this one last. A run's numbers are its config's, seed's and thread count's on its CPU's kernels, so
     a run that continues on other kernels than it started on says so in one line (its rounds from here may differ in
     their last bits from a run never stopped). A list read back from a run dir is checked."""
-    allowed = f"a list of at most {MAX_CPUS} CPUs, each names to strings"
+    allowed = f"a list of at most {MAX_CPUS} CPUs, each a mapping of names to strings"
     if not isinstance(cpus, list) or len(cpus) > MAX_CPUS:
         shown = f"{len(cpus)} CPUs" if isinstance(cpus, list) else cpus
         raise ConfigError(f"cpus saved in {job.output_dir}", shown, allowed)

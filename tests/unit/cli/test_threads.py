@@ -112,4 +112,7 @@ def test_a_run_continued_on_another_cpu_says_so_in_one_line_and_records_it(tmp_p
         with pytest.raises(ConfigError) as refused:
             reopened = {"threads": 1, "cores": 1, "cpus": crafted}
             settle_threads(job(tmp_path, reopened=reopened), SINGLE, Device(kind="cpu"))
-        assert str(refused.value) == f"{said} is invalid: allowed is a list of at most 64 CPUs, each names to strings"
+        assert (
+            str(refused.value)
+            == f"{said} is invalid: allowed is a list of at most 64 CPUs, each a mapping of names to strings"
+        )
