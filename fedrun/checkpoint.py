@@ -34,7 +34,7 @@ from pathlib import Path
 from fedrun.errors import ConfigError, check
 from fedrun.lazy import torch
 from fedrun.runfiles import replaced
-from fedrun.state import decode, encode
+from fedrun.state import decode, encode, load_plain
 
 FILE = "checkpoint.pt"
 RUN_FILE = "run.json"  # the run's MLflow run id, title, thread count and CPUs, from its start: a run killed before its first checkpoint reopens them
@@ -46,7 +46,7 @@ DIVERGED = "diverged.txt"
 def read(path: Path) -> dict:
     """The state saved in the checkpoint file ``path``, read without running anything that it names."""
     try:
-        return decode(torch.load(path, weights_only=True))
+        return decode(load_plain(path))
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, TypeError) as exc:
         # a refused global, a truncated or foreign file: torch's message is a page; the line that says what was
         # refused, else its first

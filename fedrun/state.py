@@ -17,6 +17,7 @@ and takes it back with ``load_state_dict()`` (``Stateful``); the objects themsel
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,15 @@ PLAIN = (type(None), bool, int, float, str, bytes)  # and torch.Tensor (checked 
 KEYS = (bool, int, float, str, type(None))  # dict keys a checkpoint keeps (tuples of them too)
 ARRAY, SCALAR, GENERATOR, DEQUE = "__ndarray__", "__numpy_scalar__", "__numpy_generator__", "__deque__"
 MARKERS = {ARRAY, SCALAR, GENERATOR, DEQUE}
+
+
+def load_plain(path):
+    """``torch.load(path, weights_only=True)``: plain data, nothing that the file names is run. torch's warning about a
+    pickle protocol other than its own (two lines on stderr, for a file fedrun did not write: its own are written
+    with torch's) is left out, so that such a file is refused in the caller's one line."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        return torch.load(path, weights_only=True)
 
 
 def encode(value, where: str = "state"):

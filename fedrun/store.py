@@ -12,6 +12,7 @@ from pathlib import Path
 from fedrun.errors import ConfigError
 from fedrun.lazy import torch
 from fedrun.runfiles import BadFile, appended, own_file, replaced, write_text
+from fedrun.state import load_plain
 
 LOG = "written.log"  # the names of the files a store wrote in its folder, one a line: what a sweep may delete
 
@@ -58,7 +59,7 @@ class PersonalStore:
             return None
         path = self.directory / self.disk.pop(client)
         try:  # weights_only: a crafted pickle runs nothing; anything but fedrun's own record is one line
-            value = torch.load(path, weights_only=True) if own_file(path) else None
+            value = load_plain(path) if own_file(path) else None
         except Exception as error:
             raise BadFile(path, f"a client state fedrun spilled ({type(error).__name__})") from None
         if not isinstance(value, dict) or not isinstance(value.get("value"), torch.Tensor):

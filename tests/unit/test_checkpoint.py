@@ -1,5 +1,5 @@
 """Checkpoints (fedrun/checkpoint.py): a lock file that is a symbolic link is never written through, a torn write
-leaves the previous checkpoint, when one is due."""
+leaves the previous checkpoint, a foreign pickle is refused in one line, when one is due."""
 
 from pathlib import Path
 
@@ -39,6 +39,22 @@ def test_a_torn_checkpoint_write_leaves_the_previous_checkpoint(tmp_path, monkey
     monkeypatch.undo()
     state = Checkpoint(tmp_path, resume=True).restored()
     assert state["round"] == 1 and torch.equal(state["params"], torch.ones(3))
+
+
+def test_a_checkpoint_of_a_pickle_protocol_torch_does_not_write_is_refused_in_one_line_without_torch_s_warning(
+    tmp_path,
+):
+    """A raw pickle (protocol 4, what ``pickle.dumps`` writes) of something that names code: refused, nothing run,
+    and the refusal is the only thing said (torch warned about the protocol in two lines before it)."""
+    import pickle
+    import warnings
+
+    (tmp_path / "checkpoint.pt").write_bytes(pickle.dumps({"round": 1, "run": print}))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigError, match="nothing in it was run"):
+            checkpoint.read(tmp_path / "checkpoint.pt")
+    assert not warned, [str(w.message) for w in warned]
 
 
 def test_checkpoints_are_due_every_n_rounds_at_the_end_and_on_a_stop(tmp_path):
