@@ -379,7 +379,8 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
         private
     ):  # its own workspace: a model pickled to a forkserver worker shares the parent's memory (fork copies on write)
         model = copy.deepcopy(model)
-    for signum in (signal.SIGINT, signal.SIGTERM):  # the parent decides when to stop (a clean stop needs its workers)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the parent decides when to stop (a clean stop
+        # needs its workers; a closed terminal sends SIGHUP to them all)
         signal.signal(signum, signal.SIG_IGN)
     mapped = {}  # storage address -> a tensor on it, the last sent last
     while True:

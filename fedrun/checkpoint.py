@@ -12,8 +12,10 @@ in it runs.
 Writes are atomic: a temporary file in the same directory, flushed and fsynced, then renamed over the
 previous checkpoint (and the directory fsynced), so a kill during a write leaves the previous checkpoint.
 
-A ``StopSignals`` context turns the first SIGTERM or SIGINT into a request the engine honours after the
-current round (checkpoint, then ``Stopped``); a second one stops at once.
+A ``StopSignals`` context turns the first SIGTERM, SIGINT, SIGUSR2 or SIGHUP into a request the engine honours
+after the current round (checkpoint, then ``Stopped``); a second one stops at once, but for SIGHUP, which a closed
+terminal sends twice (the kernel to the foreground job, then the shell to each of its jobs). From a SIGHUP on, what
+fedrun prints goes to ``terminal.log`` in the run dir where it went to a terminal or a pipe, both gone with it.
 
 One process writes a run dir at a time: ``lock`` holds an exclusive ``flock`` on ``fedrun.lock`` in it for as long
 as the process lives (or until ``unlock``), and a second process is refused in one line naming the holder's pid.
@@ -23,20 +25,23 @@ a resume; the file stays, with the last holder's pid.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pickle
 import signal
 import stat
+import sys
 import time
 from pathlib import Path
 
 from fedrun.errors import ConfigError, check
 from fedrun.lazy import torch
-from fedrun.runfiles import replaced
+from fedrun.runfiles import RunFileError, appended, replaced
 from fedrun.state import decode, encode, load_plain
 
 FILE = "checkpoint.pt"
+TERMINAL_LOG = "terminal.log"  # what fedrun printed after a SIGHUP, where it went to a terminal or a pipe
 RUN_FILE = "run.json"  # the run's MLflow run id, title, thread count and CPUs, from its start: a run killed before its first checkpoint reopens them
 # A run that diverged leaves its reason here: it is a result (the same config and seed would diverge again at the
 # same round), so a resumed sweep skips the job, and ``resume=`` refuses the run, instead of making a second FAILED run.
@@ -268,18 +273,31 @@ def agreed(stop_requested: str | None) -> str | None:
 
 
 class StopSignals:
-    """While active, the first SIGTERM, SIGINT or SIGUSR2 sets ``checkpoint.stop_requested``; a second one acts at
-    once (SIGINT raises KeyboardInterrupt, the others terminate). Only in the main thread; elsewhere it does nothing."""
+    """While active, the first SIGTERM, SIGINT, SIGUSR2 or SIGHUP sets ``checkpoint.stop_requested``; a second one
+    acts at once (SIGINT raises KeyboardInterrupt, the others terminate), but for SIGHUP. Only in the main thread;
+    elsewhere it does nothing.
+
+    SIGHUP is a closed terminal (an SSH session lost, a window closed): the run stops as for SIGTERM, resumable, its
+    MLflow run KILLED, and what fedrun prints from then on goes to ``terminal.log`` in the run dir instead of the
+    terminal or pipe it went to (``_hung_up``). A terminal's hang-up comes twice (the kernel's to the foreground job,
+    then bash's to each of its jobs), so SIGHUP never stops at once. Where SIGHUP was ignored when the run started
+    (``nohup``), it stays ignored: the run goes on."""
 
     # SIGUSR2: a cluster's warning before its time limit (SLURM's --signal=USR2@<seconds>, as submitit asks for it).
-    SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGUSR2,) if hasattr(signal, "SIGUSR2") else ())
+    SIGNALS = (signal.SIGTERM, signal.SIGINT) + tuple(
+        getattr(signal, name) for name in ("SIGUSR2", "SIGHUP") if hasattr(signal, name)
+    )
 
     def __init__(self, checkpoint: Checkpoint):
-        self.checkpoint, self.previous = checkpoint, {}
+        self.checkpoint, self.previous, self.log, self.terminal = checkpoint, {}, None, []
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.checkpoint.stop_requested:  # the second signal: stop now
+        if name == "SIGHUP":
+            self._hung_up()
+            if self.checkpoint.stop_requested:  # a hang-up again, or after another signal: never at once
+                return
+        elif self.checkpoint.stop_requested:  # the second signal: stop now
             self.__exit__()
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
@@ -287,14 +305,36 @@ class StopSignals:
             time.sleep(1)
             return
         self.checkpoint.stop_requested = name
-        print(
-            f"\nfedrun: {name} received: stopping after this round with a checkpoint (send it again to stop at once)",
-            flush=True,
-        )
+        again = "SIGTERM stops at once" if name == "SIGHUP" else "send it again to stop at once"
+        print(f"\nfedrun: {name} received: stopping after this round with a checkpoint ({again})", flush=True)
+
+    def _hung_up(self) -> None:
+        """Send what fedrun prints from here on to ``terminal.log`` in the run dir, where it went to a terminal or a
+        pipe (gone with the terminal: a write there fails, EIO or EPIPE, and would fail the run); a regular file
+        stays. A terminal still there is told first."""
+        gone = self.terminal  # as they were at the start: a hung-up terminal is no longer one to isatty
+        if self.log is not None or not gone:
+            return
+        path = self.checkpoint.path.parent / TERMINAL_LOG
+        with contextlib.suppress(OSError, ValueError):
+            print(
+                f"\nfedrun: SIGHUP received: stopping after this round; what fedrun prints from here goes to {path}",
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            self.log = appended(path, binary=True)
+        except (OSError, RunFileError):  # no run dir to write (a link there): nowhere, rather than a failed run
+            self.log = open(os.devnull, "wb")  # kept open: the process's output from here
+        for fd in gone:
+            os.dup2(self.log.fileno(), fd)
 
     def __enter__(self) -> StopSignals:
+        self.terminal = [fd for fd in (1, 2) if _lost_with_terminal(fd)]
         try:
             for signum in self.SIGNALS:
+                if signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) == signal.SIG_IGN:
+                    continue  # nohup: the run was asked to outlive its terminal
                 self.previous[signum] = signal.signal(signum, self._handle)
         except ValueError:  # not the main thread
             self.previous = {}
@@ -304,6 +344,15 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
+
+
+def _lost_with_terminal(fd: int) -> bool:
+    """Whether the file descriptor ``fd`` is a terminal or a pipe (what a hang-up takes away), not a file. Asked
+    before the hang-up: after it, ``isatty`` fails on the terminal (its ioctl gets EIO)."""
+    try:
+        return os.isatty(fd) or stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:  # closed
+        return False
 
 
 # What ``checkpoint.stop_requested`` may name (``agreed`` sends it between ranks as an index): the signals

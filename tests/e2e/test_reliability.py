@@ -1,10 +1,13 @@
 """Never lose a run: checkpoints, kill-and-resume through the real CLI, clean stops on signals, tracking
 outages, fedrun-import, one-line errors."""
 
+import contextlib
 import itertools
 import json
 import os
 import pickle
+import pty
+import select
 import signal
 import subprocess
 import time
@@ -16,7 +19,7 @@ import torch
 from conftest import FEDRUN, config_can_say, mlflow_runs, sweep_runs, swept_once
 
 from fedrun.backends import cpu_label
-from fedrun.checkpoint import FILE, RUN_FILE, Checkpoint, read
+from fedrun.checkpoint import FILE, RUN_FILE, TERMINAL_LOG, Checkpoint, read
 from fedrun.state import encode
 from fedrun.tracking import mlflow_name
 
@@ -264,6 +267,48 @@ def test_a_run_killed_with_sigkill_and_resumed_equals_an_uninterrupted_run(tmp_p
     assert run.info.status == "FINISHED"
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "0_main/test_accuracy"))
     assert steps[-1] == 8 and len(set(steps)) == len(steps)  # the rounds measured again are not logged twice
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("uninterrupted")
+def test_a_closed_terminal_stops_the_run_and_its_workers_cleanly_and_it_resumes_to_the_same_numbers(
+    tmp_path, store, uninterrupted
+):
+    """An SSH session lost: the terminal fedrun runs in closes, so the kernel sends SIGHUP to its foreground job
+    (fedrun and its worker processes), and the shell sends it again to its jobs. The run finishes its round,
+    checkpoints, is KILLED in MLflow and exits 129, saying how to resume in its terminal.log; resumed, it equals the
+    run never stopped (the [sync] case: MVR, server Adam, two worker processes)."""
+    out = tmp_path / "hung"
+    cmd = [FEDRUN, *CASES["sync"], "checkpoint.every=2", f"hydra.run.dir={out}", f"tracking.uri=sqlite:///{store}"]
+    cmd += ["tracking.experiment=resume", "device=cpu"]
+    pid, terminal = pty.fork()  # a new session whose controlling terminal is the pseudo-terminal
+    if pid == 0:
+        os.chdir(tmp_path)
+        os.execvpe(cmd[0], cmd, {**os.environ, "HYDRA_FULL_ERROR": "0"})
+    shown, deadline = bytearray(), time.time() + 300
+    while rows_written(out) < 3:  # the terminal is read, as a person's is (a full one would block the run)
+        assert time.time() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0), shown[-3000:].decode()
+        if select.select([terminal], [], [], 0.02)[0]:
+            shown += os.read(terminal, 65536)
+    os.close(terminal)  # the hang-up: SIGHUP (and SIGCONT) to the foreground process group
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGHUP)  # bash's, to each of its jobs, as its own SIGHUP arrives
+    _, status = os.waitpid(pid, 0)
+    log = (out / TERMINAL_LOG).read_text()
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGHUP, log[-3000:]
+    assert f"fedrun resume={out}" in log and "Traceback" not in log
+    deadline = time.time() + 15  # its workers ignored the hang-up and left with the parent
+    while subprocess.run(["pgrep", "-f", str(out)], capture_output=True).returncode == 0:
+        assert time.time() < deadline, "processes of the hung-up run are still alive"
+        time.sleep(0.1)
+    saved = Checkpoint(out, resume=True).restored()["round"]
+    assert 3 <= saved == rows_written(out) < 8  # checkpointed at the stop, after the round it was in
+    client, runs = mlflow_runs(store, "resume")
+    run = next(r for r in runs if r.data.tags["output_dir"] == str(out))
+    assert run.info.status == "KILLED" and "SIGHUP" in run.data.tags["failure_reason"]
+    resumed = subprocess.run([FEDRUN, f"resume={out}"], cwd=tmp_path, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    same_rows(out, uninterrupted("sync"), saved)
 
 
 @pytest.mark.slow

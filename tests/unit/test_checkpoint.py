@@ -1,6 +1,10 @@
 """Checkpoints (fedrun/checkpoint.py): a lock file that is a symbolic link is never written through, a torn write
-leaves the previous checkpoint, a foreign pickle is refused in one line, when one is due."""
+leaves the previous checkpoint, a foreign pickle is refused in one line, when one is due; a closed terminal's SIGHUP
+stops the run as SIGTERM does and moves its output into the run dir."""
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +95,73 @@ def test_an_old_run_dirs_config_gains_every_group_added_since_as_the_run_ran_wit
     migrated = migrate_config(saved)
     assert [g for g in CONFIG_GROUPS if g not in presets and g not in migrated] == []
     assert OmegaConf.select(migrated, "devices._target_") == "fedrun.devices.Unmodelled"  # the newest: no clock
+
+
+def test_sighup_stops_after_the_round_never_at_once_and_stays_ignored_under_nohup(tmp_path, monkeypatch):
+    """A closed terminal's SIGHUP is a stop request as SIGTERM is; the shell sends it again to its jobs, so a
+    second one (or one after SIGTERM) never stops at once; where it was ignored (nohup) the run keeps it so."""
+    killed = []
+    monkeypatch.setattr(checkpoint.os, "kill", lambda pid, signum: killed.append(signum))
+    monkeypatch.setattr(checkpoint.time, "sleep", lambda s: None)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        for first in (signal.SIGHUP, signal.SIGTERM):
+            stops = checkpoint.StopSignals(Checkpoint(tmp_path))
+            monkeypatch.setattr(stops, "_hung_up", lambda: None)  # the output's move: its own test, in a process
+            with stops:
+                assert signal.getsignal(signal.SIGHUP) == stops._handle
+                stops._handle(first, None)
+                stops._handle(signal.SIGHUP, None)
+                stops._handle(signal.SIGHUP, None)
+                assert stops.checkpoint.stop_requested == signal.Signals(first).name and killed == []
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+        with checkpoint.StopSignals(Checkpoint(tmp_path)) as stops:  # SIGTERM twice: at once, as before
+            stops._handle(signal.SIGTERM, None)
+            stops._handle(signal.SIGTERM, None)
+        assert killed == [signal.SIGTERM]
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
+        with checkpoint.StopSignals(Checkpoint(tmp_path)):
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+HUNG_UP = """
+import os, signal, sys
+from pathlib import Path
+from fedrun.checkpoint import Checkpoint, StopSignals
+with StopSignals(Checkpoint(Path(sys.argv[1]))) as stops:
+    print("before", flush=True)
+    os.kill(os.getpid(), signal.SIGHUP)
+    print("after on stdout", flush=True)
+    print("after on stderr", file=sys.stderr, flush=True)
+    print("stop", stops.checkpoint.stop_requested, file=sys.stderr, flush=True)
+"""
+
+
+@pytest.mark.parametrize("stdout", ["pipe", "file"])
+def test_after_a_sighup_what_went_to_a_pipe_or_terminal_goes_to_terminal_log_and_a_file_stays(tmp_path, stdout):
+    """A hang-up takes the terminal and the pipes of its pipeline (a write there fails: EIO, EPIPE): fedrun's output
+    from then on is in the run dir's terminal.log; a regular file it was redirected to keeps it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(tmp_path / "out.txt", "w") as out:
+        done = subprocess.run(
+            [sys.executable, "-c", HUNG_UP, str(run)],
+            stdout=subprocess.PIPE if stdout == "pipe" else out,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 0, done.stderr
+    log = (run / checkpoint.TERMINAL_LOG).read_text()
+    before = done.stdout if stdout == "pipe" else (tmp_path / "out.txt").read_text()
+    assert before.startswith("before\n")
+    assert (
+        done.stderr.strip()
+        == f"fedrun: SIGHUP received: stopping after this round; what fedrun prints from here goes to {run / checkpoint.TERMINAL_LOG}"
+    )
+    assert "after on stderr\nstop SIGHUP\n" in log  # stderr was a pipe in both
+    moved, stayed = (log, before) if stdout == "pipe" else (before, log)  # the stop's own line is on stdout
+    for line in ("SIGHUP received: stopping after this round with a checkpoint", "after on stdout"):
+        assert line in moved and line not in stayed
