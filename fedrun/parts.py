@@ -154,7 +154,14 @@ class Parts:
 
     def step(self, params: torch.Tensor, update: torch.Tensor, sent: torch.Tensor, cohort: np.ndarray) -> torch.Tensor:
         """The server's step from the round's aggregate: the client program's server half adjusts it (FedDyn's h),
-        then the server optimizer steps along it."""
+        then the server optimizer steps along it.
+
+        Under central DP the updates ``sent`` are clipped but not noised (``CentralNoise`` noises their sum), so the
+        server half reads the round's release instead, as one row: D times the noised aggregate, the noised sum of
+        the clipped updates. What it adds to the model is then post-processing of what epsilon covers; FedDyn's h
+        summed from the un-noised updates was not (every past round's updates, un-noised, in every later model)."""
+        if self.privacy.mechanism == "central":
+            sent = (update * self.privacy.denominator).unsqueeze(0)
         return self.server.step(params, self.client.adjust(update, sent, cohort))
 
     def exhausted(self) -> bool:
