@@ -386,7 +386,14 @@ def solver_coefficient_norm(optimizer: torch.optim.Optimizer, steps: int, lr: fl
     if hasattr(optimizer, "coefficient_norm"):
         return optimizer.coefficient_norm(steps)
     group = optimizer.param_groups[0]
-    return _optimizers.coefficient_norm(steps, lr, group.get("momentum", 0.0), group.get("mu", 0.0))
+    return _optimizers.coefficient_norm(
+        steps,
+        lr,
+        group.get("momentum", 0.0),
+        group.get("mu", 0.0),
+        group.get("dampening", 0.0),
+        group.get("nesterov", False),
+    )
 
 
 def per_client_start(params: torch.Tensor, row: int) -> torch.Tensor:

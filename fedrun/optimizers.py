@@ -49,12 +49,15 @@ def base_lr(make_optimizer, default: float | None = None) -> float:
     return keywords["lr"]
 
 
-def coefficient_norm(steps: int, lr: float, momentum: float = 0.0, mu: float = 0.0) -> float:
+def coefficient_norm(
+    steps: int, lr: float, momentum: float = 0.0, mu: float = 0.0, dampening: float = 0.0, nesterov: bool = False
+) -> float:
     """||a||_1 of FedNova (Wang et al. 2020): the update of ``steps`` local steps is -lr * sum_j a_j g_j.
 
-    Found by running the solver's linear recursion (heavy-ball momentum, proximal pull towards the start)
-    on unit gradients: plain SGD gives ``steps``, momentum rho gives (steps - rho(1 - rho^steps)/(1 - rho))
-    / (1 - rho), the proximal term gives (1 - (1 - lr mu)^steps) / (lr mu).
+    Found by running the solver's linear recursion (torch's SGD: heavy-ball momentum with its dampening, which its
+    first step skips, or Nesterov's; the proximal pull towards the start) on unit gradients: plain SGD gives
+    ``steps``, momentum rho gives (steps - rho(1 - rho^steps)/(1 - rho)) / (1 - rho), the proximal term gives
+    (1 - (1 - lr mu)^steps) / (lr mu).
     """
     if steps == 0:
         return 0.0
@@ -63,9 +66,16 @@ def coefficient_norm(steps: int, lr: float, momentum: float = 0.0, mu: float = 0
     # Column j: the displacement (in units of lr) caused by a unit gradient at step j, so no division by lr.
     moved, buffer = np.zeros(steps), np.zeros(steps)
     for k in range(steps):
-        buffer = momentum * buffer + lr * mu * moved
-        buffer[k] += 1.0
-        moved = moved - buffer
+        pull = lr * mu * moved  # the proximal term's gradient, in units of lr
+        kept = 1.0 if k == 0 or momentum == 0 else 1.0 - dampening  # torch's first step takes the gradient whole
+        buffer = momentum * buffer + kept * pull
+        buffer[k] += kept
+        if nesterov:  # the step is g + rho * buffer
+            direction = pull + momentum * buffer
+            direction[k] += 1.0
+        else:
+            direction = buffer
+        moved = moved - direction
     return float(-moved.sum())
 
 
@@ -169,8 +179,12 @@ class STORM(torch.optim.Optimizer):
         self._full_closure, self._round = full_closure, round_
 
     def coefficient_norm(self, steps: int) -> float:
-        """FedNova's ||a||_1, counting each STORM step as one plain step."""
-        return float(steps)
+        """FedNova's ||a||_1 in units of the base rate lr (the update is -lr sum_j a_j g_j): each STORM step counts as
+        one plain step of eta, so eta / lr of one (1 without ``adaptive``, where eta is lr). FedNova's normaliser and
+        SCAFFOLD's option II read it."""
+        lr = self.param_groups[0]["lr"]
+        eta = getattr(self, "eta", lr)
+        return float(steps) if eta == lr else float(steps) * eta / lr
 
     def _gradients(self, closure, params, weight_decay):
         with torch.enable_grad():

@@ -88,6 +88,7 @@ class Local:
     sizes: list
     personal: tuple | None = None  # APFL's (v0, v, alpha): a model trained beside
     out: torch.Tensor | None = None  # the row of the cohort's updates this client's delta is written into
+    norm: float | None = None  # ||a||_1 of its steps (FedNova's: the update is -lr sum_j a_j g_j), once they are done
 
 
 @dataclass
@@ -287,10 +288,8 @@ class LocalSGD:
             epoch_losses = torch.stack(local.losses[-last:]).double().cpu().numpy()
             mean = float(np.average(epoch_losses, weights=local.sizes[-last:]))
             authors = float(epoch_losses.sum() / len(client.index))
-        return Finished(
-            delta, self.kept(local, delta, steps), steps, solver_coefficient_norm(local.optimizer, steps, client.lr),
-            mean, authors,
-        )  # fmt: skip
+        local.norm = solver_coefficient_norm(local.optimizer, steps, client.lr)
+        return Finished(delta, self.kept(local, delta, steps), steps, local.norm, mean, authors)
 
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor | None:
         """The state the client keeps after this round (None: it keeps nothing)."""
@@ -490,7 +489,10 @@ class Scaffold(LocalSGD):
     def kept(self, local: Local, delta: torch.Tensor, steps: int) -> torch.Tensor:
         if not steps:
             return local.own.clone()
-        return local.own - local.shared - delta / (steps * local.client.lr)  # (x - y_i) = -delta
+        # (x - y_i) = -delta = lr sum_j a_j (g_j - c_i + c): divided by lr ||a||_1, the a-weighted mean of the
+        # corrected gradients, c_i+ their mean gradient. With plain SGD ||a||_1 = K, the paper's K eta_l (line 12);
+        # with momentum K alone made c_i+ about 1 / (1 - momentum) times too large (and the run diverge).
+        return local.own - local.shared - delta / (local.norm * local.client.lr)
 
     def server_keep(self, cohort, before, after) -> None:
         total = len(self.context.sizes)  # N: every client of the run
@@ -514,7 +516,7 @@ class FedDyn(LocalSGD):
     problem with mu = alpha.
 
     Args:
-        alpha: alpha > 0 (the paper's 0.01-0.1; FL-bench 0.01, PFLlib 0.01).
+        alpha: alpha > 0 (the paper's 0.01-0.1, its code's example 0.01; FL-bench 0.1, PFLlib's shared alpha 1.0).
     """
 
     keeps, serves, name = True, True, "feddyn"
@@ -549,15 +551,16 @@ class Moon(LocalSGD):
 
     with z, z_glob and z_prev the representations of the inputs under the local model being trained, the round's
     global model and the client's previous local model (its model at the end of its last round; the initial global
-    model before: the authors' code starts every ``prev_nets`` at it), and sim the cosine similarity. The
+    model before, as PFLlib's: FL-bench takes the round's global model, the authors' code an empty pool in round 0
+    and then each party's own network, docs/explanation/client-programs.md), and sim the cosine similarity. The
     representation is the input of the model's last layer (the module holding its last parameter): for ``mlp`` the
-    last hidden layer's 200 (or ``hidden[-1]``) units, for ``cnn`` and ``fedavg_cnn`` the flattened features before
-    ``fc``, for ``leaf_cnn`` its 2048-unit dense layer, for ``char_lstm`` the last step's LSTM output. The paper adds
+    last hidden layer's 200 (or ``hidden[-1]``) units, for ``cnn`` the flattened features before ``fc``, for
+    ``fedavg_cnn`` the 512 units of its first dense layer, for ``leaf_cnn`` its 2048-unit dense layer, for ``char_lstm`` the last step's LSTM output. The paper adds
     a projection head before it; fedrun's models have none, as PFLlib's and FL-bench's MOON use the base's output.
     A model whose last layer reads its raw inputs (``logistic``) has no representation to contrast: refused.
 
     Args:
-        mu: Weight of the contrastive term (the paper: 1 on MNIST-like data, 5 on CIFAR-10); 0 is FedAvg.
+        mu: Weight of the contrastive term (the paper's tuned values: 5 on CIFAR-10, 1 on CIFAR-100 and Tiny-ImageNet; it has no MNIST-like data); 0 is FedAvg.
         tau: Temperature (the paper's 0.5).
     """
 
@@ -629,7 +632,9 @@ class Tilted(LocalSGD):
     Minimization", ICLR, eq. 2): each mini-batch's loss is (1/tau) log mean_j exp(tau l_j) over its samples'
     losses l_j, whose gradient weighs sample j by softmax(tau l)_j (tau > 0: the hardest samples more; tau < 0:
     outliers less; tau = 0: the mean, plain local SGD exactly). The loss a client reports is the plain mean (what
-    every other program reports). With ``aggregator=term`` across clients, hierarchical TERM.
+    every other program reports). With ``aggregator=term`` across clients both tilts run (not hierarchical TERM,
+    whose tilt across clients reads each client's tilted risk). The tilt is normalised within each mini-batch, so
+    its strength follows the batch size (batch size 1: plain SGD); the authors keep a running normaliser.
 
     Args:
         tau: The sample-level tilt, any real number.

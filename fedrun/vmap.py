@@ -88,7 +88,7 @@ class SGDRule:
         return new_params, new_buffers
 
     def coefficient_norm(self, steps: int) -> float:
-        return coefficient_norm(steps, self.lr, self.momentum, self.mu)
+        return coefficient_norm(steps, self.lr, self.momentum, self.mu, self.dampening, self.nesterov)
 
 
 def vmap_supported(make_optimizer, model: torch.nn.Module) -> str | None:
@@ -263,7 +263,7 @@ class VmapTrainer(Trainer):
             calls = cohort_calls(
                 self.model, self.x, self.y, parts, client_ids, works, rule.lr, self.make_optimizer, round_, seed, stream
             )
-            kept = _kept(program, calls, global_params, deltas, steps)
+            kept = _kept(program, calls, global_params, deltas, steps, norms)
         return CohortUpdate(deltas, ClientLosses(local_mean, local_authors), steps, norms, kept)
 
     def _unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -283,15 +283,22 @@ class VmapTrainer(Trainer):
         pass
 
 
-def _kept(program: Program, clients: list[Client], starts: torch.Tensor, deltas: torch.Tensor, steps: np.ndarray):
+def _kept(
+    program: Program,
+    clients: list[Client],
+    starts: torch.Tensor,
+    deltas: torch.Tensor,
+    steps: np.ndarray,
+    norms: np.ndarray,
+):
     """Each client's state after its local work, as the program's ``kept`` says it from the client's call (its
-    data, work, learning rate and keys, as the loop's), its start, own state and broadcast."""
+    data, work, learning rate and keys, as the loop's), its start, own state, broadcast and ||a||_1."""
     rows = []
     for i, (client, delta) in enumerate(zip(clients, deltas)):
         own = None if program.owns is None else program.owns[i].to(delta)
         start = starts if starts.dim() == 1 else starts[i]
         shared = None if program.shared is None else program.shared.to(delta)
-        local = Local(client, start, own, shared, None, None, None, None, [], [])
+        local = Local(client, start, own, shared, None, None, None, None, [], [], norm=float(norms[i]))
         rows.append(program.program.kept(local, delta, int(steps[i])))
     return torch.stack(rows)
 

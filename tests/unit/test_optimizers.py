@@ -171,6 +171,40 @@ def test_coefficient_norms_match_fednova_closed_forms():
     )  # lr -> 0: no prox pull
 
 
+def test_coefficient_norms_with_dampening_and_nesterov_match_their_sums_and_torchs_sgd():
+    """torch's SGD with dampening d (its first step takes the gradient whole) and Nesterov's step g + rho * buffer:
+    ||a||_1 as the sums of each gradient's later displacement, and as torch moves a parameter under a unit gradient
+    (FedNova's normaliser and SCAFFOLD's option II read it; both once counted these as heavy-ball steps)."""
+    rho, d, tau, lr = 0.9, 0.3, 7, 0.1
+    geometric = [(1 - rho**i) / (1 - rho) for i in range(1, tau + 1)]  # one gradient's displacement over i steps
+    damped = geometric[-1] + (1 - d) * sum(geometric[:-1])
+    nesterov = tau + rho * sum(geometric)
+    assert coefficient_norm(tau, lr, momentum=rho, dampening=d) == pytest.approx(damped, rel=1e-14)
+    assert coefficient_norm(tau, lr, momentum=rho, nesterov=True) == pytest.approx(nesterov, rel=1e-14)
+    for kwargs in ({"dampening": d}, {"nesterov": True}, {"dampening": 0.5, "weight_decay": 0.0}):
+        p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        sgd = torch.optim.SGD([p], lr=lr, momentum=rho, **kwargs)
+        for _ in range(tau):
+            p.grad = torch.ones(1, dtype=torch.float64)
+            sgd.step()
+        moved = -float(p.detach()[0]) / lr
+        kwargs.pop("weight_decay", None)
+        assert coefficient_norm(tau, lr, momentum=rho, **kwargs) == pytest.approx(moved, rel=1e-13)
+    assert coefficient_norm(tau, lr, momentum=0.0, dampening=d) == tau  # no momentum: dampening does nothing
+
+
+def test_storms_coefficient_norm_counts_its_steps_in_units_of_the_base_rate():
+    """The update of K STORM steps is -eta sum_k d_k: ||a||_1 = K eta / lr, K where eta is lr (not adaptive)."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    fixed = STORM([p], lr=0.1, beta=0.5)
+    fixed.start_round(3, None)
+    assert fixed.coefficient_norm(4) == 4.0
+    adaptive = STORM([p], lr=0.1, adaptive=True, k0=1.0, w0=7.0, sigma2=1.0, beta=0.5)
+    adaptive.start_round(1, None)
+    eta = 1.0 / (7.0 + 1.0) ** (1 / 3)  # Theorem A.1's k0 / (w0 + sigma2 t)^(1/3) at t = 1
+    assert adaptive.coefficient_norm(4) == pytest.approx(4 * eta / 0.1, rel=1e-15)
+
+
 def test_solver_reports_steps_and_norms():
     done = updates(functools.partial(torch.optim.SGD, momentum=0.5))
     assert list(done.steps) == [6, 12]  # ceil(12/5) * 2, ceil(28/5) * 2

@@ -63,6 +63,25 @@ def test_scaffold_by_hand_two_clients_two_steps_and_the_server_variate():
     assert torch.equal(program.server, expected)
 
 
+def test_scaffolds_variate_with_heavy_ball_momentum_divides_by_lr_times_the_steps_coefficient_norm():
+    """With momentum rho the K steps move y by lr sum_j a_j (g_j - c_i + c), a = (1 + rho, 1) for K = 2: option II
+    divides by lr ||a||_1 = lr (2 + rho), so c_i+ is the a-weighted mean of the corrected gradients plus c_i - c (it
+    divided by K lr, and c_i+ came out about 1 / (1 - rho) times the gradient it estimates)."""
+    rho = 0.9
+    c = torch.tensor([0.1, -0.05], dtype=torch.float64)
+    c_i = torch.tensor([[0.02, 0.03], [-0.04, 0.01]], dtype=torch.float64)
+    out = run(Program(Scaffold(), c_i, c), optimizer=partial(torch.optim.SGD, lr=LR, momentum=rho))
+    for k, part in enumerate(PARTS):
+        w, buffer = W0.numpy().copy(), None
+        for _ in range(STEPS):  # torch's heavy ball on the corrected gradient
+            corrected = gradient(w, part) - c_i[k].numpy() + c.numpy()
+            buffer = corrected if buffer is None else rho * buffer + corrected
+            w = w - LR * buffer
+        np.testing.assert_allclose(out.deltas[k].numpy(), w - W0.numpy(), rtol=1e-12)
+        kept = c_i[k].numpy() - c.numpy() + (W0.numpy() - w) / (LR * (2 + rho))
+        np.testing.assert_allclose(out.kept[k].numpy(), kept, rtol=1e-12)
+
+
 def test_scaffold_with_zero_variates_is_fedavg_bit_for_bit():
     zeros = torch.zeros(2, 2, dtype=torch.float64)
     plain, scaffold = run(None), run(Program(Scaffold(), zeros, torch.zeros(2, dtype=torch.float64)))
