@@ -33,7 +33,8 @@ class QFFL(Aggregator):
     step size as much as a weighting; ``attack/weight_share`` is NaN), and the server's SGD at lr 1 takes the
     paper's step. L, the Lipschitz estimate, is 1/lr of the round's local learning rate, as the paper sets it (its
     Section 4.2 and the authors' code); ``lipschitz`` fixes it instead. The losses get 1e-10 before their power, as
-    in the authors' code (a zero loss with q < 1 would divide by zero). With q = 0, alpha_k = 1/|S_t|: FedAvg with
+    in the authors' code (a zero loss with q < 1 would divide by zero); a reported loss below 0, which only a liar
+    sends, counts as 0. With q = 0, alpha_k = 1/|S_t|: FedAvg with
     uniform weights, exactly (a test); the paper's p_k are the sampling's (it samples clients by p_k and averages
     uniformly).
 
@@ -64,7 +65,9 @@ class QFFL(Aggregator):
 
     def alpha(self, deltas: torch.Tensor, report: RoundView) -> np.ndarray:
         """alpha_k = F_k^q / sum_j (q F_j^(q-1) L ||Delta_j||^2 + F_j^q) over the cohort."""
-        losses = np.asarray(report.losses.mean, dtype=np.float64) + EPSILON
+        # A loss is >= 0; a reported one below (only a liar's: attack=loss_lie with a negative offset) counts as 0,
+        # where F^q is defined for every q (a negative loss made alpha NaN at q = 0.5 and negative at q = 1).
+        losses = np.maximum(np.asarray(report.losses.mean, dtype=np.float64), 0.0) + EPSILON
         lipschitz = self.lipschitz if self.lipschitz is not None else 1.0 / report.lr
         squared = (deltas.double() ** 2).sum(1).cpu().numpy()
         powered = np.float_power(losses, self.q)
@@ -141,7 +144,8 @@ class TERM(LossWeighted):
     T = -1/t for t < 0) when FedSoftMax measures what TERM does: ``fstar=zero``, ``loss_on=global`` and
     ``loss_scale=mean`` (the defaults here); paper 000's rule may subtract an F_i* estimate, read the last local
     epoch's loss or the authors' loss scale, where the two part. The sample-level tilt inside a client's objective
-    is the client program ``client=tilted`` (``fedrun.programs.Tilted``); both together are hierarchical TERM.
+    is the client program ``client=tilted`` (``fedrun.programs.Tilted``); both together are not hierarchical TERM,
+    which tilts each client's tilted risk, not its mean loss (docs/explanation/aggregators.md).
 
     Args:
         t: The tilt, any real number.
@@ -153,10 +157,16 @@ class TERM(LossWeighted):
         check(isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t), "t", t, "a finite number")
         self.t = float(t)
 
+    @property
+    def sign(self) -> float:
+        """The direction the tilt rewards: the worst-fitted for t >= 0 (``trim`` drops the largest losses, as
+        FedSoftMax's), the best-fitted for t < 0 (it drops the smallest, as FedSoftBetter's: what a liar reports)."""
+        return -1.0 if self.t < 0 else 1.0
+
     def weigh(self, score, p, round_):
         if self.t == 0:  # exp(0) = 1: p itself (computed through the logits it would differ in the last bits)
             return p
-        return exponential_weights(p, self.t * score)
+        return exponential_weights(p, abs(self.t) * score)  # score = sign * F: t F, the same bits either sign
 
     def diagnose(self, report, alpha):
         return {**super().diagnose(report, alpha), "tilt": self.t}

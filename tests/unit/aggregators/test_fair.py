@@ -40,6 +40,20 @@ def test_a_larger_q_weighs_the_worse_clients_more():
     assert shares[0][2] < shares[1][2] < shares[2][2]  # the client of loss 2.0 gets more of the weight
 
 
+def test_q_fedavg_counts_a_negative_reported_loss_as_zero():
+    """Only a liar reports a loss below 0: counted as 0 (F^q of a negative loss is NaN for q = 0.5, negative for
+    q = 1), the rule stays a step of non-negative weights."""
+
+    def reported(first: float) -> RoundView:
+        losses = np.array([first, 1.0, 2.0])
+        return RoundView(np.arange(3), np.array([10, 20, 30]), losses=ClientLosses(losses, losses), lr=0.1)
+
+    for q in (0.5, 1.0, 2.0):
+        alpha = QFFL(q=q).alpha(DELTAS, reported(-9.5))
+        assert np.all(np.isfinite(alpha)) and np.all(alpha >= 0)
+        np.testing.assert_array_equal(alpha, QFFL(q=q).alpha(DELTAS, reported(0.0)))
+
+
 @pytest.mark.parametrize("kwargs", [{"q": -1.0}, {"q": True}, {"lipschitz": 0.0}])
 def test_bad_settings_are_refused_in_one_line(kwargs):
     with pytest.raises(ConfigError):
@@ -116,3 +130,10 @@ def test_term_across_clients_is_fedsoftmax_at_one_over_t_where_their_definitions
         np.testing.assert_allclose(term, softmax, rtol=1e-14)
         mirror = FedSoftBetter(temperature=1 / t).aggregate(torch.zeros(2), DELTAS, view())[1]
         np.testing.assert_allclose(TERM(t=-t).aggregate(torch.zeros(2), DELTAS, view())[1], mirror, rtol=1e-14)
+        # with trim too: t < 0 rewards the smallest losses, so trim drops those (it dropped the largest, which the
+        # rule already weighs least: a liar reporting a tiny loss kept the weight the defence was to take away)
+        for sign, rule in ((1, FedSoftMax), (-1, FedSoftBetter)):
+            trimmed = TERM(t=sign * t, trim=1).aggregate(torch.zeros(2), DELTAS, view())[1]
+            same = rule(temperature=1 / t, trim=1).aggregate(torch.zeros(2), DELTAS, view())[1]
+            np.testing.assert_allclose(trimmed, same, rtol=1e-14)
+            assert trimmed[2 if sign > 0 else 0] == 0.0
