@@ -15,7 +15,9 @@ previous checkpoint (and the directory fsynced), so a kill during a write leaves
 A ``StopSignals`` context turns the first SIGTERM, SIGINT, SIGUSR2 or SIGHUP into a request the engine honours
 after the current round (checkpoint, then ``Stopped``); a second one stops at once, but for SIGHUP, which a closed
 terminal sends twice (the kernel to the foreground job, then the shell to each of its jobs). From a SIGHUP on, what
-fedrun prints goes to ``terminal.log`` in the run dir where it went to a terminal or a pipe, both gone with it.
+fedrun prints goes to ``terminal.log`` in the run dir where it went to a terminal or a pipe, both gone with it; a
+write that finds its terminal or pipe gone (EIO, EPIPE: ``fedrun ... | head``) does the same and stops the run as
+SIGHUP or SIGPIPE would, instead of failing it.
 
 One process writes a run dir at a time: ``lock`` holds an exclusive ``flock`` on ``fedrun.lock`` in it for as long
 as the process lives (or until ``unlock``), and a second process is refused in one line naming the holder's pid.
@@ -26,7 +28,9 @@ a resume; the file stays, with the last holder's pid.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import functools
 import os
 import pickle
 import signal
@@ -281,7 +285,12 @@ class StopSignals:
     MLflow run KILLED, and what fedrun prints from then on goes to ``terminal.log`` in the run dir instead of the
     terminal or pipe it went to (``_hung_up``). A terminal's hang-up comes twice (the kernel's to the foreground job,
     then bash's to each of its jobs), so SIGHUP never stops at once. Where SIGHUP was ignored when the run started
-    (``nohup``), it stays ignored: the run goes on."""
+    (``nohup``), it stays ignored: the run goes on.
+
+    A write can find the terminal gone before the signal comes (a write blocked on a full terminal, as over a
+    stalled SSH connection, wakes with EIO) and a pipe's reader can leave (``fedrun ... | head``: EPIPE, Python
+    ignoring SIGPIPE): ``sys.stdout`` and ``sys.stderr`` are wrapped (``Surviving``) so that such a write moves the
+    output as a hang-up does, asks for the stop (SIGHUP for EIO, SIGPIPE for EPIPE) and is written again there."""
 
     # SIGUSR2: a cluster's warning before its time limit (SLURM's --signal=USR2@<seconds>, as submitit asks for it).
     SIGNALS = (signal.SIGTERM, signal.SIGINT) + tuple(
@@ -289,12 +298,12 @@ class StopSignals:
     )
 
     def __init__(self, checkpoint: Checkpoint):
-        self.checkpoint, self.previous, self.log, self.terminal = checkpoint, {}, None, []
+        self.checkpoint, self.previous, self.log, self.terminal, self.moved = checkpoint, {}, None, [], []
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if name == "SIGHUP":
-            self._hung_up()
+            self._hung_up(self.terminal)  # as they were at the start: a hung-up terminal is no longer one to isatty
             if self.checkpoint.stop_requested:  # a hang-up again, or after another signal: never at once
                 return
         elif self.checkpoint.stop_requested:  # the second signal: stop now
@@ -304,30 +313,40 @@ class StopSignals:
             os.kill(os.getpid(), signum)
             time.sleep(1)
             return
-        self.checkpoint.stop_requested = name
-        again = "SIGTERM stops at once" if name == "SIGHUP" else "send it again to stop at once"
-        print(f"\nfedrun: {name} received: stopping after this round with a checkpoint ({again})", flush=True)
+        self._stop(name, "received")
 
-    def _hung_up(self) -> None:
-        """Send what fedrun prints from here on to ``terminal.log`` in the run dir, where it went to a terminal or a
-        pipe (gone with the terminal: a write there fails, EIO or EPIPE, and would fail the run); a regular file
-        stays. A terminal still there is told first."""
-        gone = self.terminal  # as they were at the start: a hung-up terminal is no longer one to isatty
-        if self.log is not None or not gone:
+    def _stop(self, name: str, why: str) -> None:
+        self.checkpoint.stop_requested = name
+        again = "send it again to stop at once" if name not in LOSSES.values() else "SIGTERM stops at once"
+        with contextlib.suppress(OSError, RuntimeError):  # RuntimeError: a handler inside a write to the same stream
+            print(f"\nfedrun: {name} {why}: stopping after this round with a checkpoint ({again})", flush=True)
+
+    def _lost(self, fd: int, error: OSError) -> None:
+        """A write to ``fd`` found its terminal or pipe gone (``Surviving``): that output moves as for SIGHUP, and
+        the run stops after this round as if the signal had come (a blocked write can wake before the signal)."""
+        self._hung_up([fd])
+        if not self.checkpoint.stop_requested:
+            self._stop(LOSSES[error.errno], f"({errno.errorcode[error.errno]}: the terminal or pipe is gone)")
+
+    def _hung_up(self, fds: list[int]) -> None:
+        """Send what fedrun prints from here on to the descriptors ``fds`` (of 1 and 2: a terminal or a pipe, gone
+        with the terminal; a write there fails, EIO or EPIPE, and would fail the run) to ``terminal.log`` in the run
+        dir; a regular file stays. A terminal still there is told first."""
+        gone = [fd for fd in fds if fd not in self.moved]
+        if not gone:
             return
         path = self.checkpoint.path.parent / TERMINAL_LOG
-        with contextlib.suppress(OSError, ValueError):
-            print(
-                f"\nfedrun: SIGHUP received: stopping after this round; what fedrun prints from here goes to {path}",
-                file=sys.stderr,
-                flush=True,
-            )
-        try:
-            self.log = appended(path, binary=True)
-        except (OSError, RunFileError):  # no run dir to write (a link there): nowhere, rather than a failed run
-            self.log = open(os.devnull, "wb")  # kept open: the process's output from here
+        for fd in gone:  # straight to the descriptor: the handler may be inside a buffered write
+            with contextlib.suppress(OSError):
+                os.write(fd, f"\nfedrun: stopping after this round; what fedrun prints here goes to {path}\n".encode())
+        if self.log is None:
+            try:
+                self.log = appended(path, binary=True)
+            except (OSError, RunFileError):  # no run dir to write (a link there): nowhere, rather than a failed run
+                self.log = open(os.devnull, "wb")  # kept open: the process's output from here
         for fd in gone:
             os.dup2(self.log.fileno(), fd)
+            self.moved.append(fd)
 
     def __enter__(self) -> StopSignals:
         self.terminal = [fd for fd in (1, 2) if _lost_with_terminal(fd)]
@@ -338,12 +357,63 @@ class StopSignals:
                 self.previous[signum] = signal.signal(signum, self._handle)
         except ValueError:  # not the main thread
             self.previous = {}
+            return self
+        self.streams = (sys.stdout, sys.stderr)
+        sys.stdout, sys.stderr = (
+            Surviving(s, functools.partial(self._lost, _fd(s))) if _fd(s) in self.terminal else s for s in self.streams
+        )  # fmt: skip
         return self
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
+        if getattr(self, "streams", None):
+            sys.stdout, sys.stderr = self.streams
+            self.streams = ()
+
+
+# A write that finds its terminal gone (EIO) or its pipe's reader gone (EPIPE), and the stop it stands for.
+LOSSES = {errno.EIO: "SIGHUP", errno.EPIPE: "SIGPIPE"}
+
+
+class Surviving:
+    """A text stream (``sys.stdout``, ``sys.stderr``) whose write or flush, failing because its terminal or pipe is
+    gone (``LOSSES``), calls ``lost(error)`` (which moves the descriptor elsewhere) and is done again, instead of
+    raising into the run. Anything else is the stream's own."""
+
+    def __init__(self, stream, lost):
+        self._stream, self._on_lost = stream, lost
+
+    def _guarded(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as error:
+            if error.errno not in LOSSES:
+                raise
+            self._on_lost(error)
+            return call(*args)
+
+    def write(self, text):
+        return self._guarded(self._stream.write, text)
+
+    def flush(self):
+        return self._guarded(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def close(self) -> None:
+        """Nothing: the stream is the process's own. A logging handler made while this stood in for ``sys.stderr``
+        (absl's, when dp-accounting is first imported in a run) closes its stream once that is no longer
+        ``sys.stderr``: closing the real one would leave the rest of a sweep without stderr."""
+
+
+def _fd(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # pytest's capture, a closed stream
+        return None
 
 
 def _lost_with_terminal(fd: int) -> bool:
@@ -357,4 +427,4 @@ def _lost_with_terminal(fd: int) -> bool:
 
 # What ``checkpoint.stop_requested`` may name (``agreed`` sends it between ranks as an index): the signals
 # ``StopSignals`` catches, and a study's pruner (``fedrun.study.PRUNED``).
-STOP_NAMES = tuple(signum.name for signum in StopSignals.SIGNALS) + ("pruned",)
+STOP_NAMES = tuple(signum.name for signum in StopSignals.SIGNALS) + ("SIGPIPE", "pruned")

@@ -2,6 +2,7 @@
 leaves the previous checkpoint, a foreign pickle is refused in one line, when one is due; a closed terminal's SIGHUP
 stops the run as SIGTERM does and moves its output into the run dir."""
 
+import io
 import signal
 import subprocess
 import sys
@@ -107,7 +108,7 @@ def test_sighup_stops_after_the_round_never_at_once_and_stays_ignored_under_nohu
     try:
         for first in (signal.SIGHUP, signal.SIGTERM):
             stops = checkpoint.StopSignals(Checkpoint(tmp_path))
-            monkeypatch.setattr(stops, "_hung_up", lambda: None)  # the output's move: its own test, in a process
+            monkeypatch.setattr(stops, "_hung_up", lambda fds: None)  # the output's move: its own test, in a process
             with stops:
                 assert signal.getsignal(signal.SIGHUP) == stops._handle
                 stops._handle(first, None)
@@ -159,9 +160,56 @@ def test_after_a_sighup_what_went_to_a_pipe_or_terminal_goes_to_terminal_log_and
     assert before.startswith("before\n")
     assert (
         done.stderr.strip()
-        == f"fedrun: SIGHUP received: stopping after this round; what fedrun prints from here goes to {run / checkpoint.TERMINAL_LOG}"
+        == f"fedrun: stopping after this round; what fedrun prints here goes to {run / checkpoint.TERMINAL_LOG}"
     )
     assert "after on stderr\nstop SIGHUP\n" in log  # stderr was a pipe in both
     moved, stayed = (log, before) if stdout == "pipe" else (before, log)  # the stop's own line is on stdout
     for line in ("SIGHUP received: stopping after this round with a checkpoint", "after on stdout"):
         assert line in moved and line not in stayed
+
+
+LEFT = """
+import sys
+from pathlib import Path
+from fedrun.checkpoint import Checkpoint, StopSignals
+with StopSignals(Checkpoint(Path(sys.argv[1]))) as stops:
+    print("before", flush=True)
+    sys.stdin.readline()  # the reader of stdout has gone
+    for line in range(3):
+        print("after", line, flush=True)
+    print("stop", stops.checkpoint.stop_requested, file=sys.stderr, flush=True)
+"""
+
+
+def test_a_write_to_a_pipe_whose_reader_left_moves_that_output_to_terminal_log_and_asks_for_the_stop(tmp_path):
+    """``fedrun ... | head``: Python ignores SIGPIPE, so a write to the pipe raises EPIPE (and failed the run). That
+    output goes to terminal.log from there, the run stops after its round as SIGPIPE would stop it, and the other
+    stream, whose reader is still there, keeps its own (the same for EIO: a terminal gone under a blocked write)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    child = subprocess.Popen(
+        [sys.executable, "-c", LEFT, str(run)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline() == "before\n"
+    child.stdout.close()
+    _, err = child.communicate("go\n", timeout=120)
+    assert child.returncode == 0, err
+    assert err.splitlines()[-1] == "stop SIGPIPE"
+    log = (run / checkpoint.TERMINAL_LOG).read_text()
+    assert "SIGPIPE (EPIPE: the terminal or pipe is gone): stopping after this round with a checkpoint" in log
+    assert "after 0\nafter 1\nafter 2\n" in log and "stop SIGPIPE" not in log  # stderr's reader stayed
+
+
+def test_a_handler_closing_the_stream_it_took_while_the_run_trained_leaves_the_real_one_open():
+    """absl's logging handler, made when dp-accounting is first imported inside a run, keeps the ``sys.stderr`` of
+    that moment (the run's ``Surviving`` stand-in) and closes it once it is no longer ``sys.stderr``: the real
+    stream must stay open (a sweep's next job lost its stderr)."""
+    real = io.StringIO()
+    stand_in = checkpoint.Surviving(real, lambda error: None)
+    stand_in.write("kept\n")
+    stand_in.close()
+    assert not real.closed and real.getvalue() == "kept\n"
