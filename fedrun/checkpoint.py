@@ -299,6 +299,7 @@ class StopSignals:
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint, self.previous, self.log, self.terminal, self.moved = checkpoint, {}, None, [], []
+        self.streams = ()  # sys.stdout and sys.stderr as they were before the run's stand-ins (``Surviving``)
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -368,7 +369,7 @@ class StopSignals:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
-        if getattr(self, "streams", None):
+        if self.streams:
             sys.stdout, sys.stderr = self.streams
             self.streams = ()
 
