@@ -26,6 +26,7 @@ import sys
 import numpy as np
 
 from fedrun import lazy
+from fedrun.checkpoint import StopSignals
 from fedrun.clients import client_rows, client_signal, cohort_losses
 from fedrun.cohort import ClientLosses, CohortUpdate, LocalWork
 from fedrun.errors import check
@@ -379,8 +380,10 @@ def _worker(connection, inherited, model, x, y, make_optimizer, private: bool) -
         private
     ):  # its own workspace: a model pickled to a forkserver worker shares the parent's memory (fork copies on write)
         model = copy.deepcopy(model)
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the parent decides when to stop (a clean stop
-        # needs its workers; a closed terminal sends SIGHUP to them all)
+    for signum in StopSignals.SIGNALS:  # the parent decides when to stop: a clean stop needs its workers, and a
+        # signal to the whole job (SLURM's SIGTERM or its SIGUSR2 before the time limit, a closed terminal's SIGHUP)
+        # reaches them too. Ignored, not the parent's handler a fork copies (whose second signal kills this worker)
+        # nor a forkserver's defaults (SIGUSR2's kills it)
         signal.signal(signum, signal.SIG_IGN)
     mapped = {}  # storage address -> a tensor on it, the last sent last
     while True:

@@ -337,9 +337,14 @@ class StopSignals:
         if not gone:
             return
         path = self.checkpoint.path.parent / TERMINAL_LOG
+        told = set()  # once a terminal or pipe: stdout and stderr are most often the same one
         for fd in gone:  # straight to the descriptor: the handler may be inside a buffered write
             with contextlib.suppress(OSError):
-                os.write(fd, f"\nfedrun: stopping after this round; what fedrun prints here goes to {path}\n".encode())
+                if (same := _identity(fd)) not in told:
+                    told.add(same)
+                    os.write(
+                        fd, f"\nfedrun: stopping after this round; what fedrun prints here goes to {path}\n".encode()
+                    )
         if self.log is None:
             try:
                 self.log = appended(path, binary=True)
@@ -415,6 +420,12 @@ def _fd(stream) -> int | None:
         return stream.fileno()
     except (AttributeError, OSError, ValueError):  # pytest's capture, a closed stream
         return None
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    """What ``fd`` is open on (a terminal, a pipe), the same for two descriptors on one."""
+    status = os.fstat(fd)
+    return status.st_dev, status.st_ino
 
 
 def _lost_with_terminal(fd: int) -> bool:

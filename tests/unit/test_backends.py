@@ -295,6 +295,38 @@ def test_workers_started_by_forkserver_equal_the_loop_in_float64():
     assert list(served.steps) == list(loop.steps) == [6, 14, 14]
 
 
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_worker_processes_outlive_every_stop_signal_sent_to_them_twice(start_method):
+    """A signal to a whole job (SLURM's SIGUSR2 before its time limit, its SIGTERM, a closed terminal's SIGHUP) reaches
+    the workers too: they leave the stop to the parent, whose clean stop needs them. Before, SIGUSR2 killed a worker
+    (its default action), and a forked worker ran the parent's handler, whose second signal killed it."""
+    import os
+    import signal
+
+    from fedrun.backends import ProcessTrainer
+    from fedrun.checkpoint import StopSignals
+    from fedrun.clients import LocalWork
+    from fedrun.models import flat_parameters
+
+    make = functools.partial(torch.optim.SGD, lr=0.05)
+    torch.manual_seed(0)
+    model = CNN((3, 8, 8), 4).double()
+    x, y = images()
+    trainer = ProcessTrainer(model, x.double(), y, make, workers=2, start_method=start_method)
+    args = (flat_parameters(model), [np.arange(0, 10), np.arange(10, 35)], np.array([3, 7]), 0.05, LocalWork(4), 0, 1)
+    try:
+        before = trainer(*args).deltas.clone()  # the workers are up, their handlers set
+        for process in trainer.processes:
+            for signum in StopSignals.SIGNALS * 2:
+                os.kill(process.pid, signum)
+        after = trainer(*args).deltas
+        assert all(process.is_alive() for process in trainer.processes)
+    finally:
+        trainer.close()
+    assert signal.SIGUSR2 in StopSignals.SIGNALS
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
 def test_worker_processes_loss_pass_equals_the_loop_in_float64():
     from fedrun.backends import Device
     from fedrun.models import flat_parameters

@@ -168,6 +168,18 @@ def test_after_a_sighup_what_went_to_a_pipe_or_terminal_goes_to_terminal_log_and
         assert line in moved and line not in stayed
 
 
+def test_a_sighup_tells_a_terminal_or_pipe_that_is_both_stdout_and_stderr_once(tmp_path):
+    """``fedrun ... 2>&1 | tee``, or a terminal: one descriptor's file behind both, told once where the output goes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", HUNG_UP, str(run)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120
+    )
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.decode().count("what fedrun prints here goes to") == 1, done.stdout
+    assert "after on stdout" in (run / checkpoint.TERMINAL_LOG).read_text()
+
+
 LEFT = """
 import sys
 from pathlib import Path
