@@ -206,6 +206,18 @@ def cohort_losses(
     )
 
 
+def tilted_risk(tau: float, model: torch.nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
+    """A client's tilted risk at ``params`` (Li, Beirami, Sanjabi and Smith 2021, "Tilted Empirical Risk
+    Minimization", ICLR: R~(tau) = (1/tau) log((1/n) sum_j exp(tau l_j)) over its n samples' losses l_j, the
+    inner objective of hierarchical TERM), a per-client signal (``fedrun.trainer``) once ``tau`` is bound
+    (``functools.partial``). In float64, in log-sum-exp form (finite for any tau and loss); tau -> 0 gives the mean
+    loss, tau -> +inf the largest. A batch-norm model is normalised by the client's own statistics, as in
+    ``cohort_losses``."""
+    calibration = (x, None) if _models.batch_norms(model) else None
+    losses = per_sample_loss(model, params, x, y, calibration)[0].double()
+    return float((torch.logsumexp(tau * losses, 0) - math.log(len(losses))) / tau)
+
+
 def client_signal(
     signal, model: torch.nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, parts: list[np.ndarray]
 ) -> np.ndarray:

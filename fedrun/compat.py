@@ -15,6 +15,8 @@ Capabilities, by part:
   did (their losses, local steps), not only their sample counts: the loss-weighted family, a hybrid, FedNova.
 - ``aggregator.reads_second_update``: it reads a second update per client, trained from the previous global model
   (MVR), which no pipeline stage sees.
+- ``aggregator.measures_losses``: its alpha reads a loss measured on the clients' data by the run's backend (TERM's
+  tilted risk, ``tau``), not the one they report.
 - ``aggregator.weighting``: p_i, ``samples`` or ``uniform`` (a setting; buffered aggregators have none).
 - ``sampler.name``: the option's name (in messages only); ``sampler.gives_weights``: it gives each cohort client an
   unbiased weight that replaces the aggregator's (importance sampling); ``sampler.draws_uniformly``: every client is
@@ -115,6 +117,16 @@ def crossing_stage(p: Parts) -> int | None:
 def clipping_stage(p: Parts) -> int | None:
     """The first stage of the pipeline that clips, or None."""
     return next((i for i, stage in enumerate(p.pipeline.stages) if stage.clips), None)
+
+
+def measuring(p: Parts) -> tuple[str, Any]:
+    """The ``tau`` key and value of the aggregator, or of its first phase, that measures the clients' losses
+    (TERM's tilted risk)."""
+    phases = [agg for agg, _, _ in getattr(p.aggregator, "phases", ())]
+    index = next((i for i, agg in enumerate(phases) if agg.measures_losses), None)
+    if index is None:
+        return "aggregator.tau", p.aggregator.tau
+    return f"aggregator.phases[{index}].aggregator.tau", phases[index].tau
 
 
 def synchronous(p: Parts) -> bool:
@@ -235,6 +247,16 @@ RULES = [
         "engine",
         lambda p: "async",
         lambda p: f"sync with attack={name(p.attack)} (no asynchronous aggregator reads a reported loss)",
+    ),
+    Rule(
+        ("aggregator", "attack"),
+        lambda p: p.aggregator.measures_losses and p.attack.lies_about_losses,
+        lambda p: measuring(p)[0],
+        lambda p: measuring(p)[1],
+        lambda p: (
+            f"null with attack={name(p.attack)} (the tilted risk is measured on the client's data: the lie would not "
+            "reach it)"
+        ),
     ),
     # The asynchronous engine.
     Rule(

@@ -47,6 +47,7 @@ class Aggregator(Stateful):
     follows_sampler = False
     weights_follow_clients = False
     reads_second_update = False
+    measures_losses = False  # alpha reads a loss measured on the clients' data, not the one they report
 
     # Whether alpha depends on what the clients measured (their losses), so that its per-client series say more than
     # p_i: only then does a run log them to MLflow (alpha.csv and the heatmap always have alpha).

@@ -62,6 +62,7 @@ class AsyncAggregator(Stateful):
     follows_sampler = False
     weights_follow_clients = False
     reads_second_update = False
+    measures_losses = False
     alpha_informative = False  # as ``Aggregator.alpha_informative``: whether alpha follows the clients' staleness
     alpha_is_share = True  # as ``Aggregator.alpha_is_share``
 

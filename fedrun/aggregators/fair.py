@@ -9,10 +9,13 @@ loss-weighted family of papers 000 and 001.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from fedrun.aggregators.base import Aggregation, Aggregator
 from fedrun.aggregators.loss_weighted import LossWeighted, exponential_weights
+from fedrun.clients import tilted_risk
 from fedrun.cohort import RoundView
 from fedrun.errors import check
 from fedrun.lazy import torch
@@ -143,19 +146,49 @@ class TERM(LossWeighted):
     to outlying clients), t = 0 is FedAvg exactly. This is FedSoftMax's form with T = 1/t (FedSoftBetter's with
     T = -1/t for t < 0) when FedSoftMax measures what TERM does: ``fstar=zero``, ``loss_on=global`` and
     ``loss_scale=mean`` (the defaults here); paper 000's rule may subtract an F_i* estimate, read the last local
-    epoch's loss or the authors' loss scale, where the two part. The sample-level tilt inside a client's objective
-    is the client program ``client=tilted`` (``fedrun.programs.Tilted``); both together are not hierarchical TERM,
-    which tilts each client's tilted risk, not its mean loss (docs/explanation/aggregators.md).
+    epoch's loss or the authors' loss scale, where the two part.
+
+    Hierarchical TERM (the paper's tilt across groups of tilted groups, one client a group) tilts each client's
+    tilted risk instead of its mean loss: with ``tau`` set, F_k is R~_k(tau) = (1/tau) log((1/n_k) sum_j exp(tau
+    l_kj)) over client k's training samples at the round's model (``fedrun.clients.tilted_risk``, measured on the
+    client's data by the run's backend), and with the sample-level tilt inside each client's objective at the same
+    tau (the client program ``client=tilted``, ``fedrun.programs.Tilted``) the round is hierarchical TERM's; the
+    preset ``method=hierarchical_term`` sets both. The authors' own hierarchical code (``hierarchical/
+    mixed_level2.py``) tilts within a group over its classes' mean losses instead of its samples.
 
     Args:
-        t: The tilt, any real number.
+        t: The tilt across clients, any real number.
+        tau: null (F_k the client's reported mean loss) or the tilt within each client, any real number (0: the
+            mean loss, as null). With ``loss_on=global``, ``loss_scale=mean`` and ``fstar=zero`` only (the tilted
+            risk is measured at the round's model, in the loss's own scale); a loss lie (``attack=loss_lie``) does
+            not reach it, so the two are refused together.
         fstar, fstar_epochs, loss_on, loss_scale, weighting, trim, max_weight: See ``LossWeighted``.
     """
 
-    def __init__(self, t: float = 1.0, **kwargs):
+    def __init__(self, t: float = 1.0, tau: float | None = None, **kwargs):
         super().__init__(**kwargs)
         check(isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t), "t", t, "a finite number")
         self.t = float(t)
+        check(
+            tau is None or (isinstance(tau, (int, float)) and not isinstance(tau, bool) and np.isfinite(tau)),
+            "tau",
+            tau,
+            "null or a finite number",
+        )
+        self.tau = None if tau is None or tau == 0 else float(tau)
+        if self.tau is not None:
+            for key, value, plain in (("loss_on", self.loss_on, "global"), ("loss_scale", self.loss_scale, "mean")):
+                check(value == plain, key, value, f"{plain} with tau={tau} (the tilted risk at the round's model)")
+            check(self.fstar == "zero", "fstar", self.fstar, f"zero with tau={tau} (F* is a mean loss's)")
+        self._signal = None if self.tau is None else functools.partial(tilted_risk, self.tau)
+
+    @property
+    def measures_losses(self) -> bool:
+        """Whether its F_k is measured on the clients' data (the tilted risk), not the loss they report."""
+        return self.tau is not None
+
+    def gaps(self, report: RoundView) -> np.ndarray:
+        return super().gaps(report) if self._signal is None else report.per_client(self._signal)
 
     @property
     def sign(self) -> float:

@@ -363,6 +363,10 @@ class Hybrid(Aggregator):
         self.current = 0
         self.switched: dict[str, str] = {}  # when each phase began (and on what), the run's tags
 
+    @property
+    def measures_losses(self) -> bool:
+        return any(agg.measures_losses for agg, _, _ in self.phases)
+
     def bind(self, context: Context) -> None:
         """Bind each phase (a loss-weighted phase checks its ``trim`` and ``max_weight``), its errors naming the
         phase's key."""

@@ -43,3 +43,51 @@ def test_feddyns_h_under_central_dp_is_summed_from_the_noised_releases_not_the_c
     assert len(rounds) == 3 and torch.equal(program.server, released)
     # the noise is what they differ by: z C / D a coordinate, far above the clipped updates' own sum
     assert (program.server - unnoised).norm() > 10 * unnoised.norm()
+
+
+def test_hierarchical_term_weighs_each_cohort_client_by_its_tilted_risk_at_the_rounds_model(
+    compose_config, monkeypatch
+):
+    """method=hierarchical_term through the composed run, on worker processes: round 1's alpha is p_k exp(t R~_k)
+    renormalised, R~_k the client's tilted risk at tau over its training samples at the initial model, computed here
+    on its own; the clients train on their tilted risk at the same tau."""
+    import copy
+
+    import numpy as np
+
+    from fedrun.aggregators import TERM
+    from fedrun.clients import tilted_risk
+    from fedrun.models import flat_parameters
+
+    cfg = compose_config(
+        "dataset=digits",
+        "method=hierarchical_term",
+        "aggregator.t=2",
+        "aggregator.tau=0.5",
+        "schedule.rounds=1",
+        "partition.num_clients=6",
+        "schedule.clients_per_round=0.5",
+        "device=cpu",
+        "device.threads=1",
+        "device.backend=processes",
+        "device.workers=2",
+    )
+    seen, weights = [], TERM.weights
+
+    def recorded(self, report):
+        alpha = weights(self, report)
+        seen.append((report.clients.copy(), alpha))
+        return alpha
+
+    monkeypatch.setattr(TERM, "weights", recorded)
+    built = setup(cfg)
+    model, w0 = copy.deepcopy(built["model"]), flat_parameters(built["model"]).clone()
+    run_engine(built, cfg.seed)
+    [(cohort, alpha)] = seen
+    data, parts = built["data"], [built["clients"][c] for c in cohort]
+    risks = np.array([tilted_risk(0.5, model, w0, data.x_train[p], data.y_train[p]) for p in parts])
+    expected = np.array([len(p) for p in parts]) * np.exp(2 * risks)
+    np.testing.assert_allclose(alpha, expected / expected.sum(), rtol=1e-6)
+    means = np.array([tilted_risk(1e-9, model, w0, data.x_train[p], data.y_train[p]) for p in parts])
+    assert np.all(risks > means)  # tau > 0 leans towards each client's hardest samples
+    assert built["client"].tau == 0.5  # the clients' own tilt follows aggregator.tau

@@ -84,6 +84,8 @@ BAD = [
     (["attack=sign_flip", "attack.fraction=1.5"], "attack.fraction"),
     (["attack=sign_flip", "attack.fraction=null", "attack.count=500"], "attack.count"),
     (["attack=loss_lie", "attack.who=sometimes"], "attack.who"),
+    (["method=hierarchical_term", "aggregator.loss_on=local"], "aggregator.loss_on"),
+    (["method=hierarchical_term", "attack=loss_lie"], "aggregator.tau"),  # the lie would not reach the tilted risk
     (["compression=topk", "compression.k=0"], "compression.k"),
     (["compression=qsgd", "compression.levels=0"], "compression.levels"),
     (["sampler=power_of_choice", "sampler.candidates=1"], "sampler.candidates"),

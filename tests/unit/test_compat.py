@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedrun import attacks, compat
-from fedrun.aggregators import MVR, FedAvg, FedBuff, FedNova, FedSoftMax, RoundView
+from fedrun.aggregators import MVR, TERM, FedAvg, FedBuff, FedNova, FedSoftMax, Hybrid, RoundView
 from fedrun.async_engine import AsyncEngine
 from fedrun.attacks import ALIE, Attack, LossLie, SignFlip
 from fedrun.datasets import Dataset
@@ -110,6 +110,11 @@ CASES = [
         lambda: {"engine": asynchronous(), "attack": LossLie(fraction=0.1, offset=1.0)},
         "engine='async' is invalid: allowed is sync with attack=LossLie (no asynchronous aggregator reads a reported "
         "loss)",
+    ),
+    (
+        lambda: {"aggregator": TERM(tau=2.0), "attack": LossLie(fraction=0.1, offset=1.0)},
+        "aggregator.tau=2.0 is invalid: allowed is null with attack=LossLie (the tilted risk is measured on the "
+        "client's data: the lie would not reach it)",
     ),
     (
         lambda: {"engine": asynchronous(), "sampler": PowerOfChoice()},
@@ -367,3 +372,11 @@ def test_the_asynchronous_engine_takes_an_arrivals_own_attack_and_refuses_a_roun
         compat.check({"engine": engine, "attack": attacks.Scale(fraction=0.1)})  # scale=null: by the cohort's size
     with pytest.raises(ConfigError, match=r"^engine='async' is invalid: .*no asynchronous aggregator reads a reported"):
         compat.check({"engine": engine, "attack": attacks.LossLie(fraction=0.1, offset=1.0)})
+
+
+def test_a_hybrid_phase_that_measures_the_tilted_risk_is_named_by_its_key_beside_a_loss_lie():
+    hybrid = Hybrid([{"aggregator": FedAvg(), "until_round": 3}, {"aggregator": TERM(t=1.0, tau=-1.5)}])
+    with pytest.raises(ConfigError) as refused:
+        compat.check({"aggregator": hybrid, "attack": LossLie(fraction=0.1, offset=1.0)})
+    assert refused.value.key == "aggregator.phases[1].aggregator.tau" and refused.value.value == -1.5
+    compat.check({"aggregator": Hybrid([{"aggregator": TERM(t=1.0)}]), "attack": LossLie(fraction=0.1, offset=1.0)})

@@ -137,3 +137,77 @@ def test_term_across_clients_is_fedsoftmax_at_one_over_t_where_their_definitions
             same = rule(temperature=1 / t, trim=1).aggregate(torch.zeros(2), DELTAS, view())[1]
             np.testing.assert_allclose(trimmed, same, rtol=1e-14)
             assert trimmed[2 if sign > 0 else 0] == 0.0
+
+
+def bias_only(probabilities):
+    """A two-class model whose logits are log(probabilities) whatever the input: each sample's loss is
+    -log(probabilities[label]), known by hand."""
+    model = torch.nn.Linear(3, 2).double()
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.copy_(torch.log(torch.tensor(probabilities, dtype=torch.float64)))
+    from fedrun.models import flat_parameters
+
+    return model, flat_parameters(model)
+
+
+def test_the_tilted_risk_by_hand_and_its_limits_the_mean_and_the_largest_loss():
+    from fedrun.clients import tilted_risk
+
+    model, w = bias_only([0.25, 0.75])  # losses: log 4 for label 0, log(4/3) for label 1
+    x, y = torch.zeros(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 1])
+    losses = np.log([4.0, 4 / 3, 4 / 3, 4 / 3])
+    # tau = 1: log((4 + 3 * 4/3) / 4) = log 2; tau = -1: -log((1/4 + 3 * 3/4) / 4) = -log(5/8)
+    assert tilted_risk(1.0, model, w, x, y) == pytest.approx(np.log(2.0), rel=1e-14)
+    assert tilted_risk(-1.0, model, w, x, y) == pytest.approx(-np.log(5 / 8), rel=1e-14)
+    assert tilted_risk(1e-7, model, w, x, y) == pytest.approx(losses.mean(), rel=1e-6)
+    assert tilted_risk(1e4, model, w, x, y) == pytest.approx(np.log(4.0) - np.log(4) / 1e4, rel=1e-12)  # finite
+
+
+def test_hierarchical_term_tilts_each_clients_tilted_risk_by_hand_on_every_backend():
+    # Two clients of two samples, p uniform. Client 0 has labels (0, 1): losses (log 4, log 4/3), tilted risk at
+    # tau = 1 log((4 + 4/3) / 2) = log(8/3); client 1 has (1, 1): log(4/3) either way. At t = 1, alpha is
+    # proportional to exp(R~) = (8/3, 4/3): (2/3, 1/3). Their mean losses would give sqrt(16/3) : 4/3 instead.
+    from fedrun.aggregators import TERM
+    from fedrun.backends import LoopTrainer, ProcessTrainer
+
+    model, w = bias_only([0.25, 0.75])
+    x, y = torch.zeros(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 1])
+    parts = [np.array([0, 1]), np.array([2, 3])]
+    mean = np.log([[4.0, 4 / 3], [4 / 3, 4 / 3]]).mean(axis=1)
+    deltas = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    workers = ProcessTrainer(model, x, y, None, workers=2)
+    try:
+        for trainer in (LoopTrainer(model, x, y, None), workers):
+            report = RoundView(
+                np.arange(2),
+                np.array([2, 2]),
+                losses=ClientLosses(mean, mean),
+                measure=lambda signal, trainer=trainer: trainer.per_client(signal, w, parts),
+            )
+            _, alpha, _ = TERM(t=1.0, tau=1.0, weighting="uniform").aggregate(torch.zeros(2), deltas, report)
+            np.testing.assert_allclose(alpha, [2 / 3, 1 / 3], rtol=1e-14)
+            _, plain, _ = TERM(t=1.0, weighting="uniform").aggregate(torch.zeros(2), deltas, report)
+            np.testing.assert_allclose(plain, np.array([np.sqrt(16 / 3), 4 / 3]) / (np.sqrt(16 / 3) + 4 / 3))
+            _, zero, _ = TERM(t=1.0, tau=0.0, weighting="uniform").aggregate(torch.zeros(2), deltas, report)
+            assert np.array_equal(zero, plain)  # tau = 0: the mean loss, as null
+    finally:
+        workers.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"tau": 1.0, "loss_on": "local"}, "loss_on"),
+        ({"tau": 1.0, "loss_scale": "authors"}, "loss_scale"),
+        ({"tau": 1.0, "fstar": "estimate"}, "fstar"),
+        ({"tau": float("inf")}, "tau"),
+        ({"tau": True}, "tau"),
+    ],
+)
+def test_term_refuses_a_tilt_within_clients_it_cannot_measure_in_one_line(kwargs, key):
+    from fedrun.aggregators import TERM
+
+    with pytest.raises(ConfigError) as refused:
+        TERM(t=1.0, **kwargs)
+    assert refused.value.key == key and "\n" not in str(refused.value)
