@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -206,16 +207,33 @@ def cohort_losses(
     )
 
 
-def tilted_risk(tau: float, model: torch.nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
+@dataclass(frozen=True)
+class TiltedRisk:
     """A client's tilted risk at ``params`` (Li, Beirami, Sanjabi and Smith 2021, "Tilted Empirical Risk
     Minimization", ICLR: R~(tau) = (1/tau) log((1/n) sum_j exp(tau l_j)) over its n samples' losses l_j, the
-    inner objective of hierarchical TERM), a per-client signal (``fedrun.trainer``) once ``tau`` is bound
-    (``functools.partial``). In float64, in log-sum-exp form (finite for any tau and loss); tau -> 0 gives the mean
-    loss, tau -> +inf the largest. A batch-norm model is normalised by the client's own statistics, as in
-    ``cohort_losses``."""
-    calibration = (x, None) if _models.batch_norms(model) else None
-    losses = per_sample_loss(model, params, x, y, calibration)[0].double()
-    return float((torch.logsumexp(tau * losses, 0) - math.log(len(losses))) / tau)
+    inner objective of hierarchical TERM), a per-client signal (``fedrun.trainer``). Equal for equal ``tau``, so a
+    copy of the aggregator that reads it (``fedrun.rounds.HonestReference``) finds the round's values in the view's
+    cache. A batch-norm model is normalised by the client's own statistics, as in ``cohort_losses``."""
+
+    tau: float
+
+    def __call__(self, model: torch.nn.Module, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> float:
+        calibration = (x, None) if _models.batch_norms(model) else None
+        return tilted(per_sample_loss(model, params, x, y, calibration)[0], self.tau)
+
+
+def tilted(losses: torch.Tensor, tau: float) -> float:
+    """(1/tau) log mean_j exp(tau l_j) of per-sample losses (in their dtype, the model's), reduced in float64
+    around their mean m: m + log1p(mean(expm1(d))) / tau with d = tau (l - m) while every |d| < 1 (exact to the
+    last bits however small tau is: the plain form's log n / tau cancellation lost all of them at tau = 1e-15),
+    else m + (logsumexp(d) - log n) / tau (finite for any tau and loss). tau -> 0 gives the mean, tau -> +inf the
+    largest loss, tau -> -inf the smallest."""
+    losses = losses.double()
+    mean = losses.mean()
+    d = tau * (losses - mean)
+    if float(d.abs().max()) < 1:
+        return float(mean + torch.log1p(torch.expm1(d).mean()) / tau)
+    return float(mean + (torch.logsumexp(d, 0) - math.log(len(losses))) / tau)
 
 
 def client_signal(

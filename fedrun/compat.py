@@ -120,13 +120,17 @@ def clipping_stage(p: Parts) -> int | None:
 
 
 def measuring(p: Parts) -> tuple[str, Any]:
-    """The ``tau`` key and value of the aggregator, or of its first phase, that measures the clients' losses
-    (TERM's tilted risk)."""
-    phases = [agg for agg, _, _ in getattr(p.aggregator, "phases", ())]
-    index = next((i for i, agg in enumerate(phases) if agg.measures_losses), None)
-    if index is None:
-        return "aggregator.tau", p.aggregator.tau
-    return f"aggregator.phases[{index}].aggregator.tau", phases[index].tau
+    """The key and value of the aggregator's ``tau``, or of the phase's (a hybrid's, at any depth) that measures the
+    clients' losses (TERM's tilted risk); the aggregator's own key where it names no ``tau``."""
+
+    def find(aggregator, key: str) -> tuple[str, Any] | None:
+        phases = [agg for agg, _, _ in getattr(aggregator, "phases", ())]
+        for i, agg in enumerate(phases):
+            if agg.measures_losses:
+                return find(agg, f"{key}.phases[{i}].aggregator")
+        return (f"{key}.tau", aggregator.tau) if hasattr(aggregator, "tau") else None
+
+    return find(p.aggregator, "aggregator") or ("aggregator", name(p.aggregator))
 
 
 def synchronous(p: Parts) -> bool:

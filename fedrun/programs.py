@@ -637,20 +637,21 @@ class Tilted(LocalSGD):
     its strength follows the batch size (batch size 1: plain SGD); the authors keep a running normaliser.
 
     Args:
-        tau: The sample-level tilt, any real number.
+        tau: The sample-level tilt, any real number; null is 0 (``method=hierarchical_term`` sets it to
+            ``aggregator.tau``, whose null is the mean loss).
     """
 
     name = "tilted"
 
-    def __init__(self, tau: float = 1.0, memory_mb: float = 1024.0):
+    def __init__(self, tau: float | None = 1.0, memory_mb: float = 1024.0):
         super().__init__(memory_mb)
         check(
-            isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau),
+            tau is None or (isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau)),
             "tau",
             tau,
-            "a finite number",
+            "null (0) or a finite number",
         )
-        self.tau = float(tau)
+        self.tau = 0.0 if tau is None else float(tau)
 
     def closure(self, local: Local, chosen: torch.Tensor):
         if self.tau == 0:

@@ -9,13 +9,11 @@ loss-weighted family of papers 000 and 001.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from fedrun.aggregators.base import Aggregation, Aggregator
 from fedrun.aggregators.loss_weighted import LossWeighted, exponential_weights
-from fedrun.clients import tilted_risk
+from fedrun.clients import TiltedRisk
 from fedrun.cohort import RoundView
 from fedrun.errors import check
 from fedrun.lazy import torch
@@ -150,11 +148,12 @@ class TERM(LossWeighted):
 
     Hierarchical TERM (the paper's tilt across groups of tilted groups, one client a group) tilts each client's
     tilted risk instead of its mean loss: with ``tau`` set, F_k is R~_k(tau) = (1/tau) log((1/n_k) sum_j exp(tau
-    l_kj)) over client k's training samples at the round's model (``fedrun.clients.tilted_risk``, measured on the
+    l_kj)) over client k's training samples at the round's model (``fedrun.clients.TiltedRisk``, measured on the
     client's data by the run's backend), and with the sample-level tilt inside each client's objective at the same
     tau (the client program ``client=tilted``, ``fedrun.programs.Tilted``) the round is hierarchical TERM's; the
-    preset ``method=hierarchical_term`` sets both. The authors' own hierarchical code (``hierarchical/
-    mixed_level2.py``) tilts within a group over its classes' mean losses instead of its samples.
+    preset ``method=hierarchical_term`` sets both. That is the authors' ``hierarchical/mixed_level1.py`` (samples
+    tilted within each group, groups weighed by their size times exp(t R~)); their ``mixed_level2.py`` tilts within
+    a group over its classes' mean losses instead.
 
     Args:
         t: The tilt across clients, any real number.
@@ -180,7 +179,7 @@ class TERM(LossWeighted):
             for key, value, plain in (("loss_on", self.loss_on, "global"), ("loss_scale", self.loss_scale, "mean")):
                 check(value == plain, key, value, f"{plain} with tau={tau} (the tilted risk at the round's model)")
             check(self.fstar == "zero", "fstar", self.fstar, f"zero with tau={tau} (F* is a mean loss's)")
-        self._signal = None if self.tau is None else functools.partial(tilted_risk, self.tau)
+        self._signal = None if self.tau is None else TiltedRisk(self.tau)
 
     @property
     def measures_losses(self) -> bool:
@@ -188,7 +187,11 @@ class TERM(LossWeighted):
         return self.tau is not None
 
     def gaps(self, report: RoundView) -> np.ndarray:
-        return super().gaps(report) if self._signal is None else report.per_client(self._signal)
+        if self._signal is None:
+            return super().gaps(report)
+        if self.t == 0 and not self.trim:  # alpha is p whatever the risks: no pass over the cohort's data for them
+            return np.zeros(len(report.clients))
+        return report.per_client(self._signal)
 
     @property
     def sign(self) -> float:

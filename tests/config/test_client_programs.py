@@ -56,7 +56,7 @@ def test_hierarchical_term_weighs_each_cohort_client_by_its_tilted_risk_at_the_r
     import numpy as np
 
     from fedrun.aggregators import TERM
-    from fedrun.clients import tilted_risk
+    from fedrun.clients import TiltedRisk
     from fedrun.models import flat_parameters
 
     cfg = compose_config(
@@ -85,9 +85,9 @@ def test_hierarchical_term_weighs_each_cohort_client_by_its_tilted_risk_at_the_r
     run_engine(built, cfg.seed)
     [(cohort, alpha)] = seen
     data, parts = built["data"], [built["clients"][c] for c in cohort]
-    risks = np.array([tilted_risk(0.5, model, w0, data.x_train[p], data.y_train[p]) for p in parts])
+    risks = np.array([TiltedRisk(0.5)(model, w0, data.x_train[p], data.y_train[p]) for p in parts])
     expected = np.array([len(p) for p in parts]) * np.exp(2 * risks)
     np.testing.assert_allclose(alpha, expected / expected.sum(), rtol=1e-6)
-    means = np.array([tilted_risk(1e-9, model, w0, data.x_train[p], data.y_train[p]) for p in parts])
+    means = np.array([TiltedRisk(1e-9)(model, w0, data.x_train[p], data.y_train[p]) for p in parts])
     assert np.all(risks > means)  # tau > 0 leans towards each client's hardest samples
     assert built["client"].tau == 0.5  # the clients' own tilt follows aggregator.tau

@@ -380,3 +380,18 @@ def test_a_hybrid_phase_that_measures_the_tilted_risk_is_named_by_its_key_beside
         compat.check({"aggregator": hybrid, "attack": LossLie(fraction=0.1, offset=1.0)})
     assert refused.value.key == "aggregator.phases[1].aggregator.tau" and refused.value.value == -1.5
     compat.check({"aggregator": Hybrid([{"aggregator": TERM(t=1.0)}]), "attack": LossLie(fraction=0.1, offset=1.0)})
+
+
+def test_a_nested_hybrids_measuring_phase_and_an_aggregator_without_tau_are_refused_not_crashed():
+    inner = Hybrid([{"aggregator": FedAvg(), "until_round": 2}, {"aggregator": TERM(tau=0.5)}])
+    outer = Hybrid([{"aggregator": FedAvg(), "until_round": 1}, {"aggregator": inner}])
+    with pytest.raises(ConfigError) as refused:
+        compat.check({"aggregator": outer, "attack": LossLie(fraction=0.1, offset=1.0)})
+    assert refused.value.key == "aggregator.phases[1].aggregator.phases[1].aggregator.tau"
+
+    class Measuring(FedAvg):  # a user's aggregator that measures losses and names no tau
+        measures_losses = True
+
+    with pytest.raises(ConfigError) as refused:
+        compat.check({"aggregator": Measuring(), "attack": LossLie(fraction=0.1, offset=1.0)})
+    assert refused.value.key == "aggregator" and refused.value.value == "Measuring"

@@ -152,19 +152,29 @@ def bias_only(probabilities):
 
 
 def test_the_tilted_risk_by_hand_and_its_limits_the_mean_and_the_largest_loss():
-    from fedrun.clients import tilted_risk
+    from fedrun.clients import TiltedRisk, tilted
 
     model, w = bias_only([0.25, 0.75])  # losses: log 4 for label 0, log(4/3) for label 1
     x, y = torch.zeros(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 1])
     losses = np.log([4.0, 4 / 3, 4 / 3, 4 / 3])
     # tau = 1: log((4 + 3 * 4/3) / 4) = log 2; tau = -1: -log((1/4 + 3 * 3/4) / 4) = -log(5/8)
-    assert tilted_risk(1.0, model, w, x, y) == pytest.approx(np.log(2.0), rel=1e-14)
-    assert tilted_risk(-1.0, model, w, x, y) == pytest.approx(-np.log(5 / 8), rel=1e-14)
-    assert tilted_risk(1e-7, model, w, x, y) == pytest.approx(losses.mean(), rel=1e-6)
-    assert tilted_risk(1e4, model, w, x, y) == pytest.approx(np.log(4.0) - np.log(4) / 1e4, rel=1e-12)  # finite
+    assert TiltedRisk(1.0)(model, w, x, y) == pytest.approx(np.log(2.0), rel=1e-14)
+    assert TiltedRisk(-1.0)(model, w, x, y) == pytest.approx(-np.log(5 / 8), rel=1e-14)
+    assert TiltedRisk(1e4)(model, w, x, y) == pytest.approx(np.log(4.0) - np.log(4) / 1e4, rel=1e-12)  # finite
+    assert TiltedRisk(-1e4)(model, w, x, y) == pytest.approx(np.log(4 / 3) + np.log(4 / 3) / 1e4, rel=1e-12)
+    # tau -> 0: the mean, to the last bits however small tau is (the plain form lost them all by tau = 1e-15); the
+    # cumulant expansion: the mean + tau/2 the variance + tau^2/6 the third central moment + O(tau^3)
+    for tau in (1e-6, 1e-9, 1e-15, 1e-18, -1e-15):
+        expected = losses.mean() + tau / 2 * losses.var() + tau**2 / 6 * ((losses - losses.mean()) ** 3).mean()
+        assert tilted(torch.tensor(losses), tau) == pytest.approx(expected, rel=1e-14, abs=0)
+    rng = np.random.default_rng(0)
+    many = torch.tensor(rng.exponential(0.4, 1000))
+    assert tilted(many, 1e-15) == pytest.approx(float(many.mean()), rel=1e-14)
+    assert tilted(many, 0.3) == pytest.approx(float(torch.logsumexp(0.3 * many, 0) - np.log(1000)) / 0.3, rel=1e-13)
+    assert TiltedRisk(2.0) == TiltedRisk(2.0) and hash(TiltedRisk(2.0)) == hash(TiltedRisk(2.0))  # a view's cache key
 
 
-def test_hierarchical_term_tilts_each_clients_tilted_risk_by_hand_on_every_backend():
+def test_hierarchical_term_tilts_each_clients_tilted_risk_by_hand_on_the_loop_and_worker_processes():
     # Two clients of two samples, p uniform. Client 0 has labels (0, 1): losses (log 4, log 4/3), tilted risk at
     # tau = 1 log((4 + 4/3) / 2) = log(8/3); client 1 has (1, 1): log(4/3) either way. At t = 1, alpha is
     # proportional to exp(R~) = (8/3, 4/3): (2/3, 1/3). Their mean losses would give sqrt(16/3) : 4/3 instead.
@@ -211,3 +221,26 @@ def test_term_refuses_a_tilt_within_clients_it_cannot_measure_in_one_line(kwargs
     with pytest.raises(ConfigError) as refused:
         TERM(t=1.0, **kwargs)
     assert refused.value.key == key and "\n" not in str(refused.value)
+
+
+def test_a_copy_of_hierarchical_term_reads_the_tilted_risks_from_the_views_cache_and_t_zero_measures_none():
+    """The honest reference of an attack's measures aggregates with a deep copy of the aggregator
+    (``fedrun.rounds.HonestReference``): it must find the round's tilted risks in the view, not measure them again."""
+    import copy
+
+    from fedrun.aggregators import TERM
+
+    calls = []
+    report = RoundView(
+        np.arange(3),
+        np.array([10, 20, 30]),
+        losses=ClientLosses(LOSSES, LOSSES),
+        measure=lambda signal: calls.append(signal) or np.array(LOSSES),
+    )
+    term = TERM(t=2.0, tau=0.5)
+    first = term.aggregate(torch.zeros(2), DELTAS, report)[1]
+    again = copy.deepcopy(term).aggregate(torch.zeros(2), DELTAS, report)[1]
+    assert len(calls) == 1 and np.array_equal(first, again)
+    np.testing.assert_allclose(first, TERM(t=2.0).aggregate(torch.zeros(2), DELTAS, view())[1], rtol=1e-14)
+    flat = TERM(t=0.0, tau=0.5).aggregate(torch.zeros(2), DELTAS, report)[1]
+    assert len(calls) == 1 and np.array_equal(flat, np.array([10, 20, 30]) / 60)  # t = 0: p, nothing measured
