@@ -111,6 +111,27 @@ def with_group_defaults(runs: pd.DataFrame) -> pd.DataFrame:
     return runs.fillna(fill) if len(runs) else runs
 
 
+def with_key_defaults(runs: pd.DataFrame) -> pd.DataFrame:
+    """A run made before a key of its option existed (``aggregator.tau`` of ``term``) ran as that key's default,
+    which a new key keeps (``tau: null``, the mean loss, TERM as it was): its empty param is filled with the default
+    as MLflow logs it (``str``), so that it groups with the runs that log the default. Only for keys some run logged
+    (a column of the frame) and for plain values in the option's own file (no interpolation, list or mapping)."""
+    from fedrun.tracking import option_defaults
+
+    runs = runs.copy()
+    for group in CONFIG_GROUPS:
+        tag = f"tags.{group}"
+        if tag not in runs:
+            continue
+        for option in runs[tag].dropna().unique():
+            rows = runs[tag] == option
+            for key, value in option_defaults(group, str(option)).items():
+                column = f"params.{group}.{key}"
+                if column in runs:
+                    runs.loc[rows & runs[column].isna(), column] = str(value)
+    return runs
+
+
 def without_switched_off_keys(runs: pd.DataFrame) -> pd.DataFrame:
     """The keys of a group whose option is ``none`` say nothing (``privacy=none`` with ``privacy.target_epsilon``
     left over from a preset): they are blanked, so the run does not group or plot by them."""
@@ -773,7 +794,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = search_runs(uri, experiment_id, args.filter or "")
     if SWEEP_TAG in runs:  # a sweep's parent run and a study's trials group jobs in the UI; they are not runs
         runs = runs[runs[SWEEP_TAG].isna()]
-    runs = without_switched_off_keys(with_group_defaults(with_plain_names(runs)))
+    runs = without_switched_off_keys(with_key_defaults(with_group_defaults(with_plain_names(runs))))
     args.metrics, args.plot = [plain_name(m) for m in args.metrics], [plain_name(m) for m in args.plot]
     if args.personal:  # a run without a validation split has no selected round: its final figures stand in
         column = f"metrics.{PERSONAL_METRICS[0]}"

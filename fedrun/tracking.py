@@ -13,6 +13,7 @@ client. ``per_client_table`` reads either layout as the wide one.
 from __future__ import annotations
 
 import csv
+import functools
 import math
 import os
 import re
@@ -73,6 +74,32 @@ def group_defaults() -> dict[str, str]:
     """Each group's default option in the root config (``pipeline: none``), for the groups that have one: what a
     run made before its group existed ran as."""
     return {name: option for name, option in ROOT_DEFAULTS.items() if isinstance(option, str)}
+
+
+@functools.cache
+def option_defaults(group: str, option: str) -> dict:
+    """The plain top-level values of ``conf/<group>/<option>.yaml`` (``{"t": 1.0, "tau": None}`` for
+    ``aggregator/term``): no ``_target_``, interpolation, list or mapping; empty for an option that is not a file
+    of fedrun's (a user's, a name read from a store)."""
+    from importlib.resources import files
+
+    import yaml
+
+    if not all(part.replace("_", "").isalnum() for part in (group, option)):  # a name from a store, not a path
+        return {}
+    path = files("fedrun.conf").joinpath(group, f"{option}.yaml")
+    try:
+        content = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    if not isinstance(content, dict):
+        return {}
+    plain = (bool, int, float, str, type(None))
+    return {
+        key: value
+        for key, value in content.items()
+        if key not in ("_target_", "defaults") and isinstance(value, plain) and "${" not in str(value)
+    }
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

@@ -87,6 +87,26 @@ def test_a_run_made_before_a_group_existed_groups_with_that_group_s_default():
     assert group_keys(filled) == ["tags.pipeline"] and group_keys(runs) == ["tags.pipeline", "tags.privacy"]
 
 
+def test_a_run_made_before_a_key_existed_groups_with_the_runs_that_log_its_default():
+    from fedrun.report import with_key_defaults
+
+    # TERM runs from before aggregator.tau (no param) and after it (tau null: "None", as MLflow logs it), and a
+    # fedavg run, whose option has no tau: one row per aggregator, not a row for the old TERM runs apart.
+    runs = pd.DataFrame(
+        {
+            "tags.aggregator": ["term", "term", "term", "fedavg"],
+            "params.aggregator.tau": [None, "None", "None", None],
+            "params.aggregator.t": ["1.0", "1.0", "1.0", None],
+            "params.seed": ["0", "1", "2", "0"],
+        }
+    )
+    filled = with_key_defaults(runs)
+    assert filled["params.aggregator.tau"].tolist()[:3] == ["None"] * 3 and pd.isna(filled["params.aggregator.tau"][3])
+    assert group_keys(filled) == ["tags.aggregator"] and "params.aggregator.tau" in group_keys(runs)
+    told = with_key_defaults(runs.assign(**{"params.aggregator.tau": [None, "None", "0.5", None]}))
+    assert told["params.aggregator.tau"].tolist()[:3] == ["None", "None", "0.5"]  # a value logged stays
+
+
 def test_summary_counts_reached_runs_and_uses_student_t():
     runs = frame()
     keys = group_keys(runs)
