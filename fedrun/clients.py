@@ -229,6 +229,8 @@ def tilted(losses: torch.Tensor, tau: float) -> float:
     else m + (logsumexp(d) - log n) / tau (finite for any tau and loss). tau -> 0 gives the mean, tau -> +inf the
     largest loss, tau -> -inf the smallest."""
     losses = losses.double()
+    if not len(losses):  # a client without samples has no risk, as its mean loss is NaN (``cohort_losses``)
+        return math.nan
     mean = losses.mean()
     d = tau * (losses - mean)
     if float(d.abs().max()) < 1:

@@ -633,8 +633,9 @@ class Tilted(LocalSGD):
     losses l_j, whose gradient weighs sample j by softmax(tau l)_j (tau > 0: the hardest samples more; tau < 0:
     outliers less; tau = 0: the mean, plain local SGD exactly). The loss a client reports is the plain mean (what
     every other program reports). With ``aggregator=term`` across clients both tilts run; with its ``tau`` too, the
-    tilt across clients reads each client's tilted risk: hierarchical TERM (``method=hierarchical_term``). The tilt is normalised within each mini-batch, so
-    its strength follows the batch size (batch size 1: plain SGD); the authors keep a running normaliser.
+    tilt across clients reads each client's tilted risk: hierarchical TERM (``method=hierarchical_term``). The tilt
+    is normalised within each mini-batch, so its strength follows the batch size (batch size 1: plain SGD); the
+    authors keep a running normaliser.
 
     Args:
         tau: The sample-level tilt, any real number; null is 0 (``method=hierarchical_term`` sets it to
