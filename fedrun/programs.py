@@ -48,6 +48,7 @@ from fedrun.clients import (
 from fedrun.cohort import CohortUpdate
 from fedrun.errors import check
 from fedrun.lazy import deferrable, torch
+from fedrun.pipeline import number
 from fedrun.seeding import torch_generator
 from fedrun.state import Context
 from fedrun.store import PersonalStore
@@ -555,12 +556,13 @@ class Moon(LocalSGD):
     and then each party's own network, docs/explanation/client-programs.md), and sim the cosine similarity. The
     representation is the input of the model's last layer (the module holding its last parameter): for ``mlp`` the
     last hidden layer's 200 (or ``hidden[-1]``) units, for ``cnn`` the flattened features before ``fc``, for
-    ``fedavg_cnn`` the 512 units of its first dense layer, for ``leaf_cnn`` its 2048-unit dense layer, for ``char_lstm`` the last step's LSTM output. The paper adds
-    a projection head before it; fedrun's models have none, as PFLlib's and FL-bench's MOON use the base's output.
+    ``fedavg_cnn`` the 512 units of its first dense layer, for ``leaf_cnn`` its 2048-unit dense layer, for
+    ``char_lstm`` the last step's LSTM output. The paper adds a projection head before it; fedrun's models have none, as PFLlib's and FL-bench's MOON use the base's output.
     A model whose last layer reads its raw inputs (``logistic``) has no representation to contrast: refused.
 
     Args:
-        mu: Weight of the contrastive term (the paper's tuned values: 5 on CIFAR-10, 1 on CIFAR-100 and Tiny-ImageNet; it has no MNIST-like data); 0 is FedAvg.
+        mu: Weight of the contrastive term (the paper's tuned values: 5 on CIFAR-10, 1 on CIFAR-100 and
+            Tiny-ImageNet; it has no MNIST-like data); 0 is FedAvg.
         tau: Temperature (the paper's 0.5).
     """
 
@@ -647,7 +649,7 @@ class Tilted(LocalSGD):
     def __init__(self, tau: float | None = 1.0, memory_mb: float = 1024.0):
         super().__init__(memory_mb)
         check(
-            tau is None or (isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau)),
+            tau is None or (number(tau) and math.isfinite(tau)),
             "tau",
             tau,
             "null (0) or a finite number",

@@ -9,6 +9,8 @@ loss-weighted family of papers 000 and 001.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from fedrun.aggregators.base import Aggregation, Aggregator
@@ -17,6 +19,7 @@ from fedrun.clients import TiltedRisk
 from fedrun.cohort import RoundView
 from fedrun.errors import check
 from fedrun.lazy import torch
+from fedrun.pipeline import number
 
 EPSILON = 1e-10  # added to every loss before its power, as the authors' code (fair_flearn, qffedavg.py) does
 
@@ -50,7 +53,7 @@ class QFFL(Aggregator):
 
     def __init__(self, q: float = 1.0, lipschitz: float | None = None):
         super().__init__("uniform")
-        check(isinstance(q, (int, float)) and not isinstance(q, bool) and q >= 0, "q", q, "a number >= 0")
+        check(number(q) and q >= 0, "q", q, "a number >= 0")
         check(
             lipschitz is None or (isinstance(lipschitz, (int, float)) and lipschitz > 0),
             "lipschitz",
@@ -110,7 +113,7 @@ class AFL(Aggregator):
     def __init__(self, lambda_lr: float = 0.01):
         super().__init__("uniform")
         check(
-            isinstance(lambda_lr, (int, float)) and not isinstance(lambda_lr, bool) and lambda_lr >= 0,
+            number(lambda_lr) and lambda_lr >= 0,
             "lambda_lr",
             lambda_lr,
             "a number >= 0",
@@ -166,10 +169,10 @@ class TERM(LossWeighted):
 
     def __init__(self, t: float = 1.0, tau: float | None = None, **kwargs):
         super().__init__(**kwargs)
-        check(isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t), "t", t, "a finite number")
+        check(number(t) and math.isfinite(t), "t", t, "a finite number")
         self.t = float(t)
         check(
-            tau is None or (isinstance(tau, (int, float)) and not isinstance(tau, bool) and np.isfinite(tau)),
+            tau is None or (number(tau) and math.isfinite(tau)),
             "tau",
             tau,
             "null or a finite number",
